@@ -1,0 +1,1 @@
+"""Triggers and root-cause rules (pure functions), the agents that run them, diagnosis sinks."""

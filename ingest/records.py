@@ -1,0 +1,265 @@
+"""The record contract: one pydantic model per record kind, and the column specs derived from them.
+
+The models are the single source of truth for field names, types and validation rules
+(docs/records.md). They are *not* the in-memory representation of a batch: a batch is a set of
+numpy columns (see `ingest.batch`), validated column-wise by the rules these models declare. A
+unit test checks that the vectorized rules accept and reject exactly what the models do.
+
+Conventions (DESIGN.md, "The record contract"):
+- timestamps are int64 nanoseconds of the producing host's realtime clock;
+- a timestamp that does not exist yet (an op still in flight) is 0, never null;
+- `step` is -1 when the producer does not know it; `peer` is -1 for collectives;
+- names (comm_id, op, kernel, nic) are short strings, dictionary-encoded on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import annotated_types
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CONTRACT_VERSION = 1
+
+Rank = Annotated[int, Field(ge=0, lt=1 << 31, json_schema_extra={"dtype": "int32"})]
+Peer = Annotated[int, Field(ge=-1, lt=1 << 31, json_schema_extra={"dtype": "int32"})]
+Count = Annotated[int, Field(ge=0)]
+Small = Annotated[int, Field(ge=0, lt=1 << 31, json_schema_extra={"dtype": "int32"})]
+Ns = Annotated[int, Field(ge=0)]
+Step = Annotated[int, Field(ge=-1)]
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+OptName = Annotated[str, Field(max_length=256)]
+
+OpName = Literal[
+    "AllReduce",
+    "AllGather",
+    "ReduceScatter",
+    "Reduce",
+    "Broadcast",
+    "AllToAll",
+    "Send",
+    "Recv",
+    "Barrier",
+]
+CommKind = Literal["tp", "pp", "dp", "ep", "cp", "world"]
+
+
+class Record(BaseModel):
+    """Base of every columnar record kind: strict types, no unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Op(Record):
+    """One collective or p2p call on one rank (Mycroft's op log; VenusTrace's NCCL API hook)."""
+
+    rank: Rank
+    comm_id: Name
+    op_seq: Count  # per communicator, starts at 0, +1 per call on that communicator
+    op: OpName
+    bytes: Count
+    peer: Peer = -1  # the other rank of a Send/Recv; -1 for collectives
+    stream: Count = 0
+    t_enqueue: Ns
+    t_start: Ns
+    t_end: Ns = 0  # 0 while in flight
+    step: Step = -1
+
+
+class Flow(Record):
+    """One channel/peer connection of an op (Mycroft's flow log)."""
+
+    rank: Rank
+    comm_id: Name
+    op_seq: Count
+    channel: Small
+    peer: Peer
+    nic: OptName = ""
+    bytes: Count
+    t_start: Ns
+    t_end: Ns = 0
+
+
+class Chunk(Record):
+    """A progress snapshot of an in-flight op on one channel, every ~100 ms (Mycroft §4.2, Table 4).
+
+    Counters are cumulative for the op on that channel: chunks the GPU has made ready, chunks the
+    NIC has posted (RDMA transmitted) and chunks whose completion came back (RDMA done).
+    """
+
+    rank: Rank
+    comm_id: Name
+    op_seq: Count
+    channel: Small
+    ts: Ns
+    total_chunks: Count
+    gpu_ready: Count
+    rdma_transmitted: Count
+    rdma_done: Count
+
+
+class Stage(Record):
+    """One rank's stage vector for one step (StageFrontier's six-stage contract), durations in ns.
+
+    `t_start` is the step's start on that rank; the six durations sum to the step time because
+    `step_other` is the residual. `device_ns` is sampled GPU time for the step, -1 when unsampled.
+    """
+
+    rank: Rank
+    step: Count
+    t_start: Ns
+    data_next_wait: Count
+    model_fwd_loss: Count
+    model_backward: Count
+    callbacks: Count
+    optim_step: Count
+    step_other: Count
+    device_ns: Annotated[int, Field(ge=-1)] = -1
+
+
+class Kernel(Record):
+    """One GPU kernel execution (ARGUS §4, CUPTI concurrent-kernel activity)."""
+
+    rank: Rank
+    stream: Count
+    kernel: Name
+    t_start: Ns
+    duration: Count
+
+
+class WorkRequest(Record):
+    """An RDMA work-request sample (VenusTrace/MegaTrace §4: in-flight WRs, completed bytes)."""
+
+    rank: Rank
+    nic: Name
+    ts: Ns
+    inflight: Count
+    bytes_done: Count  # cumulative since the NIC's counters were opened
+
+
+class Beat(Record):
+    """A liveness heartbeat: one row per rank and communicator (comm_id "" for a rank with none)."""
+
+    rank: Rank
+    ts: Ns
+    comm_id: OptName = ""
+    last_op_seq: Annotated[int, Field(ge=-1)] = -1
+    dropped: Count = 0  # records the rank's tracepoints dropped so far (ring full)
+
+
+class Communicator(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    comm_id: Name
+    kind: CommKind
+    members: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+
+class JobTopology(BaseModel):
+    """A job's topology: the one record of the compacted `rw.jobs` topic, keyed by job_id."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job_id: Name
+    ts: Ns
+    world_size: Annotated[int, Field(ge=1)]
+    tp: Annotated[int, Field(ge=1)] = 1
+    pp: Annotated[int, Field(ge=1)] = 1
+    dp: Annotated[int, Field(ge=1)] = 1
+    ep: Annotated[int, Field(ge=1)] = 1
+    cp: Annotated[int, Field(ge=1)] = 1
+    rank_order: str = "tp-cp-ep-dp-pp"
+    microbatches: Annotated[int, Field(ge=1)] = 1
+    schedule: Literal["1f1b", "gpipe", "none"] = "1f1b"
+    hosts: list[Name]  # hosts[rank] is the host that runs the rank
+    communicators: list[Communicator] = []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobTopology:
+        if self.tp * self.pp * self.dp * self.cp != self.world_size:
+            raise ValueError(
+                f"world_size={self.world_size} but tp*pp*dp*cp="
+                f"{self.tp * self.pp * self.dp * self.cp}"
+            )
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}")
+        if len(self.hosts) != self.world_size:
+            raise ValueError(f"hosts has {len(self.hosts)} entries, world_size is {self.world_size}")
+        for comm in self.communicators:
+            bad = [m for m in comm.members if m >= self.world_size]
+            if bad:
+                raise ValueError(f"communicator {comm.comm_id}: members {bad[:5]} >= world_size")
+            if len(set(comm.members)) != len(comm.members):
+                raise ValueError(f"communicator {comm.comm_id}: duplicate members")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Column specs derived from the models
+
+
+@dataclass(frozen=True)
+class Column:
+    """How one model field travels as a numpy column, with its vectorizable rules."""
+
+    name: str
+    kind: Literal["int", "str"]
+    dtype: np.dtype[Any]
+    required: bool
+    default: Any
+    ge: int | None = None
+    lt: int | None = None
+    min_len: int = 0
+    max_len: int | None = None
+    choices: frozenset[str] | None = None
+
+
+def _column(name: str, info: Any) -> Column:
+    ann = info.annotation
+    required = info.is_required()
+    default = None if required else info.default
+    ge = lt = max_len = None
+    min_len = 0
+    dtype = "int64"
+    for meta in info.metadata:
+        if isinstance(meta, annotated_types.Ge):
+            ge = int(meta.ge)  # type: ignore[call-overload]
+        elif isinstance(meta, annotated_types.Lt):
+            lt = int(meta.lt)  # type: ignore[call-overload]
+        elif isinstance(meta, annotated_types.MinLen):
+            min_len = meta.min_length
+        elif isinstance(meta, annotated_types.MaxLen):
+            max_len = meta.max_length
+    extra = info.json_schema_extra
+    if isinstance(extra, dict) and "dtype" in extra:
+        dtype = str(extra["dtype"])
+    if ann is int:
+        return Column(name, "int", np.dtype(dtype), required, default, ge, lt)
+    if ann is str:
+        return Column(name, "str", np.dtype(object), required, default, None, None, min_len, max_len)
+    if get_origin(ann) is Literal:
+        return Column(
+            name, "str", np.dtype(object), required, default, choices=frozenset(get_args(ann))
+        )
+    raise TypeError(f"field {name}: unsupported column type {ann!r}")
+
+
+def columns_of(model: type[Record]) -> tuple[Column, ...]:
+    return tuple(_column(n, f) for n, f in model.model_fields.items())
+
+
+#: Columnar record kinds, by the name used in the wire format and topic names (rw.<kind>).
+MODELS: dict[str, type[Record]] = {
+    "ops": Op,
+    "flows": Flow,
+    "chunks": Chunk,
+    "stages": Stage,
+    "kernels": Kernel,
+    "wr": WorkRequest,
+    "beats": Beat,
+}
+COLUMNS: dict[str, tuple[Column, ...]] = {k: columns_of(m) for k, m in MODELS.items()}
+#: Every kind, including the non-columnar topology record.
+KINDS: tuple[str, ...] = ("jobs", *MODELS)

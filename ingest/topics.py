@@ -1,0 +1,57 @@
+"""Kafka topic names and their default shapes (DESIGN.md, "Topics"). Names are settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    compacted: bool = False
+    retention_ms: int = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Every topic rankwatch reads or writes; `prefix` lets tests run side by side on one broker."""
+
+    jobs: str = "rw.jobs"
+    ops: str = "rw.ops"
+    flows: str = "rw.flows"
+    chunks: str = "rw.chunks"
+    stages: str = "rw.stages"
+    kernels: str = "rw.kernels"
+    wr: str = "rw.wr"
+    beats: str = "rw.beats"
+    progress: str = "rw.progress"
+    iterations: str = "rw.iterations"
+    kernel_summaries: str = "rw.kernel_summaries"
+    triggers: str = "rw.triggers"
+    diagnoses: str = "rw.diagnoses"
+    truth: str = "rw.truth"
+    dlq: str = "rw.dlq"
+
+    @classmethod
+    def with_prefix(cls, prefix: str) -> Topics:
+        """Topics named `<prefix>.<kind>` instead of `rw.<kind>`."""
+        return cls(**{f.name: f"{prefix}.{f.name}" for f in fields(cls)})
+
+    def for_kind(self, kind: str) -> str:
+        """The raw topic of a record kind (`ops` -> `rw.ops`)."""
+        name: str = getattr(self, kind)
+        return name
+
+    def specs(self, partitions: int = 6) -> list[TopicSpec]:
+        """What `rankwatch up` creates: raw topics spread over `partitions`, jobs compacted,
+        diagnoses kept a year, derived low-volume topics on fewer partitions."""
+        year = 365 * 24 * 3600 * 1000
+        few = max(1, partitions // 2)
+        out = [TopicSpec(self.jobs, 1, compacted=True, retention_ms=-1)]
+        out += [TopicSpec(getattr(self, k), partitions)
+                for k in ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")]
+        out += [TopicSpec(getattr(self, k), few)
+                for k in ("progress", "iterations", "kernel_summaries", "triggers", "dlq")]
+        out += [TopicSpec(self.diagnoses, 1, retention_ms=year), TopicSpec(self.truth, 1)]
+        return out

@@ -1,0 +1,1 @@
+"""One module per `rankwatch` subcommand; each exposes register(subparsers)."""

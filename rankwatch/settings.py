@@ -1,0 +1,102 @@
+"""One frozen, typed settings object, built once at start-up and passed down.
+
+Sources, lowest to highest precedence: defaults, environment variables `RANKWATCH_<FIELD>`
+(upper case), explicit overrides (CLI flags). Nothing reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ingest.topics import Topics
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _default_home() -> Path:
+    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "rankwatch"
+
+
+def _default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rankwatch"
+
+
+class SettingsError(ValueError):
+    """Bad settings: names the variable, the value and what was expected."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: Where the local stack keeps its state: broker logs, embedded ClickHouse, pid files.
+    home: Path = Field(default_factory=_default_home)
+    #: Where downloaded jars are cached (outside the repo, shared by clones).
+    cache_dir: Path = Field(default_factory=_default_cache)
+    #: Address the local services bind to; loopback unless deliberately opened.
+    bind_host: str = "127.0.0.1"
+    kafka_port: Port = 9092
+    kafka_controller_port: Port = 9093
+    #: Kafka bootstrap servers; empty means the local broker at bind_host:kafka_port.
+    kafka_bootstrap: str = ""
+    kafka_version: str = "3.9.1"
+    kafka_partitions: Annotated[int, Field(ge=1, le=1024)] = 6
+    kafka_heap: str = "512m"
+    #: ClickHouse: `chdb:///path` (embedded, default <home>/clickhouse) or `http(s)://host:port`.
+    clickhouse_url: str = ""
+    clickhouse_database: str = "rankwatch"
+    #: The worker's SQL endpoint (read-only unless sql_writable) for `rankwatch sql`.
+    sql_port: Port = 8124
+    sql_writable: bool = False
+    topic_prefix: str = "rw"
+    #: Writer batching: flush at this many rows or after this many seconds, whichever first.
+    writer_max_rows: Annotated[int, Field(ge=1)] = 200_000
+    writer_max_seconds: Annotated[float, Field(gt=0, le=60)] = 1.0
+    worker_id: str = "worker-1"
+
+    @field_validator("clickhouse_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v and not v.startswith(("chdb://", "http://", "https://")):
+            raise ValueError("must start with chdb://, http:// or https://")
+        return v
+
+    @property
+    def bootstrap(self) -> str:
+        return self.kafka_bootstrap or f"{self.bind_host}:{self.kafka_port}"
+
+    @property
+    def clickhouse(self) -> str:
+        return self.clickhouse_url or f"chdb://{self.home / 'clickhouse'}"
+
+    @property
+    def topics(self) -> Topics:
+        return Topics() if self.topic_prefix == "rw" else Topics.with_prefix(self.topic_prefix)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from `env` (default: os.environ) and explicit overrides."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = f"RANKWATCH_{name.upper()}"
+            if key in env:
+                values[name] = env[key]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            lines = []
+            for err in e.errors():
+                name = str(err["loc"][0]) if err["loc"] else "?"
+                src = f"RANKWATCH_{name.upper()}" if name not in overrides else f"--{name}"
+                lines.append(f"{src}={values.get(name)!r}: {err['msg']}")
+            raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None
