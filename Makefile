@@ -1,0 +1,51 @@
+# rankwatch — `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | \
+	  awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+.PHONY: venv
+venv: $(STAMP) ## Create the Python environment (.venv) with rankwatch and its dev tools
+
+.PHONY: build
+build: $(STAMP) ## Build everything: the environment and the native libraries
+	@if [ -f native/Makefile ]; then $(MAKE) -C native; fi
+
+.PHONY: jars
+jars: $(STAMP) ## Fetch the Kafka broker's jars from Maven Central (cached outside the repo)
+	$(BIN)/rankwatch fetch-jars
+
+.PHONY: lint
+lint: $(STAMP) ## ruff and mypy
+	$(BIN)/ruff check .
+	$(BIN)/mypy ingest streams diagnosis rankwatch
+
+.PHONY: test
+test: build jars lint ## Set everything up and run every test (unit, integration, e2e)
+	$(BIN)/python -m pytest -q -ra tests
+
+.PHONY: demo
+demo: build jars ## Start the local stack, run a job with a fault, print the diagnosis, stop
+	$(BIN)/python -m rankwatch.demo
+
+.PHONY: bench
+bench: build jars ## Run the benchmarks (prints figures)
+	$(BIN)/rankwatch bench ingest
+
+.PHONY: clean
+clean: ## Remove the environment and build outputs (not the jar cache or ~/.local/share/rankwatch)
+	rm -rf $(VENV) build native/build .mypy_cache .ruff_cache .pytest_cache
