@@ -171,7 +171,9 @@ def _int_column(c: Column, raw: Any, n: int) -> np.ndarray:
         for i, x in enumerate(raw):
             if type(x) is not int:
                 raise BatchError(f"expected an integer, got {x!r}", c.name, i)
-        raise BatchError("integer out of the int64 range", c.name)
+            if not -(1 << 63) <= x < (1 << 63):
+                raise BatchError(f"{x} is out of the int64 range", c.name, i)
+        raise BatchError("expected a flat array of integers", c.name)
     if arr.dtype.kind == "u":
         big = arr > np.iinfo(np.int64).max
         if big.any():

@@ -1,0 +1,212 @@
+"""Raw sink: one consumed batch of Kafka messages of one record kind -> one insert per partition.
+
+Contract (what `RawSink.process` guarantees when it returns):
+- every valid record batch among `messages` is durable in the kind's raw table;
+- every invalid one is durable in the dead-letter topic (and the `dlq` table) with its reason;
+- nothing is stored twice, even when Kafka redelivers after a crash.
+
+The caller (a Faust agent, streams/app.py) acks the messages only after `process` returned, so
+offsets are committed only after the rows are durable. `process` does not return until the store
+accepted the rows: it retries a failing insert with back-off (the stream stalls; nothing is lost).
+
+Exactly-once storage on top of at-least-once delivery takes two mechanisms:
+
+1. **Offsets stored with the rows.** Each row carries `src_partition` and `src_offset` (the Kafka
+   offset of the message it came from). The first time the sink sees a partition after start-up or
+   a rebalance, it asks the table for the highest offset already stored from that partition at or
+   after the first offset now being delivered, and skips messages up to it. This catches the case
+   of an insert that succeeded but whose offsets were never committed: after the restart the same
+   messages arrive again, grouped differently, and are skipped.
+2. **Insert deduplication tokens.** Each insert carries a token derived from (topic, partition,
+   first offset, last offset), so retrying an insert whose outcome is unknown (timeout, lost
+   response) stores its rows once. ClickHouse keeps recent tokens per table
+   (`non_replicated_deduplication_window`).
+
+Per-record work is numpy only: columns of the decoded batches are concatenated, source columns
+are built with `np.repeat`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ingest.batch import TIME_COLUMN, BatchError, RecordBatch, decode_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Message:
+    """What the sink needs of one consumed Kafka message."""
+
+    topic: str
+    partition: int
+    offset: int
+    value: bytes
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    topic: str
+    partition: int
+    offset: int
+    error: BatchError
+    value: bytes
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "v": 1,
+            "source": {"topic": self.topic, "partition": self.partition, "offset": self.offset},
+            **self.error.to_dict(),
+            "payload_b64": base64.b64encode(self.value).decode(),
+        }
+
+
+class Store(Protocol):
+    """The storage operations the sink needs (implemented over streams.db.Database)."""
+
+    async def insert(self, table: str, columns: dict[str, np.ndarray], token: str) -> None: ...
+
+    async def max_offset(self, table: str, partition: int, since: int) -> int:
+        """Highest src_offset stored from `partition` that is >= `since`, or -1."""
+        ...
+
+
+DeadLetterSink = Callable[[Sequence[DeadLetter]], Awaitable[None]]
+
+
+@dataclass
+class SinkStats:
+    messages: int = 0
+    rows: int = 0
+    inserts: int = 0
+    skipped_messages: int = 0
+    dead_letters: int = 0
+    insert_retries: int = 0
+    lag_ms_p50: float = 0.0
+    lag_ms_max: float = 0.0
+    last_error: str = ""
+    per_partition_rows: dict[int, int] = field(default_factory=dict)
+
+
+def dedup_token(topic: str, partition: int, first: int, last: int) -> str:
+    return f"{topic}:{partition}:{first}-{last}"
+
+
+class RawSink:
+    """Stores batches of one kind into `table`; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        kind: str,
+        table: str,
+        store: Store,
+        dead_letters: DeadLetterSink,
+        *,
+        clock: Callable[[], int] = time.time_ns,
+        retry_initial_s: float = 0.2,
+        retry_max_s: float = 10.0,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.kind, self.table, self.store = kind, table, store
+        self.dead_letters = dead_letters
+        self.clock = clock
+        self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
+        self.stopping = stopping
+        self.stats = SinkStats()
+        self._stored_through: dict[int, int] = {}  # partition -> highest offset known stored
+
+    def forget_partitions(self) -> None:
+        """After a rebalance another worker may have stored more: re-read watermarks lazily."""
+        self._stored_through.clear()
+
+    async def process(self, messages: Sequence[Message]) -> int:
+        """Store one consumed batch; returns the number of rows inserted."""
+        by_partition: dict[int, list[Message]] = {}
+        for m in messages:
+            by_partition.setdefault(m.partition, []).append(m)
+        rows = 0
+        dead: list[DeadLetter] = []
+        for partition, msgs in by_partition.items():
+            msgs.sort(key=lambda m: m.offset)
+            fresh = await self._unstored(partition, msgs)
+            batches: list[tuple[Message, RecordBatch]] = []
+            for m in fresh:
+                try:
+                    rb = decode_batch(m.value)
+                    if rb.kind != self.kind:
+                        raise BatchError(f"a {rb.kind!r} batch on the {self.kind!r} topic", "kind")
+                    batches.append((m, rb))
+                except BatchError as e:
+                    dead.append(DeadLetter(m.topic, m.partition, m.offset, e, m.value))
+            if batches:
+                cols = self._columns(batches)
+                token = dedup_token(fresh[0].topic, partition, fresh[0].offset, fresh[-1].offset)
+                await self._insert(cols, token)
+                n = len(cols["src_offset"])
+                rows += n
+                self.stats.per_partition_rows[partition] = (
+                    self.stats.per_partition_rows.get(partition, 0) + n)
+            if fresh:
+                self._stored_through[partition] = fresh[-1].offset
+        if dead:
+            await self.dead_letters(dead)
+            self.stats.dead_letters += len(dead)
+        self.stats.messages += len(messages)
+        self.stats.rows += rows
+        return rows
+
+    async def _unstored(self, partition: int, msgs: list[Message]) -> list[Message]:
+        if partition not in self._stored_through:
+            self._stored_through[partition] = await self.store.max_offset(
+                self.table, partition, msgs[0].offset)
+        through = self._stored_through[partition]
+        fresh = [m for m in msgs if m.offset > through]
+        self.stats.skipped_messages += len(msgs) - len(fresh)
+        return fresh
+
+    def _columns(self, batches: list[tuple[Message, RecordBatch]]) -> dict[str, np.ndarray]:
+        names = list(batches[0][1].cols)
+        cols = {c: np.concatenate([rb.cols[c] for _, rb in batches]) for c in names}
+        counts = np.fromiter((rb.n for _, rb in batches), np.int64, len(batches))
+        jobs = np.empty(len(batches), dtype=object)
+        jobs[:] = [rb.job_id for _, rb in batches]
+        cols["job_id"] = np.repeat(jobs, counts)
+        cols["src_partition"] = np.repeat(
+            np.fromiter((m.partition for m, _ in batches), np.int64, len(batches)), counts)
+        cols["src_offset"] = np.repeat(
+            np.fromiter((m.offset for m, _ in batches), np.int64, len(batches)), counts)
+        now = self.clock()
+        cols["ingest_ts"] = np.full(len(cols["src_offset"]), now, np.int64)
+        t = cols[TIME_COLUMN[self.kind]]
+        if len(t):
+            lag_ms = (now - t[t > 0]) / 1e6
+            if len(lag_ms):
+                self.stats.lag_ms_p50 = float(np.median(lag_ms))
+                self.stats.lag_ms_max = float(lag_ms.max())
+        return cols
+
+    async def _insert(self, cols: dict[str, np.ndarray], token: str) -> None:
+        delay = self.retry_initial_s
+        while True:
+            try:
+                await self.store.insert(self.table, cols, token)
+                self.stats.inserts += 1
+                return
+            except Exception as e:  # the store's errors are many; all mean "not stored yet"
+                self.stats.insert_retries += 1
+                self.stats.last_error = f"{type(e).__name__}: {e}"
+                if self.stopping():
+                    raise
+                log.warning("insert into %s failed (%s); retrying in %.1fs",
+                            self.table, self.stats.last_error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)

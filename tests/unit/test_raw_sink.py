@@ -1,0 +1,119 @@
+"""RawSink's pure logic against an in-memory store: grouping, skipping, dead letters, retries.
+
+The real store is exercised by tests/integration/test_ingest_pipeline.py; this fake only records
+calls and mimics ClickHouse's token deduplication, so the sink's own decisions can be checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ingest.batch import encode_batch
+from streams.raw_sink import DeadLetter, Message, RawSink, dedup_token
+
+
+class FakeStore:
+    def __init__(self, fail_times: int = 0) -> None:
+        self.rows: list[dict[str, np.ndarray]] = []
+        self.tokens: set[str] = set()
+        self.fail_times = fail_times
+        self.calls = 0
+
+    async def insert(self, table: str, columns: dict[str, np.ndarray], token: str) -> None:
+        self.calls += 1
+        if self.fail_times:
+            self.fail_times -= 1
+            raise ConnectionError("store down")
+        if token in self.tokens:
+            return
+        self.tokens.add(token)
+        self.rows.append(columns)
+
+    async def max_offset(self, table: str, partition: int, since: int) -> int:
+        offs = [int(o) for c in self.rows for o, p in zip(c["src_offset"], c["src_partition"],
+                                                            strict=True)
+                if p == partition and o >= since]
+        return max(offs, default=-1)
+
+    def count(self) -> int:
+        return sum(len(c["src_offset"]) for c in self.rows)
+
+
+def ops(n: int, start: int = 0) -> bytes:
+    return encode_batch("ops", "job", {
+        "rank": np.arange(n) % 8, "comm_id": ["dp"] * n, "op_seq": np.arange(start, start + n),
+        "op": ["AllReduce"] * n, "bytes": np.full(n, 64), "t_enqueue": np.full(n, 5),
+        "t_start": np.full(n, 10), "t_end": np.full(n, 20)})
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def make(store: FakeStore, dead: list[DeadLetter] | None = None) -> RawSink:
+    async def dl(batch):  # type: ignore[no-untyped-def]
+        (dead if dead is not None else []).extend(batch)
+    return RawSink("ops", "ops", store, dl, clock=lambda: 10**9, retry_initial_s=0.001)
+
+
+def test_one_insert_per_partition_with_offset_token_and_source_columns() -> None:
+    store = FakeStore()
+    sink = make(store)
+    msgs = [Message("rw.ops", p, o, ops(3)) for p, o in [(0, 5), (1, 7), (0, 6)]]
+    assert run(sink.process(msgs)) == 9
+    assert store.tokens == {dedup_token("rw.ops", 0, 5, 6), dedup_token("rw.ops", 1, 7, 7)}
+    first = store.rows[0]
+    assert list(first["src_offset"]) == [5, 5, 5, 6, 6, 6]
+    assert set(first["job_id"]) == {"job"}
+    assert (first["ingest_ts"] == 10**9).all()
+
+
+def test_redelivery_after_crash_is_skipped_even_when_regrouped() -> None:
+    store = FakeStore()
+    run(make(store).process([Message("rw.ops", 0, o, ops(2)) for o in range(4)]))
+    # a new worker (fresh sink, offsets never committed) gets 0..5 in one bigger batch
+    sink2 = make(store)
+    run(sink2.process([Message("rw.ops", 0, o, ops(2)) for o in range(6)]))
+    assert store.count() == 12
+    assert sink2.stats.skipped_messages == 4
+
+
+def test_bad_batch_goes_to_dead_letters_and_neighbours_are_stored() -> None:
+    store, dead = FakeStore(), []  # type: ignore[var-annotated]
+    sink = make(store, dead)
+    bad = ops(2).replace(b'"AllReduce"', b'"Jump"')
+    wrong_kind = encode_batch("wr", "job", {"rank": [0], "nic": ["mlx5_0"], "ts": [1],
+                                            "inflight": [0], "bytes_done": [0]})
+    msgs = [Message("rw.ops", 0, 0, ops(2)), Message("rw.ops", 0, 1, bad),
+            Message("rw.ops", 0, 2, ops(2)), Message("rw.ops", 0, 3, wrong_kind)]
+    assert run(sink.process(msgs)) == 4
+    assert [d.offset for d in dead] == [1, 3]
+    assert dead[0].error.field == "op" and "Jump" in dead[0].error.reason
+    assert dead[0].to_json()["source"] == {"topic": "rw.ops", "partition": 0, "offset": 1}
+    assert sink.stats.dead_letters == 2
+
+
+def test_failed_insert_is_retried_until_stored() -> None:
+    store = FakeStore(fail_times=3)
+    sink = make(store)
+    assert run(sink.process([Message("rw.ops", 0, 0, ops(4))])) == 4
+    assert store.count() == 4 and sink.stats.insert_retries == 3
+    assert "store down" in sink.stats.last_error
+
+
+def test_failed_insert_while_stopping_raises_so_offsets_are_not_committed() -> None:
+    store = FakeStore(fail_times=100)
+    sink = RawSink("ops", "ops", store, lambda d: asyncio.sleep(0), stopping=lambda: True)
+    with pytest.raises(ConnectionError):
+        run(sink.process([Message("rw.ops", 0, 0, ops(1))]))
+    assert store.count() == 0
+
+
+def test_lag_is_measured_from_record_time() -> None:
+    store = FakeStore()
+    sink = make(store)
+    run(sink.process([Message("rw.ops", 0, 0, ops(3))]))
+    assert sink.stats.lag_ms_p50 == pytest.approx((10**9 - 10) / 1e6)
