@@ -1,0 +1,1 @@
+"""Root-cause rules: pure functions over arrays that return `base.Finding` values."""
