@@ -15,6 +15,9 @@ Field meanings:
 - `labels`: evidence labels (e.g. StageFrontier's "co_critical"); order is not significant.
 - `onset_ns`: when the anomaly began (producer realtime clock, ns) if the rule knows it.
 - `evidence`: small JSON-able values an operator can check (thresholds used, per-rank numbers).
+- `kind`: what the rule concluded about the job — one of `KINDS` (hang, slowdown, jitter,
+  regression) — or None when the rule does not say (optional; added for the Mycroft and
+  VenusTrace rules, which know whether they explain a hang or a slowdown).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ COMPONENTS: tuple[Component, ...] = (
     "host_software",
 )
 
+Kind = Literal["hang", "slowdown", "jitter", "regression"]
+KINDS: tuple[Kind, ...] = ("hang", "slowdown", "jitter", "regression")
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -45,3 +51,4 @@ class Finding:
     labels: tuple[str, ...] = ()
     onset_ns: int | None = None
     evidence: Mapping[str, object] = field(default_factory=dict)
+    kind: Kind | None = None
