@@ -1,0 +1,214 @@
+"""A simulation run: engine steps → records → encoded batches, window by window.
+
+    sim = Simulation(JobConfig(tp=2, pp=4, dp=8, steps=50), ["hang rank=13 stage=bwd mb=3 at=10s"])
+    for release_s, kind, data in sim.batches():   # data: one encoded record batch (bytes)
+        ...
+    sim.truth                                       # ground truth, complete after the run
+
+Each step's records are released at the step's end in simulated time (`release_s`), which is what
+real-time pacing waits for. Periodic records (heartbeats, WR samples, chunk snapshots of ops that
+never finish) are produced per window: from the previous step's earliest end to this step's
+earliest end, because no later step can put an event before it. After the job stalls for good the
+run records `hang_tail_s` more seconds of heartbeats and snapshots, then ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ingest.batch import encode_batch, encode_topology
+from ingest.records import JobTopology
+from ingest.sim.config import JobConfig
+from ingest.sim.emit import Clock, Cols, StepEmitter, comm_dictionary
+from ingest.sim.engine import Engine, OpGroup, StepResult, fault_onsets
+from ingest.sim.faults import Fault, FaultSet, parse_fault
+from ingest.sim.progress import ChunkSnapshots, Timeline, ticks_between, wr_events
+from ingest.sim.truth import TruthRecord, truth_records
+
+Record = tuple[float, str, Cols]
+
+
+class Simulation:
+    def __init__(self, cfg: JobConfig, faults: Sequence[str | Fault] = ()) -> None:
+        self.cfg = cfg
+        self.layout = cfg.layout
+        parsed = [parse_fault(f) if isinstance(f, str) else f for f in faults]
+        self.faults = FaultSet.resolve(parsed, self.layout)
+        self.engine = Engine(cfg, self.faults)
+        self.clock = Clock(cfg, self.layout)
+        death = self.engine.fm.death.ravel()
+        self.emitter = StepEmitter(cfg, self.layout, death, self.clock)
+        self.ranks = self.layout.grid.ravel()
+        self.death_by_rank = np.empty(self.layout.world)
+        self.death_by_rank[self.ranks] = death
+        self.chunks = ChunkSnapshots(cfg, self.ranks, death, self.clock)
+        self.comm_names, self.comm_codes = comm_dictionary(self.layout)
+        world = self.layout.world
+        self.kinds = [k for k, n in (("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp)) if n > 1]
+        self.seq_lines = {k: Timeline(world, 1, "last") for k in self.kinds}
+        self.wr_line = Timeline(world, 2, "sum")
+        self.stuck: list[OpGroup] = []
+        self.steps_done = 0
+        self.stalled_at: float | None = None
+        self.t_last = 0.0
+        self.truth: list[TruthRecord] = []
+        self.rows = 0
+
+    def topology(self) -> JobTopology:
+        return self.layout.topology(self.cfg.job_id, self.cfg.epoch_ns, self.cfg.microbatches)
+
+    # ------------------------------------------------------------------ records
+    def records(self) -> Iterator[Record]:
+        """(release time s, kind, columns) for the whole run, in release order."""
+        w0 = 0.0
+        for step in range(self.cfg.steps):
+            res = self.engine.step(step)
+            release = self._observe(res)
+            for kind, cols in self.emitter.step_records(res):
+                yield release, kind, cols
+            for g in res.ops:
+                if (g.ring is not None or g.transfer is not None) and (
+                        c := self.chunks.rows(g, -math.inf, math.inf, self.comm_names,
+                                              self.comm_codes[g.comm])) is not None:
+                    yield release, "chunks", c
+            ends = res.end[np.isfinite(res.end)]
+            if res.stalled or not len(ends):
+                break
+            self.steps_done = step + 1
+            w1 = float(ends.min())
+            yield from self._window(w0, w1, max(release, w1))
+            w0 = w1
+        else:
+            self._finish()
+            return
+        self.stalled_at = self.t_last
+        horizon = self.t_last + self.cfg.hang_tail_s
+        while w0 < horizon:
+            w1 = min(horizon, math.floor(w0) + 1.0)
+            yield from self._window(w0, w1, w1)
+            w0 = w1
+        self._finish()
+
+    def _observe(self, res: StepResult) -> float:
+        """Feed timelines from a step; returns the step's release time."""
+        step_max = -math.inf
+        for g in res.ops:
+            alive = np.isfinite(g.t_start) & (g.t_start < self.emitter.death[g.pos])
+            ranks = self.ranks[g.pos]
+            if g.comm in self.seq_lines:
+                self.seq_lines[g.comm].add(ranks[alive], g.t_start[alive],
+                                           np.full((int(alive.sum()), 1), g.seq))
+            size = self.cfg.dp if g.comm == "dp" else self.cfg.tp
+            slices = self.cfg.slices if g.comm == "dp" else 1
+            for r, t, v in wr_events(g, self.ranks, size, slices):
+                self.wr_line.add(r, t, v)
+            if (alive & ~np.isfinite(g.t_end)).any():
+                self.stuck.append(g)
+            for arr in (g.t_start, g.t_end):
+                f = arr[np.isfinite(arr)]
+                if len(f):
+                    step_max = max(step_max, float(f.max()))
+        f = res.end[np.isfinite(res.end)]
+        if len(f):
+            step_max = max(step_max, float(f.max()))
+        self.t_last = max(self.t_last, step_max)
+        return max(self.t_last, 0.0)
+
+    def _window(self, w0: float, w1: float, release: float) -> Iterator[Record]:
+        for g in self.stuck:
+            c = self.chunks.rows(g, w0, w1, self.comm_names, self.comm_codes[g.comm], True)
+            if c is not None:
+                yield release, "chunks", c
+        yield from self._beats(w0, w1, release)
+        yield from self._wr(w0, w1, release)
+
+    def _tick_rows(self, w0: float, w1: float, interval: float) -> tuple[np.ndarray, np.ndarray]:
+        world = self.layout.world
+        lo = np.full(world, w0 - 1e-9)
+        hi = np.minimum(np.full(world, w1), self.death_by_rank)
+        return ticks_between(lo, hi, interval)
+
+    def _beats(self, w0: float, w1: float, release: float) -> Iterator[Record]:
+        ranks, ts = self._tick_rows(w0, w1, self.cfg.beat_interval_s)
+        if not len(ranks):
+            return
+        host_ts = self.clock.ns(ts, ranks)
+        for kind in self.kinds:
+            seq = self.seq_lines[kind].sample(ranks, ts, w1)[:, 0]
+            pos = np.empty(self.layout.world, np.int64)
+            pos[self.ranks] = np.arange(self.layout.world)
+            codes = self.comm_codes[kind][pos[ranks]]
+            yield release, "beats", {"rank": ranks, "ts": host_ts,
+                                     "comm_id": (codes, self.comm_names), "last_op_seq": seq}
+
+    def _wr(self, w0: float, w1: float, release: float) -> Iterator[Record]:
+        ranks, ts = self._tick_rows(w0, w1, self.cfg.wr_interval_ms / 1e3)
+        if not len(ranks):
+            return
+        v = self.wr_line.sample(ranks, ts, w1)
+        nics = [self.layout.nic_name(i) for i in range(self.layout.ranks_per_host)]
+        yield release, "wr", {"rank": ranks, "nic": (ranks % self.layout.ranks_per_host, nics),
+                              "ts": self.clock.ns(ts, ranks), "inflight": np.maximum(v[:, 0], 0),
+                              "bytes_done": v[:, 1]}
+
+    def _finish(self) -> None:
+        onsets = fault_onsets(self.engine, self.faults)
+        self.truth = truth_records(self.cfg.job_id, self.layout, self.faults, onsets,
+                                   self.cfg.epoch_ns)
+
+    # ------------------------------------------------------------------ batches
+    def batches(self, producer: str = "") -> Iterator[tuple[float, str, bytes]]:
+        """Encoded record batches of at most `batch_rows` rows, merged per kind across calls
+        and flushed at each release time; the topology batch comes first."""
+        producer = producer or f"sim/{self.cfg.job_id}"
+        yield 0.0, "jobs", encode_topology(self.topology(), producer=producer)
+        seq = 0
+        pending: dict[str, list[Cols]] = {}
+        sizes: dict[str, int] = {}
+        current = 0.0
+        for release, kind, cols in self.records():
+            if release != current:
+                for k in list(pending):
+                    for data in self._encode(k, pending.pop(k), producer, seq):
+                        seq += 1
+                        yield current, k, data
+                sizes.clear()
+                current = release
+            pending.setdefault(kind, []).append(cols)
+            sizes[kind] = sizes.get(kind, 0) + len(cols["rank"])
+            if sizes[kind] >= self.cfg.batch_rows:
+                for data in self._encode(kind, pending.pop(kind), producer, seq):
+                    seq += 1
+                    yield current, kind, data
+                sizes[kind] = 0
+        for k in list(pending):
+            for data in self._encode(k, pending.pop(k), producer, seq):
+                seq += 1
+                yield current, k, data
+
+    def _encode(self, kind: str, parts: list[Cols], producer: str, seq: int) -> Iterator[bytes]:
+        cols = _concat(parts)
+        n = len(cols["rank"])
+        self.rows += n
+        step = self.cfg.batch_rows
+        for lo in range(0, n, step):
+            part = {k: (v[0][lo:lo + step], v[1]) if isinstance(v, tuple) else v[lo:lo + step]
+                    for k, v in cols.items()}
+            yield encode_batch(kind, self.cfg.job_id, part, producer=producer, seq=seq,
+                               validate=False)
+            seq += 1
+
+
+def _concat(parts: list[Cols]) -> Cols:
+    if len(parts) == 1:
+        return parts[0]
+    out: Cols = {}
+    for k, v in parts[0].items():
+        if isinstance(v, tuple):
+            out[k] = (np.concatenate([p[k][0] for p in parts]), v[1])
+        else:
+            out[k] = np.concatenate([p[k] for p in parts])
+    return out
