@@ -1,0 +1,1 @@
+"""Benchmarks that print figures (DESIGN.md, "Performance principles")."""
