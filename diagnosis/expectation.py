@@ -1,0 +1,95 @@
+"""Expected durations learned online: VenusTrace Alg. 2 lines 2-10 / MegaTrace §III-C.
+
+The papers keep one expected time per quantity (a step, a pipeline node): the first iteration is
+skipped as warm-up, the second iteration's value initializes the expectation, and from the third
+on a sample within ±α of the expectation is folded in (α = 5 % in both papers); a sample further
+away leaves it unchanged. VenusTrace's Alg. 2 replaces the expectation by the accepted sample,
+its text and MegaTrace keep a running mean; we keep a running mean over the last `window`
+accepted samples (an incremental mean whose weight is capped at 1/window), which is less noisy
+than replacement and still follows slow drift.
+
+Where the papers are weak: a legitimate, lasting change of more than α (a new sequence length, a
+permanently slower node that operators accepted) would never be learned, so a timeout of
+n × expected would fire forever, or never. We re-baseline when `rebase_after` consecutive
+samples all fall outside ±α but agree with each other within ±α of their own mean; the caller
+learns of it through the returned `rebased` mask (heartbeat.py reports it as a "regression").
+
+Everything is vectorized: `value` may be a scalar-shaped array or any shape (e.g. one expectation
+per (stage, pass, microbatch)); nan samples leave their element untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Array = np.ndarray
+
+
+@dataclass
+class Expectation:
+    """Running expectation of one or many durations (ns, float64)."""
+
+    shape: tuple[int, ...] = ()
+    alpha: float = 0.05
+    first_sample: int = 2  # 1-based index of the sample that initializes (VenusTrace: i = 2)
+    window: int = 20
+    rebase_after: int = 5
+    value: Array = field(init=False)
+    seen: Array = field(init=False)
+    weight: Array = field(init=False)
+    run: Array = field(init=False)  # consecutive samples outside ±alpha
+    run_sum: Array = field(init=False)
+    run_min: Array = field(init=False)
+    run_max: Array = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha={self.alpha} must be in (0, 1)")
+        if self.first_sample < 1 or self.window < 1 or self.rebase_after < 2:
+            raise ValueError("first_sample, window must be >= 1 and rebase_after >= 2")
+        self.value = np.full(self.shape, np.nan)
+        self.seen = np.zeros(self.shape, dtype=np.int64)
+        self.weight = np.zeros(self.shape, dtype=np.int64)
+        self.run = np.zeros(self.shape, dtype=np.int64)
+        self.run_sum = np.zeros(self.shape)
+        self.run_min = np.full(self.shape, np.inf)
+        self.run_max = np.full(self.shape, -np.inf)
+
+    @property
+    def ready(self) -> Array:
+        """Mask of elements that have an expectation."""
+        return np.asarray(~np.isnan(self.value))
+
+    def update(self, sample: Array | float) -> tuple[Array, Array]:
+        """Fold one sample per element in; returns (within_alpha, rebased) boolean masks."""
+        x = np.broadcast_to(np.asarray(sample, dtype=np.float64), self.shape)
+        have = ~np.isnan(x)
+        self.seen = self.seen + have
+        init = have & (self.seen == self.first_sample)
+        self.value = np.where(init, x, self.value)
+        self.weight = np.where(init, 1, self.weight)
+        later = have & (self.seen > self.first_sample) & self.ready
+        with np.errstate(invalid="ignore"):
+            within = later & (np.abs(x - self.value) < self.alpha * self.value)
+        w = np.minimum(self.weight + 1, self.window)
+        self.value = np.where(within, self.value + (x - self.value) / w, self.value)
+        self.weight = np.where(within, w, self.weight)
+        out = later & ~within
+        self.run = np.where(out, self.run + 1, np.where(within, 0, self.run))
+        self.run_sum = np.where(out, self.run_sum + x, np.where(within, 0.0, self.run_sum))
+        self.run_min = np.where(out, np.fmin(self.run_min, x),
+                                np.where(within, np.inf, self.run_min))
+        self.run_max = np.where(out, np.fmax(self.run_max, x),
+                                np.where(within, -np.inf, self.run_max))
+        mean = self.run_sum / np.maximum(self.run, 1)
+        consistent = (self.run_max - self.run_min) < 2 * self.alpha * mean
+        rebased = out & (self.run >= self.rebase_after) & consistent
+        self.value = np.where(rebased, mean, self.value)
+        self.weight = np.where(rebased, self.run, self.weight)
+        self.run = np.where(rebased, 0, self.run)
+        self.run_sum = np.where(rebased, 0.0, self.run_sum)
+        self.run_min = np.where(rebased, np.inf, self.run_min)
+        self.run_max = np.where(rebased, -np.inf, self.run_max)
+        return np.asarray(within | init), np.asarray(rebased)

@@ -1,0 +1,141 @@
+"""Hang trigger by heartbeat timeout (VenusTrace §3.3 "Locate hang issue", Alg. 1 lines 1-5;
+MegaTrace §III-C "Detection via Timeout").
+
+The analyzer resets a per-rank timer whenever the rank's tracer reports progress; when the timer
+exceeds n × T_expected (n = 2 in MegaTrace's example) it flags a potential hang. T_expected is the
+expected step (iteration) time, learned as in VenusTrace Alg. 2 lines 2-10: the second step
+initializes it, later steps within ±α (5 %) update it (`diagnosis.expectation.Expectation`).
+
+What counts as progress: a new op call or completion (an `ops` row's t_enqueue or t_end) — the
+papers' NCCL API log. Heartbeat records (`beats`) do *not* reset the timer: a host agent keeps
+beating while the training process is stuck in a kernel, which is exactly the live hang we want
+to see. Beats are tracked separately as liveness, so the trigger's evidence can tell a live hang
+(beats continue, no progress) from a silent rank (no beats either: process or host gone) — the
+distinction Mycroft Alg. 2 and the hang rules refine.
+
+Thresholds and choices:
+- timeout = max(n × T_expected, `min_timeout_ns`): the floor (1 s) keeps sub-second steps from
+  tripping on record batching delay (records leave a host every ~100 ms);
+- before T_expected exists (first two steps, or a fresh state) the timeout is `cold_timeout_ns`
+  (5 min), so a hang during start-up is still reported, late rather than never;
+- a rank that never progressed is not judged (it has not started);
+- a re-baselined T_expected (see `Expectation`: `rebase_after` consecutive consistent steps
+  outside ±α) is reported as a "regression" trigger — VenusTrace would otherwise keep comparing
+  against a stale value forever;
+- one trigger per hang episode: a rank re-arms when it progresses again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diagnosis.columns import Columns, ints
+from diagnosis.expectation import Expectation
+from diagnosis.triggers.base import Trigger
+
+Array = np.ndarray
+SECOND = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class HeartbeatConfig:
+    n: float = 2.0
+    alpha: float = 0.05
+    min_timeout_ns: int = SECOND
+    cold_timeout_ns: int = 300 * SECOND
+    rebase_after: int = 5
+
+
+@dataclass
+class HeartbeatState:
+    """Per-rank timers and the job's expected step time."""
+
+    job_id: str
+    world: int
+    config: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    expected: Expectation = field(init=False)
+    last_progress_ns: Array = field(init=False)
+    last_alive_ns: Array = field(init=False)
+    hung: Array = field(init=False)
+    last_step: int = -1
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.expected = Expectation(alpha=c.alpha, rebase_after=c.rebase_after)
+        self.last_progress_ns = np.zeros(self.world, dtype=np.int64)
+        self.last_alive_ns = np.zeros(self.world, dtype=np.int64)
+        self.hung = np.zeros(self.world, dtype=bool)
+
+    @property
+    def timeout_ns(self) -> int:
+        if not bool(self.expected.ready):
+            return self.config.cold_timeout_ns
+        return max(int(self.config.n * float(self.expected.value)), self.config.min_timeout_ns)
+
+
+def observe_steps(state: HeartbeatState, step: Array, duration_ns: Array,
+                  now_ns: int) -> list[Trigger]:
+    """Fold completed steps into T_expected, in step order; rows may repeat a step (one row per
+    rank, e.g. from `stages`): a step's time is the max over its rows (the job waits for the
+    slowest rank). Steps at or before the last one seen are ignored."""
+    step = np.asarray(step, dtype=np.int64)
+    dur = np.asarray(duration_ns, dtype=np.float64)
+    new = step > state.last_step
+    if not new.any():
+        return []
+    uniq, inv = np.unique(step[new], return_inverse=True)
+    per_step = np.full(uniq.size, -np.inf)
+    np.maximum.at(per_step, inv, dur[new])
+    out: list[Trigger] = []
+    for s, d in zip(uniq.tolist(), per_step.tolist(), strict=True):
+        before = float(state.expected.value)
+        _, rebased = state.expected.update(d)
+        if bool(rebased):
+            out.append(Trigger(state.job_id, now_ns, "regression", (), {
+                "rule": "venustrace.expected_step", "step": int(s),
+                "expected_before_ns": before, "expected_after_ns": float(state.expected.value),
+                "alpha": state.config.alpha, "consecutive_steps": state.config.rebase_after,
+            }))
+    state.last_step = int(uniq[-1])
+    return out
+
+
+def heartbeat_trigger(state: HeartbeatState, progress: Columns, beats: Columns,
+                      now_ns: int) -> list[Trigger]:
+    """Update timers from `progress` (ops rows: rank, t_enqueue, t_end) and `beats` (rank, ts),
+    then report ranks silent for longer than the timeout at `now_ns` (first time per episode)."""
+    if progress:
+        rank = ints(progress, "rank")
+        ts = np.maximum(ints(progress, "t_enqueue", 0), ints(progress, "t_end", 0))
+        ok = (rank >= 0) & (rank < state.world) & (ts <= now_ns)
+        np.maximum.at(state.last_progress_ns, rank[ok], ts[ok])
+    if beats:
+        rank = ints(beats, "rank")
+        ts = ints(beats, "ts")
+        ok = (rank >= 0) & (rank < state.world) & (ts <= now_ns)
+        np.maximum.at(state.last_alive_ns, rank[ok], ts[ok])
+    state.last_alive_ns = np.maximum(state.last_alive_ns, state.last_progress_ns)
+
+    timeout = state.timeout_ns
+    started = state.last_progress_ns > 0
+    silent = started & (now_ns - state.last_progress_ns > timeout)
+    fire = silent & ~state.hung
+    state.hung = silent
+    if not fire.any():
+        return []
+    w = np.flatnonzero(silent)
+    lp = state.last_progress_ns[w]
+    alive = (now_ns - state.last_alive_ns[w]) <= timeout
+    first = w[lp <= lp.min() + state.config.min_timeout_ns]
+    return [Trigger(state.job_id, now_ns, "hang", tuple(int(r) for r in w), {
+        "rule": "venustrace.heartbeat", "timeout_ns": timeout, "n": state.config.n,
+        "expected_step_ns": None if not bool(state.expected.ready)
+        else float(state.expected.value),
+        "new_ranks": [int(r) for r in np.flatnonzero(fire)][:64],
+        "first_silent": [int(r) for r in first][:64],
+        "live": [int(r) for r in w[alive]][:64],
+        "silent_no_beats": [int(r) for r in w[~alive]][:64],
+        "last_progress_ns_min": int(lp.min()),
+    })]
