@@ -21,7 +21,7 @@ Quantities (StageFrontier §3, eq. 1–3; §4, eq. 4; Appendix C gates):
   slow on every step of the window is invisible to its own window median; "rank" and "min"
   (the lower of both) are available, or pass an array.
 - blame: each advance a[t,s] is charged to the ranks attaining F[t,s] (Fig. 2), split evenly over
-  ties within `tie_rtol`·F[t,S]; blame sums to Σ_t F[t,S].
+  ties (exact for integer input, within `tie_rtol`·F[t,S] for float); blame sums to Σ_t F[t,S].
 
 Labels (§4 Table 2, Appendix B/C, defaults of Table 13): always `frontier_accounting`;
 `telemetry_limited` when one rank only (no cross-rank evidence), missing rank-steps (NaN rows,
@@ -183,8 +183,12 @@ def candidate_set(share: np.ndarray, tau_c: float = 0.80) -> tuple[int, ...]:
 
 
 def blame(acct: FrontierAccount, tie_rtol: float = 1e-9) -> np.ndarray:
-    """Charge each advance to the rank(s) attaining the frontier (Fig. 2); returns (R, S)."""
-    tol = tie_rtol * acct.exposed.astype(np.float64)[:, None, None]
+    """Charge each advance to the rank(s) attaining the frontier (Fig. 2); returns (R, S).
+
+    Ties are exact for integer input and within tie_rtol·F[t,S] for float input.
+    """
+    exact = np.issubdtype(acct.prefix.dtype, np.integer)
+    tol = 0.0 if exact else tie_rtol * acct.exposed.astype(np.float64)[:, None, None]
     at_front = acct.prefix >= acct.frontier[:, None, :] - tol  # (N, R, S)
     ties = at_front.sum(axis=1, keepdims=True)
     share = at_front * (acct.advance[:, None, :] / ties)
