@@ -44,7 +44,7 @@ class JobConfig:
     reduce_gbps: float = 400.0  # GPU reduction/copy bandwidth of a slice
     nic_lat_us: float = 8.0
     nvlink_lat_us: float = 2.0
-    slices: int = 4  # pipelined slices per ring step
+    slices: int = 2  # pipelined slices per ring step
     window: int = 8  # outstanding slices per connection (NCCL_STEPS)
     channels: int = 2
     # clocks and records

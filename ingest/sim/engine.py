@@ -118,6 +118,10 @@ class Engine:
         return dur
 
     def step(self, step: int) -> StepResult:
+        with np.errstate(invalid="ignore"):  # inf - inf of hung ranks: nan, never emitted
+            return self._step(step)
+
+    def _step(self, step: int) -> StepResult:
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, step])
         t0 = self.free.copy()

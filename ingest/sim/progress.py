@@ -142,9 +142,13 @@ class Timeline:
         else:
             r, t, v = np.zeros(0, np.int64), np.zeros(0), np.zeros((0, self.state.shape[1]),
                                                                  np.int64)
+        if not len(r):
+            return np.asarray(self.state[ranks])
         now = t < until
         self.pending = [(r[~now], t[~now], v[~now])] if (~now).any() else []
         r, t, v = r[now], t[now], v[now]
+        if not len(r):
+            return np.asarray(self.state[ranks])
         order = np.lexsort((t, r))
         r, t, v = r[order], t[order], v[order]
         key = r * SHIFT + np.rint(t * 1e9).astype(np.int64)

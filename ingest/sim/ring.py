@@ -4,17 +4,18 @@ A ring collective over n members moves data in `steps` ring steps (AllReduce: 2(
 into `slices` pipelined slices; a unit u = step * slices + slice. For member i (sending to i+1):
 
     avail[u] = max(start_i, done_{i-1}[u - slices])     data for step k arrived from upstream
-    ready[u] = max(avail[u] + g_i, ready[u-1])          GPU reduced/copied it   (gpu_ready)
-    xmit[u]  = max(ready[u], start_{i+1}, done[u-W], block_i)   posted to the link
-                                                         (rdma_transmitted; needs the receiver's
-                                                          buffers and a free slot of W)
-    done[u]  = max(xmit[u] + tx_i + lat_i, done[u-1] + tx_i, dblock_i)
-                                                         completion seen (rdma_done)
+    ready[u] = max(avail[u] + g_i, ready[u-1], done[u-W])
+                    the GPU reduced/copied it into one of W send slots           (gpu_ready)
+    xmit[u]  = max(ready[u], start_{i+1}, xmit[u-1], block_i) + tx_i
+                    the NIC put it on the wire, one slice at a time, once the
+                    receiver had entered the op                           (rdma_transmitted)
+    done[u]  = max(xmit[u] + lat_i, done[u-1], dblock_i)
+                    its completion came back                                    (rdma_done)
 
 so a rank advances a chunk only after its upstream peer delivered it, and a slow or late member
 stalls its downstream neighbour first and then the whole ring (Mycroft §2, Fig. 2). The counters
-follow Mycroft Table 4: a slow GPU keeps the three equal but slow; a slow NIC (large tx) fills the
-W send slots so xmit lags ready; congestion (large lat) keeps xmit == ready but done lags; a
+follow Mycroft Table 4: a slow GPU keeps the three equal but slow; a slow NIC (large tx) lets
+ready run up to W slices ahead of xmit; congestion (large lat) keeps xmit ≈ ready but done lags; a
 receiver that never acknowledges (dblock = inf) leaves the sender with xmit > done while its own
 counters stay equal. Infinite times (hangs) propagate through max and + unchanged.
 """
@@ -66,30 +67,31 @@ def ring_progress(
     credit = np.roll(ns, -1, axis=1)
     post_floor = np.maximum(ns, credit)
     g_ready = ns + g
-    prev_ready = None
+    prev_ready = np.full(start.shape, -np.inf)
     for u in range(units):
         if u < slices:
-            r = g_ready if prev_ready is None else np.maximum(g_ready, prev_ready)
+            r = np.maximum(g_ready, prev_ready)
         else:
             r = np.maximum(ns, np.roll(done[u - slices], 1, axis=1))
             r += g
-            if prev_ready is not None:
-                np.maximum(r, prev_ready, out=r)
+            np.maximum(r, prev_ready, out=r)
+        if u >= window:  # the send FIFO has `window` slots: wait for one to be acknowledged
+            np.maximum(r, done[u - window], out=r)
         ready[u] = r
-        p = np.maximum(r, post_floor)
-        if u >= window:
-            np.maximum(p, done[u - window], out=p)
-        if block is not None:
-            p = np.where(p >= block[0], np.maximum(p, block[1]), p)
-        xmit[u] = p
-        d = p + tx
-        d += lat
+        x = np.maximum(r, post_floor)
         if u:
-            np.maximum(d, done[u - 1] + tx, out=d)
+            np.maximum(x, xmit[u - 1], out=x)  # the link serializes one slice at a time
+        if block is not None:
+            x = np.where(x >= block[0], np.maximum(x, block[1]), x)
+        x += tx
+        xmit[u] = x
+        d = x + lat
+        if u:
+            np.maximum(d, done[u - 1], out=d)
         if dblock is not None:
             d = np.where(d >= dblock[0], np.maximum(d, dblock[1]), d)
         done[u] = d
-        prev_ready = ready[u]
+        prev_ready = r
     last_in = np.roll(done[units - 1], 1, axis=1) + g
     end = np.maximum(done[units - 1], last_in)
     return RingResult(ready, xmit, done, end)

@@ -212,3 +212,19 @@ def _concat(parts: list[Cols]) -> Cols:
         else:
             out[k] = np.concatenate([p[k] for p in parts])
     return out
+
+
+def collect(batches: Iterator[tuple[float, str, bytes]] | Sequence[tuple[float, str, bytes]]
+            ) -> dict[str, dict[str, np.ndarray]]:
+    """Decode (validating) every batch and concatenate columns per kind — for tests and
+    notebooks. The topology is under "jobs" as {"topology": array of one JobTopology}."""
+    from ingest.batch import decode_batch
+
+    parts: dict[str, list[dict[str, np.ndarray]]] = {}
+    for _, kind, data in batches:
+        b = decode_batch(data)
+        if kind == "jobs":
+            parts.setdefault(kind, []).append({"topology": np.array(b.topologies, dtype=object)})
+        else:
+            parts.setdefault(kind, []).append(b.cols)
+    return {k: {c: np.concatenate([p[c] for p in v]) for c in v[0]} for k, v in parts.items()}
