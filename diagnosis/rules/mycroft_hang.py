@@ -1,0 +1,245 @@
+"""Mycroft Alg. 2, AnalyzeFailureRootCause: who stopped a hung job, and why (Mycroft §5.2).
+
+The paper: take each group's last logs (AcquireGroupLastLog); if ranks disagree on the last op,
+the rank with the minimum op is the culprit (CheckMinOp) — its peers wait in a collective it never
+reached; otherwise every rank sits in the same op and the rank that moved the least data is the
+culprit (CheckMinData); the state table (Table 4) names the failure category.
+
+How we implement it, from the ops of all ranks in the job's window at `now_ns`:
+1. Last log per (rank, comm_id): the row with the largest op_seq.
+2. A rank is *stuck* in a communicator when that last op is in flight (t_end = 0) and was
+   enqueued more than `stuck_ns` before now.
+3. Waits-for edges a → b, per stuck op of a:
+   - collective: every member b of the communicator whose last op_seq there is below a's (b
+     never reached the op) — Mycroft's min-op test, done per member rather than per group;
+   - Send/Recv (op_seq is not aligned across pp ranks, see pipeline_ops.py): the peer b, unless b
+     is itself stuck in a Send/Recv to a on the same communicator (then both posted: a transfer
+     stall, not a missing call).
+4. Root causes are the sinks reachable from stuck ranks: a rank with no outgoing edge. A sink
+   that is not stuck anywhere never reached the op its peers wait in (min-op culprit). Stuck
+   ranks without edges share a stalled op with all its members present: min-data — the chunk
+   counters of that op (mycroft_state.py, Table 4) name the rank and component. A cycle with
+   no sink is a deadlock (ops issued in different orders): its ranks are reported with label
+   "deadlock_cycle", component host_software.
+5. Process death vs live hang for a min-op culprit: its last record (ops, beats) is more than
+   `death_gap_ns` older than now and than the median rank's last record → "process" stage,
+   component host_software (records stop: Mycroft #1 sees the culprit "stop earlier than the
+   others"). Otherwise the process is alive (beats continue) but never issued its next op: a
+   compute-side hang, gpu_compute, labels "live_hang" (and "no_beats" when no beats were given).
+
+Never blaming waiters: a rank is blamed only as a sink (it is not waiting on anyone in the ops)
+or by its own chunk counters; an in-flight op, however long, only adds outgoing edges. The stage
+of a min-op culprit is the op it failed to reach ("dp_allreduce" for a dp communicator,
+"tp <op>" / "pp <op>" otherwise); halt_point.py refines it to the 1F1B node.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from diagnosis.columns import Columns, codes, col, group_key, ints, last_per_group
+from diagnosis.groups import Grid
+from diagnosis.rules.base import Finding
+from diagnosis.rules.mycroft_state import chunk_states, state_findings
+
+Array = np.ndarray
+SECOND = 1_000_000_000
+P2P = ("Send", "Recv")
+
+
+@dataclass(frozen=True)
+class HangConfig:
+    stuck_ns: int = 5 * SECOND
+    death_gap_ns: int = 10 * SECOND
+
+
+@dataclass(frozen=True)
+class LastLogs:
+    """One row per (rank, comm_id): the rank's last op there."""
+
+    rank: Array
+    comm_id: Array
+    op_seq: Array
+    op: Array
+    peer: Array
+    t_enqueue: Array
+    t_end: Array
+    stuck: Array  # bool
+
+
+def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
+    """AcquireGroupLastLog for every communicator at once (rows after `now_ns` are ignored)."""
+    enq = ints(ops, "t_enqueue")
+    ok = np.flatnonzero(enq <= now_ns)
+    comm = col(ops, "comm_id").astype(str)[ok]
+    _, ccode = codes(comm)
+    key, _ = group_key(ints(ops, "rank")[ok], ccode)
+    rows = ok[last_per_group(key, ints(ops, "op_seq")[ok])] if ok.size else ok
+    t_end = ints(ops, "t_end")[rows]
+    t_end = np.where(t_end > now_ns, 0, t_end)
+    return LastLogs(
+        rank=ints(ops, "rank")[rows], comm_id=col(ops, "comm_id").astype(str)[rows],
+        op_seq=ints(ops, "op_seq")[rows], op=col(ops, "op", "AllReduce").astype(str)[rows],
+        peer=ints(ops, "peer", -1)[rows], t_enqueue=enq[rows], t_end=t_end,
+        stuck=(t_end == 0) & (now_ns - enq[rows] > stuck_ns),
+    )
+
+
+def _edges(ll: LastLogs, grid: Grid) -> dict[int, set[int]]:
+    """Waits-for edges from every stuck (rank, comm) last log (loops over stuck groups only)."""
+    edges: dict[int, set[int]] = {}
+    stuck = np.flatnonzero(ll.stuck)
+    p2p_stuck = {(int(ll.rank[i]), str(ll.comm_id[i]), int(ll.peer[i]))
+                 for i in stuck if ll.op[i] in P2P}
+    for c in np.unique(ll.comm_id[stuck]).tolist():
+        in_c = ll.comm_id == c
+        seq_of = dict(zip(ll.rank[in_c].tolist(), ll.op_seq[in_c].tolist(), strict=True))
+        members = grid.comm_members.get(c, np.unique(ll.rank[in_c])).tolist()
+        for i in stuck[ll.comm_id[stuck] == c].tolist():
+            a = int(ll.rank[i])
+            if ll.op[i] in P2P:
+                b = int(ll.peer[i])
+                if b >= 0 and (b, c, a) not in p2p_stuck:
+                    edges.setdefault(a, set()).add(b)
+                continue
+            k = int(ll.op_seq[i])
+            late = [int(b) for b in members if b != a and seq_of.get(b, -1) < k]
+            if late:
+                edges.setdefault(a, set()).update(late)
+    return edges
+
+
+def _reachable_sinks(edges: dict[int, set[int]],
+                     starts: list[int]) -> tuple[dict[int, int], set[int]]:
+    """Sinks reachable from `starts` with how many start ranks reach each; plus nodes on cycles
+    that reach no sink."""
+    reach: dict[int, int] = {}
+    cyclic: set[int] = set()
+    for s in starts:
+        seen = {s}
+        q = deque([s])
+        found = False
+        while q:
+            x = q.popleft()
+            nxt = edges.get(x, set())
+            if not nxt:
+                reach[x] = reach.get(x, 0) + (x != s)
+                found = True
+            for y in nxt - seen:
+                seen.add(y)
+                q.append(y)
+        if not found:
+            cyclic |= seen
+    return reach, cyclic
+
+
+def _last_seen(ops: Columns, beats: Columns | None, world: int, now_ns: int) -> Array:
+    seen = np.zeros(world, dtype=np.int64)
+    r = ints(ops, "rank")
+    ts = np.maximum.reduce([ints(ops, k, 0) for k in ("t_enqueue", "t_start", "t_end")])
+    ok = (ts <= now_ns) & (r < world)
+    np.maximum.at(seen, r[ok], ts[ok])
+    if beats:
+        br, bts = ints(beats, "rank"), ints(beats, "ts")
+        ok = (bts <= now_ns) & (br < world)
+        np.maximum.at(seen, br[ok], bts[ok])
+    return seen
+
+
+def _stage(grid: Grid, comm: str, op: str) -> str:
+    kind = grid.comm_kind.get(comm, "")
+    if kind == "dp":
+        return "dp_allreduce"
+    return f"{kind} {op}".strip()
+
+
+def analyze_hang(ops: Columns, grid: Grid, now_ns: int, *, chunks: Columns | None = None,
+                 beats: Columns | None = None, flows: Columns | None = None,
+                 config: HangConfig | None = None) -> list[Finding]:
+    """Alg. 2 over one job's window; returns findings (empty when nothing is stuck)."""
+    cfg = config or HangConfig()
+    ll = last_logs(ops, now_ns, cfg.stuck_ns)
+    if not ll.stuck.any():
+        return []
+    edges = _edges(ll, grid)
+    stuck_ranks = sorted({int(r) for r in ll.rank[ll.stuck]})
+    reach, cyclic = _reachable_sinks(edges, stuck_ranks)
+    stuck_set = set(stuck_ranks)
+    seen = _last_seen(ops, beats, grid.world, now_ns)
+    active = seen[seen > 0]
+    median_seen = int(np.median(active)) if active.size else now_ns
+    out: list[Finding] = []
+    for x in sorted(r for r in reach if r not in stuck_set):
+        out.append(_min_op(x, ll, edges, reach[x], len(stuck_ranks), seen, median_seen,
+                           now_ns, grid, cfg, beats is not None and bool(beats)))
+    same_op = [r for r in reach if r in stuck_set]
+    if same_op:
+        out.extend(_min_data(same_op, ll, now_ns, grid, chunks, flows))
+    if cyclic:
+        out.append(Finding(rule="mycroft.alg2.deadlock", culprit_ranks=tuple(sorted(cyclic)),
+                           component="host_software", score=1.0, labels=("deadlock_cycle",),
+                           kind="hang", evidence={"edges": {str(a): sorted(b) for a, b in
+                                                            edges.items() if a in cyclic}}))
+    return sorted(out, key=lambda f: -f.score)
+
+
+def _min_op(x: int, ll: LastLogs, edges: dict[int, set[int]], waiting: int, n_stuck: int,
+            seen: Array, median_seen: int, now_ns: int, grid: Grid, cfg: HangConfig,
+            have_beats: bool) -> Finding:
+    waiters = [a for a, bs in edges.items() if x in bs]
+    wi = np.flatnonzero(ll.stuck & np.isin(ll.rank, waiters))
+    first = wi[np.argmin(ll.t_enqueue[wi])] if wi.size else -1
+    comm = str(ll.comm_id[first]) if first >= 0 else ""
+    stage = _stage(grid, comm, str(ll.op[first])) if first >= 0 else None
+    mine = np.flatnonzero(ll.rank == x)
+    last = mine[np.argmax(ll.t_enqueue[mine])] if mine.size else -1
+    dead = (now_ns - seen[x] > cfg.death_gap_ns) and (median_seen - seen[x] > cfg.death_gap_ns)
+    labels = ("min_op", "records_stopped") if dead else \
+        ("min_op", "live_hang", *(() if have_beats else ("no_beats",)))
+    return Finding(
+        rule="mycroft.alg2.min_op", culprit_ranks=(x,), kind="hang",
+        stage="process" if dead else stage, component="host_software" if dead else "gpu_compute",
+        score=(waiting + 1) / max(n_stuck, 1), labels=labels,
+        onset_ns=int(seen[x]) if dead else (int(ll.t_enqueue[first]) if first >= 0 else None),
+        evidence={
+            "waited_in": {"comm_id": comm, "op_seq": int(ll.op_seq[first]),
+                          "op": str(ll.op[first])} if first >= 0 else None,
+            "direct_waiters": sorted(waiters)[:32], "ranks_waiting": waiting,
+            "culprit_last_op": {"comm_id": str(ll.comm_id[last]), "op_seq": int(ll.op_seq[last]),
+                                "t_end": int(ll.t_end[last])} if last >= 0 else None,
+            "last_record_ns": int(seen[x]), "median_last_record_ns": median_seen,
+            "death_gap_ns": cfg.death_gap_ns,
+        },
+    )
+
+
+def _min_data(ranks: list[int], ll: LastLogs, now_ns: int, grid: Grid,
+              chunks: Columns | None, flows: Columns | None) -> list[Finding]:
+    sel = np.flatnonzero(ll.stuck & np.isin(ll.rank, ranks))
+    ops_key = {(str(ll.comm_id[i]), int(ll.op_seq[i])) for i in sel}
+    if chunks:
+        c = col(chunks, "comm_id").astype(str)
+        q = ints(chunks, "op_seq")
+        keep = np.zeros(c.size, dtype=bool)
+        for comm, seq in ops_key:
+            keep |= (c == comm) & (q == seq)
+        sub = {k: np.asarray(v)[keep] for k, v in chunks.items()}
+        found = state_findings(chunk_states(sub, now_ns, grid, flows))
+        if found:
+            return [Finding(rule="mycroft.alg2.min_data", culprit_ranks=f.culprit_ranks,
+                            stage=_stage(grid, *_op_of(ll, sel)), component=f.component,
+                            score=f.score, labels=("min_data", *f.labels), kind="hang",
+                            onset_ns=f.onset_ns, evidence=dict(f.evidence)) for f in found]
+    return [Finding(rule="mycroft.alg2.min_data", culprit_ranks=(), kind="hang",
+                    stage=_stage(grid, *_op_of(ll, sel)), score=0.1,
+                    labels=("min_data", "no_counter_evidence"),
+                    evidence={"stalled_ops": sorted(f"{c}#{s}" for c, s in ops_key)[:20],
+                              "ranks_in_op": sorted(ranks)[:64]})]
+
+
+def _op_of(ll: LastLogs, sel: Array) -> tuple[str, str]:
+    i = sel[np.argmin(ll.t_enqueue[sel])]
+    return str(ll.comm_id[i]), str(ll.op[i])
