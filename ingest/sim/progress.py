@@ -29,9 +29,10 @@ SHIFT = 1 << 46  # rank key stride in ns: simulated runs shorter than ~19 hours
 def ticks_between(lo: np.ndarray, hi: np.ndarray, interval: float) -> tuple[np.ndarray,
                                                                             np.ndarray]:
     """Rows (member index, tick time) for ticks k*interval with lo < tick < hi."""
-    first = np.floor(lo / interval) + 1
-    last = np.ceil(hi / interval) - 1
-    count = np.where(np.isfinite(lo) & np.isfinite(hi), np.maximum(last - first + 1, 0), 0)
+    ok = np.isfinite(lo) & np.isfinite(hi)
+    first = np.floor(np.where(ok, lo, 0.0) / interval) + 1
+    last = np.ceil(np.where(ok, hi, 0.0) / interval) - 1
+    count = np.where(ok, np.maximum(last - first + 1, 0), 0)
     count = count.astype(np.int64)
     idx = np.repeat(np.arange(len(lo)), count)
     if not len(idx):
