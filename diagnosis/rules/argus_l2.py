@@ -148,7 +148,7 @@ def outliers(stats: GroupStats, params: L2Params = L2Params(), high: bool = True
 
 def findings(
     events: Mapping[str, npt.ArrayLike],
-    groups: Mapping[GroupKind, Sequence[npt.ArrayLike] | np.ndarray],
+    groups: Mapping[str, Sequence[npt.ArrayLike] | np.ndarray],
     routes: Mapping[str, Route] = ROUTES,
     params: L2Params = L2Params(),
 ) -> list[Finding]:
