@@ -359,6 +359,12 @@ def diagnose(
     )
 
 
+def routing_hit(report: FrontierReport, stage: str) -> tuple[bool, bool, bool]:
+    """§6.2's scoring of an injected `stage`: (top-1 match, top-2 routing, candidate hit)."""
+    i = report.stage_names.index(stage)
+    return report.ranking[0] == i, i in report.ranking[:2], i in report.candidates
+
+
 def findings(report: FrontierReport) -> list[Finding]:
     """One `Finding` naming the top-1 stage; score is its window share A_s1."""
     s1 = report.ranking[0]
@@ -383,6 +389,7 @@ def findings(report: FrontierReport) -> list[Finding]:
             component=STAGE_COMPONENT.get(names[s1]),
             score=float(report.shares[s1]),
             labels=report.labels,
+            kind="slowdown",
             evidence=evidence,
         )
     ]

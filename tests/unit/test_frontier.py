@@ -64,6 +64,8 @@ def test_hidden_rank_data_delay_routes_to_data_and_the_rank() -> None:
     assert report.top1 == "data_next_wait"
     assert "data_next_wait" in report.top2
     assert 0 in report.candidates
+    assert sf.routing_hit(report, "data_next_wait") == (True, True, True)
+    assert sf.routing_hit(report, "callbacks") == (False, False, False)
     assert report.culprit_ranks == (3,)
     assert "telemetry_limited" not in report.labels
     [finding] = sf.findings(report)
