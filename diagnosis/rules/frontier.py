@@ -25,9 +25,10 @@ Quantities (StageFrontier §3, eq. 1–3; §4, eq. 4; Appendix C gates):
 
 Labels (§4 Table 2, Appendix B/C, defaults of Table 13): always `frontier_accounting`;
 `telemetry_limited` when one rank only (no cross-rank evidence), missing rank-steps (NaN rows,
-charged as zero), residual share Σ step_other / Σ totals > 0.05, or, with `step_wall`, overlap
-error share > 0.01; `role_aware_needed` when `roles` holds more than one role; both suppress the
-strong labels. With A_s1 > γA = 0.4: `direct_exposure` if G_s1 ≥ γG = 0.1, else
+charged as zero), closure residual share > 0.05 (Σ step_other / Σ totals; with `step_wall`,
+Σ max(0, e)/Σ wall for the signed closure error e of Appendix A) or overlap error share
+Σ max(0, −e)/Σ wall > 0.01; `role_aware_needed` when `roles` holds more than one role; both
+suppress the strong labels. With A_s1 > γA = 0.4: `direct_exposure` if G_s1 ≥ γG = 0.1, else
 `sync_wait_dependent` if the caller's model-fit indicator W_s1 is set, else `co_critical` (the
 paper's safe default W = 0). `co_critical` is also emitted for share ties (A_s1 − A_s2 ≤ ηA =
 0.05), gain ties among gains ≥ γG (ηG = 0.05), and leader switching: the unique leader rank at the
@@ -244,6 +245,35 @@ def _switch_rate(acct: FrontierAccount, s1: int, eta_q: float, eligible: float) 
     return float(np.count_nonzero(np.diff(leaders)) / (leaders.size - 1))
 
 
+def _telemetry(
+    d: np.ndarray,
+    missing: np.ndarray,
+    stage_names: tuple[str, ...],
+    step_wall: npt.ArrayLike | None,
+    th: FrontierThresholds,
+) -> tuple[list[str], float, float]:
+    """Appendix A/C telemetry gates: reasons, closure residual share, overlap error share."""
+    residual_share = overlap_share = 0.0
+    if step_wall is not None:
+        wall = np.asarray(step_wall, dtype=np.float64).reshape(d.shape[:2])
+        error = wall - d[:, :, :-1].sum(axis=2)  # signed closure error e[t,r]
+        denom = max(float(wall.sum()), 1e-300)
+        residual_share = float(np.maximum(0.0, error).sum()) / denom
+        overlap_share = float(np.maximum(0.0, -error).sum()) / denom
+    elif stage_names[-1] == "step_other":
+        residual_share = float(d[:, :, -1].sum()) / (float(d.sum()) or 1.0)
+    reasons: list[str] = []
+    if d.shape[1] < 2:
+        reasons.append("single rank: no cross-rank evidence")
+    if missing.any():
+        reasons.append(f"{int(missing.sum())} missing rank-steps")
+    if residual_share > th.closure_residual:
+        reasons.append(f"closure residual share {residual_share:.3f} > {th.closure_residual}")
+    if overlap_share > th.overlap_error:
+        reasons.append(f"overlap error share {overlap_share:.3f} > {th.overlap_error}")
+    return reasons, residual_share, overlap_share
+
+
 def diagnose(
     durations: npt.ArrayLike,
     *,
@@ -281,25 +311,7 @@ def diagnose(
     a2 = float(share[order[1]]) if len(order) > 1 else 0.0
     fit = np.zeros(len(stage_names), bool) if model_fit is None else np.asarray(model_fit, bool)
     total = float(acct.exposed.sum())
-    rank_totals = float(d.sum()) or 1.0
-    residual_share = 0.0
-    if stage_names[-1] == "step_other":
-        residual_share = float(d[:, :, -1].sum()) / rank_totals
-    overlap_share = 0.0
-    if step_wall is not None:
-        wall = np.asarray(step_wall, dtype=np.float64).reshape(d.shape[:2])
-        error = wall - d[:, :, :-1].sum(axis=2)
-        overlap_share = float(np.maximum(0.0, -error).sum()) / max(float(wall.sum()), 1e-300)
-
-    reasons: list[str] = []
-    if n_ranks < 2:
-        reasons.append("single rank: no cross-rank evidence")
-    if missing.any():
-        reasons.append(f"{int(missing.sum())} missing rank-steps")
-    if residual_share > th.closure_residual:
-        reasons.append(f"closure residual share {residual_share:.3f} > {th.closure_residual}")
-    if overlap_share > th.overlap_error:
-        reasons.append(f"overlap error share {overlap_share:.3f} > {th.overlap_error}")
+    reasons, residual_share, overlap_share = _telemetry(d, missing, stage_names, step_wall, th)
     labels = ["frontier_accounting"]
     if reasons:
         labels.append("telemetry_limited")
