@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from diagnosis.rules import frontier as sf
+from diagnosis.rules import frontier_labels as fl
 
 THREE = ("data", "fwd", "bwd")
 
@@ -19,7 +20,7 @@ def test_figure1_displaced_wait_is_charged_once_to_data() -> None:
     acct = sf.account(d)
     np.testing.assert_allclose(acct.advance[0], [6.0, 1.0, 1.2])
     assert acct.exposed[0] == pytest.approx(8.2)
-    report = sf.diagnose(d, stage_names=THREE)
+    report = fl.diagnose(d, stage_names=THREE)
     assert report.evidence["per_stage_max_total"] == pytest.approx(13.2)
     assert report.top1 == "data"
     assert report.culprit_ranks == (0,)
@@ -28,7 +29,7 @@ def test_figure1_displaced_wait_is_charged_once_to_data() -> None:
     np.testing.assert_allclose(report.gains, 0.0)
     assert "co_critical" in report.labels
     assert "direct_exposure" not in report.labels
-    fit = sf.diagnose(d, stage_names=THREE, model_fit=[1, 0, 0])
+    fit = fl.diagnose(d, stage_names=THREE, model_fit=[1, 0, 0])
     assert "sync_wait_dependent" in fit.labels
 
 
@@ -42,7 +43,7 @@ def test_figure2_each_boundary_charged_to_a_different_rank() -> None:
 
 
 def test_section4_sharp_case_reports_the_ambiguity_set() -> None:
-    report = sf.diagnose(np.array([[10, 0], [0, 10]]), stage_names=("data", "bwd"))
+    report = fl.diagnose(np.array([[10, 0], [0, 10]]), stage_names=("data", "bwd"))
     np.testing.assert_array_equal(sf.account(np.array([[10, 0], [0, 10]])).advance[0], [10, 0])
     assert "co_critical" in report.labels
     assert [report.stage_names[i] for i in report.co_critical_stages] == ["data", "bwd"]
@@ -60,22 +61,22 @@ def test_hidden_rank_data_delay_routes_to_data_and_the_rank() -> None:
     d = _window()
     d[:, 3, 0] += 120_000_000  # rank 3's data stage is 120 ms late ...
     d[:, np.arange(8) != 3, 2] += 120_000_000  # ... and the others wait for it in backward
-    report = sf.diagnose(d)
+    report = fl.diagnose(d)
     assert report.top1 == "data_next_wait"
     assert "data_next_wait" in report.top2
     assert 0 in report.candidates
-    assert sf.routing_hit(report, "data_next_wait") == (True, True, True)
-    assert sf.routing_hit(report, "callbacks") == (False, False, False)
+    assert fl.routing_hit(report, "data_next_wait") == (True, True, True)
+    assert fl.routing_hit(report, "callbacks") == (False, False, False)
     assert report.culprit_ranks == (3,)
     assert "telemetry_limited" not in report.labels
-    [finding] = sf.findings(report)
+    [finding] = fl.findings(report)
     assert finding.stage == "data_next_wait" and finding.component == "data_loader"
 
 
 def test_unwaited_extra_work_is_direct_exposure() -> None:
     d = _window()
     d[:, 5, 4] += 300_000_000  # rank 5's optimizer step is slow; nobody waits within the step
-    report = sf.diagnose(d)
+    report = fl.diagnose(d)
     assert report.top1 == "optim_step"
     assert "direct_exposure" in report.labels
     assert report.culprit_ranks == (5,)
@@ -84,17 +85,17 @@ def test_unwaited_extra_work_is_direct_exposure() -> None:
 
 def test_telemetry_and_role_downgrades() -> None:
     d = _window().astype(np.float64)
-    assert "telemetry_limited" in sf.diagnose(d[:, :1]).labels
+    assert "telemetry_limited" in fl.diagnose(d[:, :1]).labels
     holed = d.copy()
     holed[3, 2, :] = np.nan
-    assert "telemetry_limited" in sf.diagnose(holed).labels
+    assert "telemetry_limited" in fl.diagnose(holed).labels
     open_residual = d.copy()
     open_residual[:, :, 5] += 50e6
-    assert "telemetry_limited" in sf.diagnose(open_residual).labels
+    assert "telemetry_limited" in fl.diagnose(open_residual).labels
     wall = d[:, :, :5].sum(axis=2) - 10e6  # spans overlap the measured wall time
-    assert "telemetry_limited" in sf.diagnose(d, step_wall=wall).labels
+    assert "telemetry_limited" in fl.diagnose(d, step_wall=wall).labels
     roles = np.array([0, 0, 0, 0, 1, 1, 1, 1])
-    report = sf.diagnose(d, roles=roles)
+    report = fl.diagnose(d, roles=roles)
     assert "role_aware_needed" in report.labels
     assert "direct_exposure" not in report.labels
 
