@@ -1,0 +1,543 @@
+"""ClickHouse access: one client on one thread, the SQL helpers the endpoint needs, and migrations.
+
+`Database` owns ONE clickhouse-connect client for `chdb:///<dir>` (the embedded engine, in this
+process) or `http(s)://user:pass@host:port` (a server) and a single-thread executor through which
+every call goes: chdb is not used from several threads at once, and the Faust worker's event loop
+awaits the `a*` wrappers instead of blocking. A sync method called from that thread runs inline.
+
+Contract:
+- Errors from ClickHouse surface as `ClickHouseError` whose `message` is ClickHouse's own text
+  ("Code: 60. DB::Exception: ..."). Opening an embedded directory that another process holds
+  raises `EmbeddedDatabaseBusy`.
+- `insert_columns` sends one column-oriented Native insert; int64 nanoseconds go into
+  `DateTime64(9)` columns as raw ticks (no datetime objects anywhere).
+- `execute_sql` is the SQL endpoint's path: ClickHouse's formatted output as bytes, read-only by
+  default (ClickHouse's `readonly=2`), with each call in its own session so `SET`/`USE` never leak
+  into the writer's connection or the next caller's query.
+
+Migrations (`migrate`) are the numbered files in sql/ (see sql/README.md): applied in order, each
+recorded in `schema_migrations` with its checksum; editing an applied file is an error.
+Statements use unqualified table names and land in the database the `Database` was opened on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, overload
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import clickhouse_connect
+import numpy as np
+from clickhouse_connect.datatypes.registry import get_from_name
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import ClickHouseError as _DriverError
+from clickhouse_connect.driver.insert import InsertContext
+from clickhouse_connect.driver.query import QueryResult
+
+T = TypeVar("T")
+
+BUSY_HINT = ("the embedded database is held by another process; start the worker (`rankwatch up`) "
+             "so queries go through it")
+#: Settings every connection starts with: synchronous inserts (chdb defaults async_insert=1).
+CLIENT_SETTINGS: dict[str, Any] = {"async_insert": 0}
+#: A query through the SQL endpoint runs at most this long unless the caller sets its own limit:
+#: the endpoint shares the one ClickHouse thread with the writer.
+SQL_MAX_EXECUTION_TIME = 60
+_STRING = get_from_name("String")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ClickHouseError(RuntimeError):
+    """A failed ClickHouse call. `message` is ClickHouse's own text, `code` its error code."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+class EmbeddedDatabaseBusy(ClickHouseError):
+    """Another process holds the embedded data directory (chdb allows one process per dir)."""
+
+
+class MigrationError(RuntimeError):
+    """A migration file is malformed, or changed after it was applied."""
+
+
+def _message(e: BaseException) -> str:
+    """ClickHouse's message without the driver's preamble (HTTP URL, "Unable to open ...")."""
+    text = str(e).strip()
+    at = text.find("Code: ")
+    return text[at:] if at > 0 else text
+
+
+def _np_dtype(type_name: str) -> np.dtype[Any]:
+    try:
+        return np.dtype(get_from_name(type_name).np_type)
+    except Exception:  # types with no numpy equivalent come back as objects, as query_np does
+        return np.dtype(object)
+
+
+def _wrap(e: _DriverError) -> ClickHouseError:
+    message = _message(e)
+    if "Error initializing EmbeddedServer" in message:
+        return EmbeddedDatabaseBusy(f"{BUSY_HINT} ({message})", getattr(e, "code", None))
+    return ClickHouseError(message, getattr(e, "code", None))
+
+
+# ---------------------------------------------------------------------------------------------
+# URLs
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where ClickHouse is: the embedded engine at `path`, or a server."""
+
+    scheme: Literal["chdb", "http", "https"]
+    path: str = ""  # chdb data directory; ":memory:" for an in-memory engine
+    host: str = ""
+    port: int = 0
+    username: str = ""
+    password: str = field(default="", repr=False)
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def embedded(self) -> bool:
+        return self.scheme == "chdb"
+
+    def display(self) -> str:
+        """The URL without its password, for messages and logs."""
+        if self.embedded:
+            return f"chdb://{self.path}"
+        user = f"{self.username}@" if self.username else ""
+        return f"{self.scheme}://{user}{self.host}:{self.port}"
+
+
+def parse_url(url: str) -> Target:
+    """Parse `chdb:///abs/dir`, `chdb://rel/dir`, `chdb://memory` or
+    `http(s)://[user[:password]@]host[:port][/][?option=value...]`.
+
+    The database is not part of the URL (it is settings.clickhouse_database): an HTTP URL with a
+    path is refused rather than silently ignored. Options pass through to clickhouse-connect.
+    """
+    if url.startswith("chdb://"):
+        rest, _, query = url[len("chdb://"):].partition("?")
+        if query:
+            raise ValueError(f"{url!r}: chdb URLs take no options")
+        if rest in ("", "memory", ":memory:"):
+            return Target("chdb", ":memory:")
+        return Target("chdb", str(Path(unquote(rest)).expanduser().resolve()))
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: expected chdb://, http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"{url!r}: no host")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"{url!r}: the database is not part of the URL; "
+                         "set RANKWATCH_CLICKHOUSE_DATABASE instead")
+    try:
+        port = parts.port or (8443 if parts.scheme == "https" else 8123)
+    except ValueError as e:
+        raise ValueError(f"{url!r}: {e}") from None
+    scheme: Literal["http", "https"] = "https" if parts.scheme == "https" else "http"
+    return Target(scheme, "", parts.hostname, port, unquote(parts.username or ""),
+                  unquote(parts.password or ""), tuple(parse_qsl(parts.query)))
+
+
+def client_args(target: Target, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for `clickhouse_connect.get_client` (no database: it may not exist yet).
+    HTTP clients get no session id, so every request is its own session, as on chdb."""
+    merged = {**CLIENT_SETTINGS, **(settings or {})}
+    if target.embedded:
+        return {"interface": "chdb", "path": target.path, "settings": merged}
+    return {"interface": target.scheme, "host": target.host, "port": target.port,
+            "username": target.username or None, "password": target.password,
+            "autogenerate_session_id": False, "settings": merged, **dict(target.options)}
+
+
+# ---------------------------------------------------------------------------------------------
+# SQL text helpers (the endpoint's read-only guard and default format)
+
+_STRIP = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|`(?:[^`\\]|\\.)*`|--[^\n]*|#[^\n]*"""
+                    r"""|/\*.*?\*/""", re.S)
+_HAS_FORMAT = re.compile(r"\bFORMAT\s+\w+\s*(?:SETTINGS\b.*)?;?\s*$", re.I | re.S)
+_ROWS = re.compile(r"^[\s(]*(SELECT|WITH|SHOW|DESC|DESCRIBE|EXPLAIN|EXISTS|CHECK)\b", re.I)
+_FILE_WRITE = re.compile(r"\bINTO\s+OUTFILE\b|\bINTO\s+(?:TABLE\s+)?FUNCTION\b", re.I)
+
+
+def strip_sql(sql: str) -> str:
+    """SQL with string literals, quoted names and comments blanked out, for keyword checks."""
+    return _STRIP.sub(" ", sql)
+
+
+def wants_format(sql: str) -> bool:
+    """True when `sql` returns rows and has no FORMAT clause of its own, so the caller's default
+    format applies (ClickHouse's HTTP `default_format` rule; chdb has no such setting)."""
+    bare = strip_sql(sql)
+    return bool(_ROWS.match(bare)) and not _HAS_FORMAT.search(bare)
+
+
+def readonly_refusal(sql: str) -> str | None:
+    """Why `sql` is refused in read-only mode beyond what ClickHouse's readonly=2 refuses, or None.
+
+    readonly=2 refuses INSERT/CREATE/DROP/ALTER/TRUNCATE/OPTIMIZE/SYSTEM, but the embedded engine
+    still writes files for `INTO OUTFILE` and `INSERT INTO FUNCTION file(...)`; those are refused
+    here. This is a guard against accidents, not a sandbox: keep the endpoint on loopback.
+    """
+    if _FILE_WRITE.search(strip_sql(sql)):
+        return ("Code: 164. DB::Exception: rankwatch: INTO OUTFILE and INSERT INTO FUNCTION write "
+                "files; they are refused in readonly mode. (READONLY)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The database
+
+
+class Database:
+    """One ClickHouse database (`database`) at `url`, accessed from one thread. See module doc."""
+
+    def __init__(self, url: str, database: str, *, create: bool = True) -> None:
+        if not _IDENT.match(database):
+            raise ValueError(f"database {database!r}: expected letters, digits and underscores")
+        self.target = parse_url(url)
+        self.database = database
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
+        self._thread: int | None = None
+        self._types: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._closed = False
+        try:
+            self._client: Client = self._call(self._open, create)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` on the database thread and wait; inline when already on it."""
+        if self._closed:
+            raise ClickHouseError(f"database {self.database} at {self.target.display()} is closed")
+        if threading.get_ident() == self._thread:
+            return self._guarded(fn, *args, **kwargs)
+        future: Future[T] = self._executor.submit(self._guarded, fn, *args, **kwargs)
+        return future.result()
+
+    async def _acall(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._closed:
+            raise ClickHouseError(f"database {self.database} at {self.target.display()} is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, functools.partial(self._guarded, fn, *args, **kwargs))
+
+    def _guarded(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._thread = threading.get_ident()
+        try:
+            return fn(*args, **kwargs)
+        except _DriverError as e:
+            raise _wrap(e) from None
+
+    def _connect(self, settings: Mapping[str, Any] | None = None) -> Client:
+        return clickhouse_connect.get_client(**client_args(self.target, settings))
+
+    def _open(self, create: bool) -> Client:
+        client = self._connect()
+        try:
+            if create:
+                client.command(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
+            client.database = self.database
+            client.command("SELECT 1")  # fails now, not later, if the database is missing
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    # -- sync API ---------------------------------------------------------------------------
+
+    @overload
+    def query(self, sql: str, parameters: Mapping[str, Any] | None = None,
+              fmt: None = None) -> QueryResult: ...
+    @overload
+    def query(self, sql: str, parameters: Mapping[str, Any] | None = None, *,
+              fmt: str) -> bytes: ...
+    def query(self, sql: str, parameters: Mapping[str, Any] | None = None,
+              fmt: str | None = None) -> QueryResult | bytes:
+        """Rows as a clickhouse-connect QueryResult, or with `fmt` ClickHouse's formatted bytes.
+        `parameters` bind server-side: `{name:Type}` placeholders."""
+        return self._call(self._query, sql, parameters, fmt)
+
+    def query_columns(self, sql: str,
+                      parameters: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """The result as numpy columns by name (DateTime64 as datetime64[ns], strings as object)."""
+        return self._call(self._query_columns, sql, parameters)
+
+    def insert_columns(self, table: str, columns: Mapping[str, np.ndarray],
+                       settings: Mapping[str, Any] | None = None) -> int:
+        """Insert equal-length numpy columns into `table` in one column-oriented insert; returns
+        the rows sent. Integer columns may feed DateTime64 columns (ticks: ns for DateTime64(9))."""
+        return self._call(self._insert, table, columns, settings)
+
+    def command(self, sql: str, parameters: Mapping[str, Any] | None = None) -> Any:
+        """A statement without a result set (DDL, SET...); returns ClickHouse's summary/value."""
+        return self._call(self._command, sql, parameters)
+
+    def execute_sql(self, sql: str, fmt: str = "TabSeparated", *, readonly: bool = True) -> bytes:
+        """Run user SQL the way ClickHouse's HTTP interface does: `fmt` is the default format for
+        statements that return rows and have no FORMAT clause; the reply is ClickHouse's text."""
+        return self._call(self._execute_sql, sql, fmt, readonly)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._call(self._client.close)
+        finally:
+            self._closed = True
+            # from the database thread itself (a callback), it cannot wait for itself
+            self._executor.shutdown(wait=threading.get_ident() != self._thread)
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- async API (run on the database thread) ----------------------------------------------
+
+    @overload
+    async def aquery(self, sql: str, parameters: Mapping[str, Any] | None = None,
+                     fmt: None = None) -> QueryResult: ...
+    @overload
+    async def aquery(self, sql: str, parameters: Mapping[str, Any] | None = None, *,
+                     fmt: str) -> bytes: ...
+    async def aquery(self, sql: str, parameters: Mapping[str, Any] | None = None,
+                     fmt: str | None = None) -> QueryResult | bytes:
+        return await self._acall(self._query, sql, parameters, fmt)
+
+    async def aquery_columns(self, sql: str, parameters: Mapping[str, Any] | None = None
+                             ) -> dict[str, np.ndarray]:
+        return await self._acall(self._query_columns, sql, parameters)
+
+    async def ainsert(self, table: str, columns: Mapping[str, np.ndarray],
+                      settings: Mapping[str, Any] | None = None) -> int:
+        return await self._acall(self._insert, table, columns, settings)
+
+    #: The name streams.store uses.
+    ainsert_columns = ainsert
+
+    async def acommand(self, sql: str, parameters: Mapping[str, Any] | None = None) -> Any:
+        return await self._acall(self._command, sql, parameters)
+
+    async def aexecute_sql(self, sql: str, fmt: str = "TabSeparated", *,
+                           readonly: bool = True) -> bytes:
+        return await self._acall(self._execute_sql, sql, fmt, readonly)
+
+    # -- implementations (database thread only) ---------------------------------------------
+
+    def _query(self, sql: str, parameters: Mapping[str, Any] | None,
+               fmt: str | None) -> QueryResult | bytes:
+        params = dict(parameters) if parameters else None
+        if fmt is None:
+            return self._client.query(sql, parameters=params)
+        return self._client.raw_query(sql, parameters=params, fmt=fmt)
+
+    def _query_columns(self, sql: str,
+                       parameters: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+        ctx = self._client.create_query_context(
+            query=sql, parameters=dict(parameters) if parameters else None, use_numpy=True)
+        result: Any = self._client.query(context=ctx)  # a NumpyResult for a numpy context
+        arr, names = result.np_result, result.column_names
+        if arr.dtype.names:  # mixed types: a structured array
+            return {n: np.ascontiguousarray(arr[n]) for n in names}
+        if arr.ndim == 2:  # one dtype for every column: a 2-D array
+            return {n: np.ascontiguousarray(arr[:, i]) for i, n in enumerate(names)}
+        # No rows: chdb (and HTTP Native) send no block, so no column metadata; ask for it.
+        described = self._client.query(f"DESCRIBE ({sql})",
+                                       parameters=dict(parameters) if parameters else None)
+        return {str(row[0]): np.empty(0, dtype=_np_dtype(str(row[1])))
+                for row in described.result_rows}
+
+    def _command(self, sql: str, parameters: Mapping[str, Any] | None) -> Any:
+        return self._client.command(sql, parameters=dict(parameters) if parameters else None)
+
+    def _insert(self, table: str, columns: Mapping[str, np.ndarray],
+                settings: Mapping[str, Any] | None) -> int:
+        names = list(columns)
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"insert into {table}: columns of unequal lengths {sorted(lengths)}")
+        n = lengths.pop() if lengths else 0
+        if n == 0:
+            return 0
+        full, types = self._table_types(table)
+        unknown = [c for c in names if c not in types]
+        if unknown:
+            raise ValueError(f"insert into {table}: no column(s) {unknown}")
+        col_types = [types[c] for c in names]
+        int_cols = {c: "int" for c, t in zip(names, col_types, strict=True)
+                    if t.base_type.startswith("DateTime")}
+        ctx = InsertContext(full, names, col_types, column_oriented=True,
+                            settings={**CLIENT_SETTINGS, **(settings or {})},
+                            column_formats=dict(int_cols))
+        ctx.data = [columns[c] for c in names]
+        try:
+            self._client.insert(context=ctx)
+        except BaseException:
+            self._types.pop(table, None)  # the table may have changed under us
+            raise
+        return n
+
+    def _table_types(self, table: str) -> tuple[str, dict[str, Any]]:
+        cached = self._types.get(table)
+        if cached is None:
+            ctx = self._client.create_insert_context(table, "*")
+            # LowCardinality(String) columns are sent as String and converted by ClickHouse:
+            # the client builds LowCardinality dictionaries with a per-row Python loop.
+            types = {n: _STRING if t.low_card and t.base_type == "String" else t
+                     for n, t in zip(ctx.column_names, ctx.column_types, strict=True)}
+            cached = ctx.table, types
+            self._types[table] = cached
+        return cached
+
+    def _execute_sql(self, sql: str, fmt: str, readonly: bool) -> bytes:
+        if not _IDENT.match(fmt):
+            raise ClickHouseError(
+                f"Code: 73. DB::Exception: Unknown format {fmt}. (UNKNOWN_FORMAT)", 73)
+        if readonly and (refusal := readonly_refusal(sql)):
+            raise ClickHouseError(refusal, 164)
+        settings: dict[str, Any] = {"max_execution_time": SQL_MAX_EXECUTION_TIME}
+        if readonly:
+            settings["readonly"] = 2
+        out_fmt = fmt if wants_format(sql) else None
+        if not self.target.embedded:  # HTTP: settings ride on this one request only
+            return self._client.raw_query(sql, fmt=out_fmt, settings=settings)
+        # chdb: SET is per connection handle and readonly cannot be unset once set, so each call
+        # opens its own handle on the same engine (a few ms) and closes it.
+        session = self._connect(settings)
+        try:
+            session.database = self.database
+            return session.raw_query(sql, fmt=out_fmt)
+        finally:
+            session.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Migrations
+
+_MIGRATION_NAME = re.compile(r"^(\d{3,})_([a-z0-9_]+)\.sql$")
+_MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
+    version UInt32, name String, checksum String, applied_at DateTime64(3, 'UTC')
+) ENGINE = ReplacingMergeTree(applied_at) ORDER BY version"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str  # file name without .sql, e.g. "001_raw"
+    checksum: str  # sha256 of the file's bytes
+    statements: tuple[str, ...]
+
+
+def migrations_dir() -> Path:
+    """sql/ beside the packages (source tree, editable install), else a copy inside streams/."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "sql", here / "sql"):
+        if candidate.is_dir():
+            return candidate
+    raise MigrationError(f"no sql/ directory found beside {here}")
+
+
+def split_statements(text: str) -> list[str]:
+    """Split a migration into statements: a statement ends at a line ending with `;`. Pieces that
+    hold only comments and blank lines are dropped."""
+    out, current = [], []
+    for line in text.splitlines():
+        current.append(line)
+        if line.rstrip().endswith(";"):
+            out.append("\n".join(current).rstrip()[:-1])
+            current = []
+    out.append("\n".join(current))
+    return [s.strip() for s in out if strip_sql(s).strip(" \n\t;")]
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    """Every `NNN_name.sql` in `directory` (default `migrations_dir()`), ordered by version.
+    Files whose names start with a digit must follow that pattern; other files are ignored."""
+    directory = directory or migrations_dir()
+    found: dict[int, Migration] = {}
+    for path in sorted(directory.glob("*.sql")):
+        if not path.name[:1].isdigit():
+            continue
+        m = _MIGRATION_NAME.match(path.name)
+        if not m:
+            raise MigrationError(f"{path}: migration files are named NNN_lower_case_name.sql")
+        version = int(m.group(1))
+        if version in found:
+            raise MigrationError(f"{path}: version {version} is also {found[version].name}.sql")
+        data = path.read_bytes()
+        statements = tuple(split_statements(data.decode()))
+        if not statements:
+            raise MigrationError(f"{path}: no statements")
+        found[version] = Migration(version, path.stem, hashlib.sha256(data).hexdigest(),
+                                   statements)
+    return [found[v] for v in sorted(found)]
+
+
+def applied_migrations(db: Database) -> dict[int, tuple[str, str]]:
+    """version -> (name, checksum) of the migrations recorded in `db`."""
+    db.command(_MIGRATIONS_TABLE)
+    rows = db.query("SELECT version, argMax(name, applied_at), argMax(checksum, applied_at) "
+                    "FROM schema_migrations GROUP BY version").result_rows
+    return {int(v): (str(n), str(c)) for v, n, c in rows}
+
+
+def migrate(db: Database, directory: Path | None = None) -> list[Migration]:
+    """Apply the migrations `db` lacks, in order; return those applied (empty when up to date).
+
+    A migration is recorded only after all its statements succeed; ClickHouse DDL is not
+    transactional, so statements must be idempotent (`IF NOT EXISTS`) for a re-run after a
+    failure midway. Raises MigrationError when an applied file's checksum changed.
+    """
+    migrations = load_migrations(directory)
+    done = applied_migrations(db)
+    for mig in migrations:
+        if mig.version in done and done[mig.version][1] != mig.checksum:
+            raise MigrationError(
+                f"migration {mig.name}.sql changed after it was applied to database "
+                f"{db.database} (recorded checksum {done[mig.version][1][:12]}, file "
+                f"{mig.checksum[:12]}); applied migrations are immutable: revert the file and "
+                "add a new numbered migration")
+    applied = []
+    for mig in migrations:
+        if mig.version in done:
+            continue
+        for statement in mig.statements:
+            db.command(statement)
+        record_migration(db, mig)
+        applied.append(mig)
+    return applied
+
+
+def record_migration(db: Database, mig: Migration) -> None:
+    db.insert_columns("schema_migrations", {
+        "version": np.array([mig.version], np.uint32),
+        "name": np.array([mig.name], object),
+        "checksum": np.array([mig.checksum], object),
+        "applied_at": np.array([time.time_ns() // 1_000_000], np.int64),
+    })
+
+
+__all__: Sequence[str] = (
+    "BUSY_HINT", "ClickHouseError", "Database", "EmbeddedDatabaseBusy", "Migration",
+    "MigrationError", "Target", "applied_migrations", "client_args", "load_migrations", "migrate",
+    "migrations_dir", "parse_url", "readonly_refusal", "split_statements", "strip_sql",
+    "wants_format",
+)

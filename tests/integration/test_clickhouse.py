@@ -1,0 +1,294 @@
+"""streams.db and streams.writer against the real embedded ClickHouse (chdb): migrations, the
+schema against the record contract, numpy inserts, deduplication, topologies, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ingest.batch import TIME_COLUMN, decode_batch, encode_batch
+from ingest.records import COLUMNS, Communicator, JobTopology
+from streams.db import (
+    ClickHouseError,
+    Database,
+    MigrationError,
+    applied_migrations,
+    load_migrations,
+    migrate,
+)
+from streams.writer import (
+    ClickHouseWriter,
+    DlqRow,
+    IngestMetric,
+    dedup_token,
+    insert_settings,
+    raw_columns,
+)
+
+#: An hour ago, in whole seconds (ns). Raw rows are kept a day after max(record time, ingest time).
+T0 = (time.time_ns() // 1_000_000_000 - 3600) * 1_000_000_000
+
+
+def ops_columns(n: int, t0: int = T0) -> dict[str, object]:
+    i = np.arange(n)
+    return {
+        "rank": (i % 7).astype(np.int32),
+        "comm_id": (i % 3, ["dp0", "tp1", "pp2"]),
+        "op_seq": i // 7,
+        "op": (i % 2, ["AllReduce", "Send"]),
+        "bytes": 1_000 + i,
+        "peer": np.where(i % 2 == 1, (i + 1) % 7, -1),
+        "t_enqueue": t0 + i * 1_000 + 1,
+        "t_start": t0 + i * 1_000 + 7,
+        "t_end": np.where(i % 5 == 4, 0, t0 + i * 1_000 + 999),
+        "step": i // 70,
+    }
+
+
+def ops_batch(job_id: str, n: int, t0: int = T0, seq: int = 0):
+    return decode_batch(encode_batch("ops", job_id, ops_columns(n, t0), producer="h0", seq=seq))
+
+
+def count(db: Database, table: str) -> int:
+    return int(db.query(f"SELECT count() FROM {table}").result_rows[0][0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Migrations
+
+
+def test_migrations_apply_once(clickhouse_empty_db: Database) -> None:
+    db = clickhouse_empty_db
+    applied = migrate(db)
+    assert [m.name for m in applied] == [m.name for m in load_migrations()]
+    assert migrate(db) == []
+    recorded = applied_migrations(db)
+    assert {v: c for v, (_, c) in recorded.items()} == {m.version: m.checksum for m in applied}
+    tables = {r[0] for r in db.query("SHOW TABLES").result_rows}
+    assert {*COLUMNS, "jobs", "dlq", "ingest_metrics", "schema_migrations"} <= tables
+
+
+def test_migrations_catch_checksum_drift(clickhouse_empty_db: Database, tmp_path: Path) -> None:
+    db = clickhouse_empty_db
+    first = tmp_path / "001_first.sql"
+    first.write_text("CREATE TABLE IF NOT EXISTS a (x Int8) ENGINE = MergeTree ORDER BY x;\n")
+    assert [m.name for m in migrate(db, tmp_path)] == ["001_first"]
+    (tmp_path / "002_second.sql").write_text(
+        "CREATE TABLE IF NOT EXISTS b (y Int8) ENGINE = MergeTree ORDER BY y;\n"
+        "INSERT INTO b VALUES (1);\n")
+    assert [m.name for m in migrate(db, tmp_path)] == ["002_second"]
+    assert count(db, "b") == 1  # applied once: the second run did not insert again
+    first.write_text(first.read_text().replace("Int8", "Int16"))
+    with pytest.raises(MigrationError, match=r"001_first\.sql changed after it was applied"):
+        migrate(db, tmp_path)
+
+
+def test_a_failing_migration_is_not_recorded(clickhouse_empty_db: Database,
+                                             tmp_path: Path) -> None:
+    db = clickhouse_empty_db
+    (tmp_path / "001_bad.sql").write_text(
+        "CREATE TABLE IF NOT EXISTS a (x Int8) ENGINE = MergeTree ORDER BY x;\nSELEC 1;\n")
+    with pytest.raises(ClickHouseError, match="SYNTAX_ERROR"):
+        migrate(db, tmp_path)
+    assert applied_migrations(db) == {}
+
+
+def test_raw_tables_follow_the_record_contract(clickhouse_db: Database) -> None:
+    for kind, spec in COLUMNS.items():
+        rows = clickhouse_db.query(f"DESCRIBE TABLE {kind}").result_rows
+        types = {r[0]: r[1] for r in rows}
+        assert list(types) == ["job_id", *(c.name for c in spec), "src_partition", "src_offset",
+                               "ingest_ts"], kind
+        for c in spec:
+            if c.kind == "str":
+                assert types[c.name] == "LowCardinality(String)", (kind, c.name)
+            elif c.name in ("t_enqueue", "t_start", "t_end", "ts"):
+                assert types[c.name] == "DateTime64(9, 'UTC')", (kind, c.name)
+            else:
+                assert types[c.name] == ("Int32" if c.dtype == np.int32 else "Int64"), c.name
+        sorting = clickhouse_db.query(
+            "SELECT sorting_key FROM system.tables WHERE database = currentDatabase() "
+            "AND name = {t:String}", {"t": kind}).result_rows[0][0]
+        assert sorting == f"job_id, {TIME_COLUMN[kind]}, rank"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writes
+
+
+def test_ops_batches_round_trip(clickhouse_db: Database) -> None:
+    writer = ClickHouseWriter(clickhouse_db, clock=lambda: T0 + 2_000_000_000)
+    batches = [ops_batch("job-a", 50), ops_batch("job-b", 20, seq=1)]
+    n = asyncio.run(writer.write("ops", batches, dedup_token("rw.ops", 3, 100, 101),
+                                 sources=[(3, 100), (3, 101)]))
+    assert n == 70
+    got = clickhouse_db.query_columns(
+        "SELECT * FROM ops ORDER BY job_id, t_start, rank")
+    want = raw_columns("ops", batches, T0 + 2_000_000_000, [(3, 100), (3, 101)])
+    assert list(got) == list(want)
+    for name, values in want.items():
+        stored = got[name]
+        if stored.dtype.kind == "M":  # DateTime64(9) comes back as datetime64[ns]: same ticks
+            stored = stored.view(np.int64)
+        np.testing.assert_array_equal(stored, values, err_msg=name)
+    assert got["t_end"].view(np.int64).min() == 0  # in-flight ops keep t_end = 0
+    lag = writer.last_lag["ops"]
+    assert lag.rows == 70 and lag.max_ms == pytest.approx(2_000 - 7e-6)
+
+
+def test_same_token_is_stored_once(clickhouse_db: Database) -> None:
+    writer = ClickHouseWriter(clickhouse_db)
+    batch = ops_batch("job-d", 40)
+    token = dedup_token("rw.ops", 0, 5, 5)
+
+    async def go() -> None:
+        await writer.write("ops", [batch], token)
+        await writer.write("ops", [batch], token)  # a retry: ingest_ts differs, token does not
+        assert count(clickhouse_db, "ops") == 40
+        await writer.write("ops", [batch], dedup_token("rw.ops", 0, 6, 6))
+        assert count(clickhouse_db, "ops") == 80
+
+    asyncio.run(go())
+
+
+def test_insert_columns_dedup_and_errors(clickhouse_db: Database) -> None:
+    cols = raw_columns("beats", [decode_batch(encode_batch(
+        "beats", "job-e", {"rank": np.arange(4), "ts": T0 + np.arange(4)}))], T0)
+    for _ in range(2):
+        assert clickhouse_db.insert_columns("beats", cols, insert_settings("tok-1")) == 4
+    assert count(clickhouse_db, "beats") == 4
+    with pytest.raises(ValueError, match="no column"):
+        clickhouse_db.insert_columns("beats", {"nope": np.arange(3)})
+    with pytest.raises(ValueError, match="unequal lengths"):
+        clickhouse_db.insert_columns("beats", {"rank": np.arange(3), "ts": np.arange(2)})
+    with pytest.raises(ClickHouseError, match="UNKNOWN_TABLE"):
+        clickhouse_db.insert_columns("no_such_table", {"x": np.arange(3)})
+
+
+def test_async_calls_share_one_thread(clickhouse_db: Database) -> None:
+    writer = ClickHouseWriter(clickhouse_db)
+    threads: set[str] = set()
+
+    async def one(i: int) -> int:
+        n = await writer.write("ops", [ops_batch(f"job-{i}", 10)], f"tok-{i}")
+        threads.add(await clickhouse_db._acall(lambda: threading.current_thread().name))
+        return n
+
+    async def go() -> list[int]:
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    assert asyncio.run(go()) == [10] * 8
+    assert count(clickhouse_db, "ops") == 80
+    assert len(threads) == 1
+
+
+def test_query_parameters_and_empty_results(clickhouse_db: Database) -> None:
+    asyncio.run(ClickHouseWriter(clickhouse_db).write("ops", [ops_batch("job-p", 14)], "t"))
+    got = clickhouse_db.query_columns(
+        "SELECT rank, t_start FROM ops WHERE job_id = {job:String} AND rank < {r:Int32}",
+        {"job": "job-p", "r": 2})
+    assert sorted(got["rank"].tolist()) == [0, 0, 1, 1]
+    empty = clickhouse_db.query_columns("SELECT rank, comm_id, t_start FROM ops WHERE 0")
+    assert {k: v.dtype for k, v in empty.items()} == {
+        "rank": np.dtype(np.int32), "comm_id": np.dtype(object),
+        "t_start": np.dtype("datetime64[ns]")}
+
+
+def test_topologies_round_trip(clickhouse_db: Database) -> None:
+    topo = JobTopology(job_id="job-t", ts=T0, world_size=4, tp=2, dp=2,
+                       hosts=["h0", "h0", "h1", "h1"],
+                       communicators=[Communicator(comm_id="tp0", kind="tp", members=[0, 1]),
+                                      Communicator(comm_id="dp0", kind="dp", members=[0, 2])])
+    newer = topo.model_copy(update={"ts": T0 + 1, "microbatches": 8})
+    writer = ClickHouseWriter(clickhouse_db)
+    asyncio.run(writer.write_topologies([topo], "jobs:0:0-0"))
+    asyncio.run(writer.write_topologies([newer], "jobs:0:1-1"))
+    rows = clickhouse_db.query(
+        "SELECT topology, hosts[3], comm_members[2], microbatches FROM jobs FINAL").result_rows
+    assert len(rows) == 1
+    stored, host_of_rank_2, dp_members, microbatches = rows[0]
+    assert JobTopology.model_validate_json(stored) == newer
+    assert (host_of_rank_2, dp_members, microbatches) == ("h1", [0, 2], 8)
+
+
+def test_dead_letters_and_metrics(clickhouse_db: Database) -> None:
+    writer = ClickHouseWriter(clickhouse_db)
+    bad = DlqRow(T0, "rw.ops", 2, 17, "rank", 3, "-1 is below the minimum 0",
+                 b'{"v": 1, "kind": "ops"}\xff')
+    assert asyncio.run(writer.write_dlq([bad], dedup_token("rw.dlq", 0, 9, 9))) == 1
+    assert asyncio.run(writer.write_dlq([bad], dedup_token("rw.dlq", 0, 9, 9))) == 1
+    rows = clickhouse_db.query("SELECT topic, partition, offset, field, row, reason, payload "
+                               "FROM dlq").result_rows
+    assert len(rows) == 1
+    assert rows[0][:6] == ("rw.ops", 2, 17, "rank", 3, "-1 is below the minimum 0")
+    payload = clickhouse_db.query("SELECT hex(payload) FROM dlq").result_rows[0][0]
+    assert bytes.fromhex(payload) == bad.payload
+    metric = IngestMetric(T0, "worker-1", "rw.ops", 2, 70, 2, 12.5, 40.0)
+    assert asyncio.run(writer.write_metrics([metric])) == 1
+    assert clickhouse_db.query("SELECT worker, rows, lag_p50_ms, toUnixTimestamp64Milli(ts) "
+                               "FROM ingest_metrics").result_rows == [
+        ("worker-1", 70, 12.5, T0 // 1_000_000)]
+
+
+def test_writer_rejects_mixed_kinds(clickhouse_db: Database) -> None:
+    beats = decode_batch(encode_batch("beats", "j", {"rank": [0], "ts": [T0]}))
+    with pytest.raises(ValueError, match="a 'beats' batch"):
+        asyncio.run(ClickHouseWriter(clickhouse_db).write("ops", [beats], "t"))
+    assert asyncio.run(ClickHouseWriter(clickhouse_db).write("ops", [], "t")) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The SQL path (sessions, read-only)
+
+
+def test_execute_sql_sessions_do_not_leak(clickhouse_db: Database) -> None:
+    db = clickhouse_db
+    assert db.execute_sql("SELECT currentDatabase()", "TSV") == f"{db.database}\n".encode()
+    db.execute_sql("USE system", "TSV")
+    db.execute_sql("SET max_threads = 1", "TSV")
+    assert db.execute_sql("SELECT currentDatabase(), getSetting('max_threads') = 1",
+                          "TSV") == f"{db.database}\t0\n".encode()
+    with pytest.raises(ClickHouseError, match="READONLY") as e:
+        db.execute_sql("INSERT INTO beats (rank, ts) VALUES (1, 1)", "TSV")
+    assert e.value.code == 164
+    # the writer's own connection is not read-only after the endpoint's query
+    db.insert_columns("beats", {"rank": np.array([1], np.int32), "ts": np.array([T0])})
+    assert db.execute_sql("SELECT count() FROM beats", "TSV") == b"1\n"
+    assert db.execute_sql("INSERT INTO beats (rank, ts) VALUES (2, 2)", "TSV",
+                          readonly=False) == b""
+    assert count(db, "beats") == 2
+
+
+def test_execute_sql_format_rules(clickhouse_db: Database) -> None:
+    db = clickhouse_db
+    assert db.execute_sql("SELECT 1 AS x", "JSONEachRow") == b'{"x":1}\n'
+    assert db.execute_sql("SELECT 1 AS x FORMAT CSVWithNames", "JSONEachRow") == b'"x"\n1\n'
+    assert db.execute_sql("SELECT 1 AS x;", "TSVWithNames") == b"x\n1\n"
+    with pytest.raises(ClickHouseError, match="UNKNOWN_FORMAT"):
+        db.execute_sql("SELECT 1", "TSV; DROP TABLE ops")
+
+
+def test_closed_database_says_so(clickhouse_url: str) -> None:
+    db = Database(clickhouse_url, "t_closed")
+    db.command("DROP DATABASE t_closed")
+    db.close()
+    with pytest.raises(ClickHouseError, match="closed"):
+        db.query("SELECT 1")
+
+
+def test_old_records_are_kept_a_day_after_they_are_stored(clickhouse_db: Database) -> None:
+    """TTL is greatest(record time, ingest_ts) + 1 day: an imported trace from last month stays;
+    rows both recorded and stored long ago go at the next TTL merge."""
+    month_ago = T0 - 30 * 86_400 * 1_000_000_000
+    batch = ops_batch("job-old", 10, month_ago)
+    asyncio.run(ClickHouseWriter(clickhouse_db).write("ops", [batch], "fresh"))
+    asyncio.run(ClickHouseWriter(clickhouse_db, clock=lambda: month_ago + 1).write(
+        "ops", [ops_batch("job-gone", 10, month_ago)], "stale"))
+    clickhouse_db.command("OPTIMIZE TABLE ops FINAL")
+    assert clickhouse_db.query("SELECT job_id, count() FROM ops GROUP BY job_id").result_rows \
+        == [("job-old", 10)]
