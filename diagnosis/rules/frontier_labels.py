@@ -17,6 +17,12 @@ share, within ηG of the top gain ≥ γG) and, doing better than the paper's re
 case r0 = (10, 0), r1 = (0, 10), C_M: stages whose per-stage-max share Σ_t max_r d / Σ_t F[t,S]
 is within ηA of A_s1 — an independent path as long as the frontier's leading advance — which
 yields the paper's {data, backward} there.
+
+Culprit ranks: the ranks holding at least half of the largest blame (frontier time charged to a
+rank, `frontier.blame`) at the top-1 stage. The paper reports the latest-rank tie set per step;
+aggregating the charged time over the window is our choice, so a rank that leads on many steps
+outranks one that led once. `routing_hit` scores a known injected stage the way §6.2 does
+(top-1 match, top-2 routing, candidate hit).
 """
 
 from __future__ import annotations
