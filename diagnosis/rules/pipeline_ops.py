@@ -1,0 +1,158 @@
+"""The ops → 1F1B mapping: which op of a rank marks which forward/backward pass of which step.
+
+VenusTrace §3.2.1 treats communication calls as the "narrow waist" of computation: a call is
+made when the computation before it is done, so op logs tell which pipeline passes completed and
+how long they took. This module fixes the mapping the pipeline rules (critical_path.py,
+halt_point.py) assume; it matches Megatron's non-interleaved 1F1B and the simulator in ingest/sim.
+
+Schedule (PipeDream-Flush): stage s of P runs min(P − s − 1, M) warm-up forwards, then one
+forward / one backward alternately, then the remaining backwards (`stage_order`).
+
+Per pass (kind, m) on stage s, a rank issues, in this order:
+1. Recv on its `pp` communicator — from stage s−1 for F (if s > 0), from s+1 for B (if s < P−1);
+2. K compute segments, each followed by one TP collective on its `tp` communicator (K =
+   `tp_ops_per_pass`, the same for F and B; none when tp = 1);
+3. Send on its `pp` communicator — to s+1 for F (if s < P−1), to s−1 for B (if s > 0).
+After the last pass: `dp_ops_per_step` collectives on its `dp` communicator (the gradient
+AllReduce; 2 with a distributed optimizer's ReduceScatter + AllGather).
+
+op_seq counts per (rank, communicator) from 0 at the first step observed, so with
+n_pp(s) = Σ over passes of (#Recv + #Send) on stage s (2M on the first and last stage, 4M in
+between), step k's pp ops on stage s are op_seq ∈ [k·n_pp(s), (k+1)·n_pp(s)), its TP ops
+[k·2M·K, (k+1)·2M·K) and its DP ops [k·D, (k+1)·D). `step_base` shifts k when op_seq started
+counting at a later step; an op's `step` column, when ≥ 0, is used instead of this arithmetic.
+
+A pass is *complete* on a rank when (a) its last TP collective completed, or (b) its Send was
+enqueued, or (c) any later op of the step on that rank was enqueued (it moved past the pass).
+Passes with no Send (F on the last stage, B on the first) and tp = 1 are only known complete by
+(c); that is the ambiguity halt_point.py reports. Pass durations (VenusTrace: "the interval
+between the first and the last AllReduce call") need K ≥ 1: duration = end of the last TP op −
+ready time, where ready = max(end of the pass's Recv, end of the previous pass on the stage), and
+the step's first pass without a Recv starts at its first TP call (its first segment is not seen —
+the paper's "except the first layer's computation time").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from diagnosis.columns import Columns, col, ints
+
+Array = np.ndarray
+Pass = Literal["F", "B"]
+
+
+def stage_order(pp: int, microbatches: int, stage: int) -> list[tuple[Pass, int]]:
+    """1F1B pass order on one stage: warm-up forwards, steady 1F1B, cool-down backwards."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
+    warm = min(pp - stage - 1, microbatches)
+    out: list[tuple[Pass, int]] = [("F", i) for i in range(warm)]
+    for i in range(microbatches - warm):
+        out += [("F", warm + i), ("B", i)]
+    out += [("B", i) for i in range(microbatches - warm, microbatches)]
+    return out
+
+
+def pp_plan(pp: int, microbatches: int, stage: int) -> list[tuple[str, Pass, int]]:
+    """The (op, pass kind, microbatch) of each pp op of one step on a stage, in op_seq order."""
+    out: list[tuple[str, Pass, int]] = []
+    for kind, m in stage_order(pp, microbatches, stage):
+        src = stage - 1 if kind == "F" else stage + 1
+        dst = stage + 1 if kind == "F" else stage - 1
+        if 0 <= src < pp:
+            out.append(("Recv", kind, m))
+        if 0 <= dst < pp:
+            out.append(("Send", kind, m))
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What the mapping needs to know about the job."""
+
+    pp: int
+    microbatches: int
+    tp_ops_per_pass: int = 0  # K; 0 when tp = 1 or unknown
+    dp_ops_per_step: int = 1
+    step_base: int = 0
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Per pass of one rank's step (arrays [2, M], index 0 = F, 1 = B), ns; 0 = not observed."""
+
+    ready: Array  # when the pass could start (its Recv ended / previous pass ended)
+    end: Array  # when it was seen complete (0 if not)
+    tp_calls: Array  # TP collectives the rank issued for the pass
+    complete: Array  # bool
+
+
+def _rows(ops: Columns, rank: int, comm: str) -> tuple[Array, Array, Array, Array]:
+    sel = (ints(ops, "rank") == rank) & (col(ops, "comm_id").astype(str) == comm)
+    return (ints(ops, "op_seq")[sel], ints(ops, "t_enqueue")[sel], ints(ops, "t_end")[sel],
+            ints(ops, "step", -1)[sel])
+
+
+def pass_times(ops: Columns, spec: PipelineSpec, stage: int, rank: int, pp_comm: str,
+               tp_comm: str | None, step: int) -> PassTimes:
+    """Observed times of every pass of `step` on one rank (see the module docstring)."""
+    m_n = spec.microbatches
+    order = stage_order(spec.pp, m_n, stage)
+    plan = pp_plan(spec.pp, m_n, stage)
+    ready, end, calls = (np.zeros((2, m_n), dtype=np.int64) for _ in range(3))
+    k = step - spec.step_base
+    seq, enq, t_end, stp = _rows(ops, rank, pp_comm)
+    base = k * len(plan)
+    in_step = np.where(stp >= 0, stp == step, (seq >= base) & (seq < base + len(plan)))
+    pos = np.where(stp >= 0, seq % max(len(plan), 1), seq - base)
+    pp_enq = np.zeros(len(plan), dtype=np.int64)
+    pp_end = np.zeros(len(plan), dtype=np.int64)
+    pp_enq[pos[in_step]] = enq[in_step]
+    pp_end[pos[in_step]] = t_end[in_step]
+    last_enq = int(pp_enq.max()) if len(plan) else 0
+    kk = spec.tp_ops_per_pass
+    tp_first = tp_last_end = np.zeros(len(order), dtype=np.int64)
+    if kk > 0 and tp_comm is not None:
+        tseq, tenq, tend, tstp = _rows(ops, rank, tp_comm)
+        tbase = k * len(order) * kk
+        idx = np.where(tstp >= 0, tseq % (len(order) * kk), tseq - tbase)
+        ok = np.where(tstp >= 0, tstp == step, (idx >= 0) & (idx < len(order) * kk))
+        grid_enq = np.zeros((len(order), kk), dtype=np.int64)
+        grid_end = np.zeros((len(order), kk), dtype=np.int64)
+        grid_enq[idx[ok] // kk, idx[ok] % kk] = tenq[ok]
+        grid_end[idx[ok] // kk, idx[ok] % kk] = tend[ok]
+        tp_first, tp_last_end = grid_enq[:, 0], grid_end[:, -1]
+        n_calls = (grid_enq > 0).sum(axis=1)
+        last_enq = max(last_enq, int(grid_enq.max()))
+    prev_end = 0
+    op_i = 0
+    for p, (kind, m) in enumerate(order):
+        ki = 0 if kind == "F" else 1
+        recv_end = 0
+        if op_i < len(plan) and plan[op_i][0] == "Recv":
+            recv_end = int(pp_end[op_i])
+            op_i += 1
+        ready[ki, m] = max(recv_end, prev_end) or (int(tp_first[p]) if kk > 0 else 0)
+        send_enq = 0
+        if op_i < len(plan) and plan[op_i][0] == "Send" and plan[op_i][1:] == (kind, m):
+            send_enq = int(pp_enq[op_i])
+            op_i += 1
+        later = int(pp_enq[op_i:].max()) if op_i < len(plan) else 0
+        if kk > 0 and tp_comm is not None:
+            calls[ki, m] = n_calls[p]
+            later = max(later, int(tp_first[p + 1:].max()) if p + 1 < len(order) else 0)
+        e = int(tp_last_end[p]) if kk > 0 else 0
+        end[ki, m] = e or send_enq or later
+        prev_end = int(end[ki, m])
+    del last_enq
+    return PassTimes(ready, end, calls, end > 0)
+
+
+def durations(times: PassTimes) -> Array:
+    """float64 [2, M] pass durations in ns (nan where the pass is not complete or not timed)."""
+    ok = times.complete & (times.ready > 0) & (times.end >= times.ready)
+    return np.where(ok, (times.end - times.ready).astype(np.float64), np.nan)
