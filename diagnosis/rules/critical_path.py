@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -59,7 +60,7 @@ class Dag:
         return int(self.duration.size)
 
     def node(self, s: int, kind: int, m: int) -> int:
-        return (s * 2 + kind) * self.microbatches + m
+        return int((s * 2 + kind) * self.microbatches + m)
 
     def label(self, i: int) -> str:
         """"fwd mb=3 pp=1" for passes, "dp_allreduce pp=2" for the AR node of stage 2."""
@@ -74,7 +75,7 @@ class Dag:
 def build_1f1b_dag(durations: Array, allreduce: Array | None = None) -> Dag:
     """DAG of one replica's step from pass durations [P, 2, M] and optional AR durations [P]."""
     d = np.asarray(durations, dtype=np.float64)
-    pp, _, m_n = d.shape
+    pp, _, m_n = (int(x) for x in d.shape)
     ar = np.zeros(pp) if allreduce is None else np.asarray(allreduce, dtype=np.float64)
     preds: list[set[int]] = [set() for _ in range(pp * 2 * m_n + pp)]
 
@@ -83,7 +84,7 @@ def build_1f1b_dag(durations: Array, allreduce: Array | None = None) -> Dag:
 
     for s in range(pp):
         order = [nid(s, 0 if k == "F" else 1, m) for k, m in stage_order(pp, m_n, s)]
-        for a, b in zip(order, order[1:], strict=False):
+        for a, b in pairwise(order):
             preds[b].add(a)
         preds[pp * 2 * m_n + s].add(order[-1])
         for m in range(m_n):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,7 +76,7 @@ def test_fig7_only_critical_slow_nodes_are_reported_and_drilled_down():
     found = analyze_slowdown(fig7_step(slow), exp, grid, step=7)
     by_stage = {f.stage: f for f in found}
     assert set(by_stage) == {"fwd mb=0 pp=1", "bwd mb=2 pp=3", "bwd mb=3 pp=1"}
-    absorbed = set(found[0].evidence["absorbed"])  # type: ignore[arg-type]
+    absorbed = set(cast(list[str], found[0].evidence["absorbed"]))
     assert {"fwd mb=2 pp=0", "fwd mb=1 pp=1", "bwd mb=0 pp=0"} <= absorbed
     s5 = by_stage["bwd mb=2 pp=3"]
     assert s5.culprit_ranks == (grid.rank_at(1, 3, 1),) and s5.component == "gpu_compute"
