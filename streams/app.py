@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import faust
-import numpy as np
 import orjson
+from faust.streams import Stream
+from faust.types import StreamT
 
 from ingest.batch import BatchError, decode_batch
 from ingest.records import MODELS
 from ingest.topics import Topics
-from streams.raw_sink import DeadLetter, Message, RawSink, Store
+from streams.raw_sink import DeadLetter, Message, RawSink
+from streams.store import ClickHouseStore
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,9 @@ def raw_table(kind: str) -> str:
 class StreamsApp:
     """Holds the Faust app, the sinks and their stats; `app` is what a faust.Worker runs."""
 
-    def __init__(self, cfg: AppConfig, store: Store, dlq_store: Any = None) -> None:
+    def __init__(self, cfg: AppConfig, store: ClickHouseStore) -> None:
         self.cfg = cfg
         self.store = store
-        self.dlq_store = dlq_store
         self.stopping = False
         self.app = faust.App(
             cfg.app_id,
@@ -75,8 +75,9 @@ class StreamsApp:
         for kind in MODELS:
             self._add_raw_agent(kind)
         self._add_jobs_agent()
-        self.app.on_partitions_assigned.connect(self._on_assigned)
-        self.app.on_before_shutdown.connect(self._on_shutdown)
+        # mode's Signal.connect annotation does not admit coroutine functions; it calls them fine
+        self.app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]
+        self.app.on_before_shutdown.connect(self._on_shutdown)  # type: ignore[arg-type]
 
     # -- agents ------------------------------------------------------------------------------
 
@@ -87,10 +88,11 @@ class StreamsApp:
         topic = self.app.topic(self.cfg.topics.for_kind(kind), value_serializer="raw",
                                key_serializer="raw")
 
-        async def consume(stream: faust.StreamT[bytes]) -> None:
-            async for events in stream.take_events(self.cfg.max_messages, self.cfg.within_s):
+        async def consume(stream: StreamT[Any]) -> None:
+            stream_ = cast(Stream[bytes], stream)
+            async for events in stream_.take_events(self.cfg.max_messages, self.cfg.within_s):
                 msgs = [Message(e.message.topic, e.message.partition, e.message.offset,
-                                e.message.value) for e in events]
+                                e.message.value or b"") for e in events]
                 try:
                     await sink.process(msgs)
                 except BaseException:
@@ -103,21 +105,23 @@ class StreamsApp:
     def _add_jobs_agent(self) -> None:
         topic = self.app.topic(self.cfg.topics.jobs, value_serializer="raw", key_serializer="raw")
 
-        async def consume(stream: faust.StreamT[bytes]) -> None:
-            async for events in stream.take_events(64, self.cfg.within_s):
+        async def consume(stream: StreamT[Any]) -> None:
+            async for events in cast(Stream[bytes], stream).take_events(64, self.cfg.within_s):
                 topos, dead = [], []
                 for e in events:
                     m = e.message
                     try:
-                        rb = decode_batch(m.value)
+                        rb = decode_batch(m.value or b"")
                         if rb.kind != "jobs":
                             raise BatchError(f"a {rb.kind!r} batch on the jobs topic", "kind")
                         topos.extend(rb.topologies)
                     except BatchError as err:
-                        dead.append(DeadLetter(m.topic, m.partition, m.offset, err, m.value))
+                        dead.append(DeadLetter(m.topic, m.partition, m.offset, err, m.value or b""))
                 try:
-                    if topos and hasattr(self.store, "write_topologies"):
-                        await self.store.write_topologies(topos)
+                    if topos:
+                        first, last = events[0].message, events[-1].message
+                        await self.store.write_topologies(
+                            topos, f"jobs:{first.partition}:{first.offset}-{last.offset}")
                     if dead:
                         await self._dead_letters(dead)
                 except BaseException:
@@ -135,14 +139,15 @@ class StreamsApp:
             fut = await self.dlq_topic.send(key=f"{d.topic}:{d.partition}".encode(),
                                             value=orjson.dumps(d.to_json()))
             await fut
-        if self.dlq_store is not None:
-            await self.dlq_store(dead)
+        await self.store.write_dead_letters(dead)
 
-    async def _on_assigned(self, sender: Any, assigned: Any, **kwargs: Any) -> None:
+    async def _on_assigned(self, sender: Any, *args: Any, signal: Any = None,
+                           **kwargs: Any) -> None:
         for sink in self.sinks.values():
             sink.forget_partitions()
 
-    async def _on_shutdown(self, sender: Any, **kwargs: Any) -> None:
+    async def _on_shutdown(self, sender: Any, *args: Any, signal: Any = None,
+                           **kwargs: Any) -> None:
         self.stopping = True
 
     def stats(self) -> dict[str, Any]:
@@ -151,22 +156,8 @@ class StreamsApp:
             st = s.stats
             out[kind] = {"messages": st.messages, "rows": st.rows, "inserts": st.inserts,
                          "skipped_messages": st.skipped_messages,
-                         "dead_letters": st.dead_letters, "insert_retries": st.insert_retries,
-                         "lag_ms_p50": st.lag_ms_p50, "lag_ms_max": st.lag_ms_max}
+                         "dead_letters": st.dead_letters, "insert_retries": st.insert_retries}
+            lag = self.store.writer.last_lag.get(kind)
+            if lag is not None:
+                out[kind].update(lag_ms_p50=lag.p50_ms, lag_ms_max=lag.max_ms)
         return out
-
-
-def metrics_rows(stats: dict[str, Any], worker: str) -> dict[str, np.ndarray]:
-    """The per-kind counters as columns for the ingest_metrics table."""
-    kinds = [k for k, v in stats.items() if v["messages"]]
-    now = time.time_ns()
-    return {
-        "ts": np.full(len(kinds), now, np.int64),
-        "worker": np.asarray([worker] * len(kinds), dtype=object),
-        "kind": np.asarray(kinds, dtype=object),
-        "messages": np.asarray([stats[k]["messages"] for k in kinds], np.int64),
-        "rows": np.asarray([stats[k]["rows"] for k in kinds], np.int64),
-        "dead_letters": np.asarray([stats[k]["dead_letters"] for k in kinds], np.int64),
-        "lag_ms_p50": np.asarray([stats[k]["lag_ms_p50"] for k in kinds], np.float64),
-        "lag_ms_max": np.asarray([stats[k]["lag_ms_max"] for k in kinds], np.float64),
-    }

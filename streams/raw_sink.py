@@ -22,8 +22,7 @@ Exactly-once storage on top of at-least-once delivery takes two mechanisms:
    response) stores its rows once. ClickHouse keeps recent tokens per table
    (`non_replicated_deduplication_window`).
 
-Per-record work is numpy only: columns of the decoded batches are concatenated, source columns
-are built with `np.repeat`.
+Per-record work is numpy only (streams.writer.raw_columns concatenates the decoded columns).
 """
 
 from __future__ import annotations
@@ -31,14 +30,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
-from ingest.batch import TIME_COLUMN, BatchError, RecordBatch, decode_batch
+from ingest.batch import BatchError, RecordBatch, decode_batch
+from streams.writer import dedup_token
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +68,13 @@ class DeadLetter:
 
 
 class Store(Protocol):
-    """The storage operations the sink needs (implemented over streams.db.Database)."""
+    """The storage operations the sink needs (streams.store.ClickHouseStore over the writer)."""
 
-    async def insert(self, table: str, columns: dict[str, np.ndarray], token: str) -> None: ...
+    async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
+                    sources: Sequence[tuple[int, int]]) -> int:
+        """Store `batches` in one insert deduplicated by `token`; `sources` are their Kafka
+        (partition, offset). Returns rows written; raises when not stored."""
+        ...
 
     async def max_offset(self, table: str, partition: int, since: int) -> int:
         """Highest src_offset stored from `partition` that is >= `since`, or -1."""
@@ -91,14 +92,8 @@ class SinkStats:
     skipped_messages: int = 0
     dead_letters: int = 0
     insert_retries: int = 0
-    lag_ms_p50: float = 0.0
-    lag_ms_max: float = 0.0
     last_error: str = ""
     per_partition_rows: dict[int, int] = field(default_factory=dict)
-
-
-def dedup_token(topic: str, partition: int, first: int, last: int) -> str:
-    return f"{topic}:{partition}:{first}-{last}"
 
 
 class RawSink:
@@ -111,14 +106,12 @@ class RawSink:
         store: Store,
         dead_letters: DeadLetterSink,
         *,
-        clock: Callable[[], int] = time.time_ns,
         retry_initial_s: float = 0.2,
         retry_max_s: float = 10.0,
         stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.kind, self.table, self.store = kind, table, store
         self.dead_letters = dead_letters
-        self.clock = clock
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self.stopping = stopping
         self.stats = SinkStats()
@@ -148,10 +141,9 @@ class RawSink:
                 except BatchError as e:
                     dead.append(DeadLetter(m.topic, m.partition, m.offset, e, m.value))
             if batches:
-                cols = self._columns(batches)
                 token = dedup_token(fresh[0].topic, partition, fresh[0].offset, fresh[-1].offset)
-                await self._insert(cols, token)
-                n = len(cols["src_offset"])
+                n = await self._write([rb for _, rb in batches], token,
+                                      [(m.partition, m.offset) for m, _ in batches])
                 rows += n
                 self.stats.per_partition_rows[partition] = (
                     self.stats.per_partition_rows.get(partition, 0) + n)
@@ -173,34 +165,14 @@ class RawSink:
         self.stats.skipped_messages += len(msgs) - len(fresh)
         return fresh
 
-    def _columns(self, batches: list[tuple[Message, RecordBatch]]) -> dict[str, np.ndarray]:
-        names = list(batches[0][1].cols)
-        cols = {c: np.concatenate([rb.cols[c] for _, rb in batches]) for c in names}
-        counts = np.fromiter((rb.n for _, rb in batches), np.int64, len(batches))
-        jobs = np.empty(len(batches), dtype=object)
-        jobs[:] = [rb.job_id for _, rb in batches]
-        cols["job_id"] = np.repeat(jobs, counts)
-        cols["src_partition"] = np.repeat(
-            np.fromiter((m.partition for m, _ in batches), np.int64, len(batches)), counts)
-        cols["src_offset"] = np.repeat(
-            np.fromiter((m.offset for m, _ in batches), np.int64, len(batches)), counts)
-        now = self.clock()
-        cols["ingest_ts"] = np.full(len(cols["src_offset"]), now, np.int64)
-        t = cols[TIME_COLUMN[self.kind]]
-        if len(t):
-            lag_ms = (now - t[t > 0]) / 1e6
-            if len(lag_ms):
-                self.stats.lag_ms_p50 = float(np.median(lag_ms))
-                self.stats.lag_ms_max = float(lag_ms.max())
-        return cols
-
-    async def _insert(self, cols: dict[str, np.ndarray], token: str) -> None:
+    async def _write(self, batches: list[RecordBatch], token: str,
+                     sources: list[tuple[int, int]]) -> int:
         delay = self.retry_initial_s
         while True:
             try:
-                await self.store.insert(self.table, cols, token)
+                n = await self.store.write(self.kind, batches, token, sources=sources)
                 self.stats.inserts += 1
-                return
+                return n
             except Exception as e:  # the store's errors are many; all mean "not stored yet"
                 self.stats.insert_retries += 1
                 self.stats.last_error = f"{type(e).__name__}: {e}"

@@ -1,0 +1,96 @@
+"""`rankwatch worker`: the Faust worker that owns ClickHouse and serves SQL to other processes.
+
+Start-up order: open the database (the embedded one can be opened by this process only), apply
+migrations, start the SQL endpoint, then consume. SIGTERM/SIGINT stop it cleanly: Faust stops the
+agents (each finishes its current insert and acks), then the endpoint and database close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+import faust
+from aiohttp import web
+
+from rankwatch.settings import Settings
+from streams.app import AppConfig, StreamsApp
+from streams.db import ClickHouseError, Database, migrate
+from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
+from streams.store import ClickHouseStore
+from streams.writer import ClickHouseWriter, IngestMetric
+
+log = logging.getLogger("rankwatch.worker")
+METRICS_INTERVAL_S = 10.0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("worker", help="run the stream worker (owns ClickHouse, serves SQL)")
+    p.add_argument("--loglevel", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def build(settings: Settings, db: Database) -> StreamsApp:
+    """The streams app wired to `db`, with the SQL endpoint and a metrics timer attached."""
+    writer = ClickHouseWriter(db)
+    cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
+                    topics=settings.topics)
+    sapp = StreamsApp(cfg, ClickHouseStore(writer))
+    runner: dict[str, web.AppRunner] = {}
+    last: dict[str, tuple[int, int]] = {}
+
+    async def serve_sql() -> None:
+        runner["sql"] = await start_sql_endpoint(db, settings.bind_host, settings.sql_port,
+                                                 writable=settings.sql_writable)
+        log.info("SQL endpoint on http://%s:%d (%s)", settings.bind_host, settings.sql_port,
+                 "writable" if settings.sql_writable else "read-only")
+
+    async def store_metrics() -> None:
+        rows = []
+        now = time.time_ns()
+        for kind, st in sapp.stats().items():
+            rows_before, msgs_before = last.get(kind, (0, 0))
+            if st["messages"] == msgs_before:
+                continue
+            last[kind] = (st["rows"], st["messages"])
+            rows.append(IngestMetric(now, settings.worker_id, settings.topics.for_kind(kind), -1,
+                                     st["rows"] - rows_before, st["messages"] - msgs_before,
+                                     st.get("lag_ms_p50", 0.0), st.get("lag_ms_max", 0.0)))
+        if rows:
+            await writer.write_metrics(rows)
+
+    async def close_sql(sender: Any, *args: Any, signal: Any = None, **kwargs: Any) -> None:
+        if "sql" in runner:
+            await stop_sql_endpoint(runner.pop("sql"))
+
+    sapp.app.task(serve_sql)
+    sapp.app.timer(METRICS_INTERVAL_S)(store_metrics)
+    sapp.app.on_before_shutdown.connect(close_sql)  # type: ignore[arg-type]
+    return sapp
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    logging.basicConfig(level=args.loglevel.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        db = Database(settings.clickhouse, settings.clickhouse_database)
+    except ClickHouseError as e:
+        print(f"rankwatch worker: cannot open ClickHouse at {settings.clickhouse}: {e.message}",
+              file=sys.stderr)
+        return 1
+    try:
+        applied = migrate(db)
+        if applied:
+            log.info("applied migrations: %s", ", ".join(m.name for m in applied))
+        sapp = build(settings, db)
+        worker = faust.Worker(sapp.app, loglevel=args.loglevel, quiet=True,
+                              override_logging=False)
+        worker.execute_from_commandline()  # returns when the worker stops (or raises SystemExit)
+    except SystemExit as e:
+        return int(e.code or 0) if isinstance(e.code, int) else 0
+    finally:
+        db.close()
+    return 0
