@@ -12,6 +12,7 @@ a child process so the figure is its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -42,10 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, choices=(1024, 16384), default=None)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
-    except (AttributeError, OSError):
-        pass
     if args.ranks == 1024:
         print(json.dumps(throughput(JobConfig(tp=8, pp=4, dp=32, steps=args.steps))))
         return 0

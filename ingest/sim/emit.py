@@ -162,8 +162,10 @@ class StepEmitter:
         ks = start[None, :] + np.vstack([np.zeros(len(pos)), np.cumsum(kd, axis=0)[:-1]])
         gemm = K_GEMM_A if seg.index % 2 == 0 else K_GEMM_B
         flash = K_FLASH_F if seg.kind == PASS_F else K_FLASH_B
-        names = np.repeat(np.array([gemm, flash, K_ELT])[:, None], len(pos), axis=1)
-        return self._kernel_cols(np.tile(ranks, 3), names.ravel(), ks.ravel(), kd.ravel())
+        names = np.repeat(np.array([gemm, flash, K_ELT])[:, None], len(pos), axis=1).ravel()
+        ks, kd = ks.ravel(), kd.ravel()
+        live = ks < np.tile(self.death[pos], 3)  # a process that died mid-segment stops
+        return self._kernel_cols(np.tile(ranks, 3)[live], names[live], ks[live], kd[live])
 
     def _nccl_kernels(self, g: OpGroup) -> Cols | None:
         keep = self._alive(g.pos, g.t_start) & self._alive(g.pos, g.t_end)

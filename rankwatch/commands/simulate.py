@@ -40,7 +40,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     from ingest.sim.config import JobConfig
     from ingest.sim.faults import FaultSpecError, describe_families, parse_fault
-    from ingest.sim.runner import DirSink, KafkaSink, Sink, run as run_sim, stderr_progress
+    from ingest.sim.runner import DirSink, KafkaSink, Sink, stderr_progress
+    from ingest.sim.runner import run as run_sim
     from ingest.sim.scenario import get_scenario, load_catalog
     from ingest.sim.simulation import Simulation
 

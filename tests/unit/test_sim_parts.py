@@ -40,7 +40,7 @@ def test_bad_specs_say_what_is_valid(spec: str, needle: str) -> None:
 
 
 def test_rank_outside_world_is_rejected() -> None:
-    with pytest.raises(FaultSpecError, match="outside 0..63"):
+    with pytest.raises(FaultSpecError, match=r"outside 0\.\.63"):
         parse_fault("hang rank=64").target(Layout(2, 4, 8))
 
 
