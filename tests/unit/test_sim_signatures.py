@@ -20,7 +20,7 @@ Tables = dict[str, dict[str, np.ndarray]]
 
 @cache
 def run(spec: str | None, seed: int = 1, steps: int = 25, layout: str = "t2",
-        **extra: float) -> tuple[Tables, Simulation]:
+        **extra: Any) -> tuple[Tables, Simulation]:
     shape: dict[str, Any] = dict(T8 if layout == "t8" else T2)
     cfg = JobConfig(steps=steps, seed=seed, hang_tail_s=5.0, **shape, **extra)
     sim = Simulation(cfg, [spec] if spec else [])
