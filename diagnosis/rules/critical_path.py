@@ -23,9 +23,13 @@ to the last sink is returned as `path` — its length equals the makespan.
    expectation is learned per (stage, pass, microbatch) from the median over replicas each step
    with `diagnosis.expectation.Expectation` (from the second step on, within α) — the median
    keeps one slow replica from teaching the expectation its slowness;
-4. drill down (Alg. 2 line 26): the slowest TP rank of a flagged F/B node is the culprit when it
-   is slower than the median of its TP peers by β; otherwise the whole TP group is reported
-   (label "tp_group_uniform": host- or stage-wide). A flagged AR node reports the DP group with
+4. drill down (Alg. 2 line 26, "the slowest call" in the TP group): TP ranks synchronize in
+   every TP collective, so their pass times are nearly equal and the slow rank shows up as the
+   one that waits *least* inside the pass's TP collectives (`tp_wait`, one host's clock). It is
+   the culprit when its peers' median wait exceeds its own by at least half the node's excess
+   over expectation; without `tp_wait`, the rank with the longest pass time is the culprit when
+   it exceeds its peers' median by β. Otherwise the whole TP group is reported (label
+   "tp_group_uniform": host- or stage-wide). A flagged AR node reports the DP group with
    component nic_rdma (label "dp_group"), for the flow rules to narrow down.
 Slowed nodes off the critical path are listed as "absorbed" (Fig. 7's S1, S2, S4).
 """
@@ -168,9 +172,11 @@ def update_expected(expected: Expectation, durations: Array) -> None:
 
 def analyze_slowdown(durations: Array, expected: Expectation, grid: Grid, *,
                      allreduce: Array | None = None, expected_ar: Expectation | None = None,
-                     beta: float = 0.5, step: int = -1) -> list[Finding]:
+                     tp_wait: Array | None = None, beta: float = 0.5,
+                     step: int = -1) -> list[Finding]:
     """Alg. 2 manager thread for one step. durations [D, P, T, 2, M] ns per rank and pass (nan
-    where unknown); allreduce [D, P, T] ns per rank in the DP AllReduce; see module docstring."""
+    where unknown); allreduce [D, P, T] ns per rank in the DP AllReduce; tp_wait [D, P, T, 2, M]
+    ns each rank spent inside the pass's TP collectives; see module docstring."""
     dur = np.asarray(durations, dtype=np.float64)
     group = np.nanmax(np.where(np.isnan(dur), -np.inf, dur), axis=2)
     group = np.where(np.isfinite(group), group, np.nan)
@@ -207,10 +213,19 @@ def analyze_slowdown(durations: Array, expected: Expectation, grid: Grid, *,
         s, rest = divmod(i, 2 * dag.microbatches)
         k, m = divmod(rest, dag.microbatches)
         per_rank = dur[d_star, s, :, k, m]
-        t_star = int(np.nanargmax(per_rank))
-        others = np.delete(per_rank, t_star)
         ranks_tp = [grid.rank_at(d_star, s, t) for t in range(per_rank.size)]
-        single = others.size == 0 or bool(per_rank[t_star] > (1 + beta) * np.nanmedian(others))
+        if tp_wait is not None and per_rank.size > 1:
+            # TP ranks wait for each other, so their pass times match; the slow one waits least
+            w = np.asarray(tp_wait, dtype=np.float64)[d_star, s, :, k, m]
+            t_star = int(np.nanargmin(w))
+            excess = float(dag.duration[i] - exp[i])
+            single = bool(np.nanmedian(np.delete(w, t_star)) - w[t_star] >= 0.5 * excess)
+            ev["tp_wait_ns"] = [None if np.isnan(x) else float(x) for x in w]
+        else:
+            t_star = int(np.nanargmax(per_rank))
+            others = np.delete(per_rank, t_star)
+            single = others.size == 0 or bool(
+                per_rank[t_star] > (1 + beta) * np.nanmedian(others))
         ev["tp_durations_ns"] = [None if np.isnan(x) else float(x) for x in per_rank]
         out.append(Finding(
             rule="venustrace.critical_path", kind="slowdown", stage=dag.label(i),

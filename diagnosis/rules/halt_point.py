@@ -21,12 +21,15 @@ Procedure over the ops of the job's window (mapping in pipeline_ops.py):
 4. Ranks: the TP ranks on which the node is incomplete when some completed it; when none did,
    the rank(s) that issued the fewest TP collectives for the pass (they stopped computing while
    their TP peers wait in the next collective — Mycroft's min-op); otherwise the whole TP group.
-5. Stage and component: a forward on the first stage with no TP call issued for the pass by
-   any TP rank did not start computing — the data loader feeds it: stage "data", component
-   data_loader. With tp = 1 that cannot be told apart (label "data_or_fwd"). A node whose
-   completion has no marker of its own (F on the last stage, B on the first, with tp = 1) carries
-   the label "ambiguous_fwd_bwd". Otherwise the component is gpu_compute (a pass that never
-   issued its next call). If every replica waits at the DP AllReduce, the stage is
+5. Stage and component: a forward on the first stage whose culprit ranks issued no TP call for
+   the pass did not get through its first segment, which on stage 0 starts with fetching the
+   batch (label "data_or_fwd"). It is reported as stage "data", component data_loader, when it
+   is the step's first microbatch (the loader runs before the first forward — as in the
+   simulator) or when no TP rank of the stage started the pass (they share the batch);
+   otherwise as the forward pass. With tp = 1 this cannot be told (label "data_or_fwd" only).
+   A node whose completion has no marker of its own (F on the last stage, B on the first, with
+   tp = 1) carries the label "ambiguous_fwd_bwd". Otherwise the component is gpu_compute (a
+   pass that never issued its next call). If every replica waits at the DP AllReduce, the stage is
    "dp_allreduce" and the ranks are left to Mycroft's min-data (mycroft_hang.py). If no replica
    issued any op of step k, the job stopped between steps (optimizer, callbacks, first batch):
    stage "between_steps", no culprit — the ops cannot tell which.
@@ -145,12 +148,14 @@ def _replica_halt(ops: Columns, grid: Grid, spec: PipelineSpec, step: int, d: in
     else:
         culprit = ranks_t
     stage, comp = dag.label(i), "gpu_compute"
+    culprit_calls = calls_t[np.isin(ranks_t, culprit)]
     if kind == 0 and s == 0:
         if spec.tp_ops_per_pass == 0:
             labels.append("data_or_fwd")
-        elif calls_t.max() == 0:
-            stage, comp = "data", "data_loader"
-            labels.append("no_tp_calls_in_pass")
+        elif culprit_calls.max(initial=0) == 0:
+            labels += ["no_tp_calls_in_pass", "data_or_fwd"]
+            if m == 0 or calls_t.max() == 0:
+                stage, comp = "data", "data_loader"
     if spec.tp_ops_per_pass == 0 and ((kind == 0 and s == pp - 1) or (kind == 1 and s == 0)):
         labels.append("ambiguous_fwd_bwd")
     component: Component = "data_loader" if comp == "data_loader" else "gpu_compute"

@@ -22,7 +22,10 @@ other member then *ends* late too because it waited (Fig. 2) — so late ends al
   label "late_launch" (Mycroft #7); otherwise it called late because the work before the
   collective was slow → gpu_compute, label "late_arrival" (Mycroft #3-#5; could be host CPU).
 - A TP-level culprit explains its replica's lateness in DP/PP groups, so findings are ordered by
-  group kind (tp first) and a rank's evidence lists every kind where it was late.
+  group kind (tp first) and a rank's evidence lists every kind where it was late. When every
+  rank of a pipeline replica is late, the replica was slowed inside its pipeline: one
+  "replica_late" finding without a component replaces the per-rank ones (critical_path.py
+  names the node and rank inside the replica).
 
 `late_ends`: when nobody starts late, Mycroft compares completion times (#3/#4: "the abnormal
 rank always finishes last"): end lag against the group's earliest end (cross-host; threshold
@@ -132,8 +135,33 @@ def late_starts(ops: Columns, grid: Grid, now_ns: int,
                       "thresholds": {"min_lag_ns": cfg.min_lag_ns, "rel_lag": cfg.rel_lag,
                                      "persist": cfg.persist}},
         ))
-    return sorted(out, key=lambda f: (KIND_ORDER.get(str(f.evidence["kinds"][0]), 9),  # type: ignore[index]
-                                      -f.score))
+    return _collapse_replicas(out, grid)
+
+
+def _collapse_replicas(found: list[Finding], grid: Grid) -> list[Finding]:
+    """A whole replica late in its DP collectives was delayed inside its pipeline: one finding
+    for the replica (label "replica_late", no component) instead of blaming every rank; the
+    critical-path rule names the node and rank inside it."""
+    late = {f.culprit_ranks[0] for f in found}
+    out: list[Finding] = []
+    folded: set[int] = set()
+    for d in range(grid.dp):
+        members = {int(r) for r in np.flatnonzero(grid.dp_index == d)}
+        if len(members) > 1 and members <= late:
+            folded |= members
+            out.append(Finding(rule="mycroft.table3.late_start", kind="slowdown",
+                               culprit_ranks=tuple(sorted(members)), stage="pipeline replica",
+                               score=0.5 * min(f.score for f in found
+                                               if f.culprit_ranks[0] in members),
+                               labels=("late_start", "replica_late"),
+                               evidence={"replica": d, "see": "venustrace.critical_path"}))
+    out += [f for f in found if f.culprit_ranks[0] not in folded]
+    return sorted(out, key=lambda f: (KIND_ORDER.get(_first_kind(f), 9), -f.score))
+
+
+def _first_kind(f: Finding) -> str:
+    kinds = f.evidence.get("kinds")
+    return str(kinds[0]) if isinstance(kinds, list) and kinds else "world"
 
 
 def late_ends(ops: Columns, grid: Grid, now_ns: int,
@@ -153,8 +181,8 @@ def late_ends(ops: Columns, grid: Grid, now_ns: int,
     # corroborated by the member's own (one-clock) time in the op, so a clock offset is not late
     late = (lag > np.maximum(cfg.skew_ns, cfg.rel_lag * lo_wait[gid])) \
         & (wait - lo_wait[gid] >= lag - cfg.skew_ns)
-    waited = {str(g["comm_id"]) for f in late_starts(ops, grid, now_ns, cfg)
-              for g in f.evidence["groups"]}  # type: ignore[attr-defined]
+    starters = [r for f in late_starts(ops, grid, now_ns, cfg) for r in f.culprit_ranks]
+    waited = {str(c) for c in np.unique(comm[np.isin(rank, starters)])}
     out: list[Finding] = []
     for c, r, frac, n in _persistent(late, rank, comm, cfg):
         if c in waited:  # a late starter explains every late end of its groups

@@ -29,7 +29,9 @@ Passes with no Send (F on the last stage, B on the first) and tp = 1 are only kn
 between the first and the last AllReduce call") need K ≥ 1: duration = end of the last TP op −
 ready time, where ready = max(end of the pass's Recv, end of the previous pass on the stage), and
 the step's first pass without a Recv starts at its first TP call (its first segment is not seen —
-the paper's "except the first layer's computation time").
+the paper's "except the first layer's computation time"). `tp_wait` is the time the rank spent
+inside the pass's TP collectives (t_end − t_start, one host's clock): the TP rank that computes
+slowly waits least, because its peers wait for it — the drill-down signal of critical_path.py.
 """
 
 from __future__ import annotations
@@ -89,10 +91,14 @@ class PassTimes:
     end: Array  # when it was seen complete (0 if not)
     tp_calls: Array  # TP collectives the rank issued for the pass
     complete: Array  # bool
+    tp_wait: Array  # ns spent inside the pass's finished TP collectives (one host's clock)
 
 
-def _rows(ops: Columns, rank: int, comm: str) -> tuple[Array, Array, Array, Array]:
+def _rows(ops: Columns, rank: int, comm: str,
+          *extra: str) -> tuple[Array, ...]:
     sel = (ints(ops, "rank") == rank) & (col(ops, "comm_id").astype(str) == comm)
+    if extra:
+        return tuple(ints(ops, e)[sel] for e in extra)
     return (ints(ops, "op_seq")[sel], ints(ops, "t_enqueue")[sel], ints(ops, "t_end")[sel],
             ints(ops, "step", -1)[sel])
 
@@ -116,6 +122,8 @@ def pass_times(ops: Columns, spec: PipelineSpec, stage: int, rank: int, pp_comm:
     last_enq = int(pp_enq.max()) if len(plan) else 0
     kk = spec.tp_ops_per_pass
     tp_first = tp_last_end = np.zeros(len(order), dtype=np.int64)
+    wait = np.zeros((2, m_n), dtype=np.int64)
+    pass_wait = np.zeros(len(order), dtype=np.int64)
     if kk > 0 and tp_comm is not None:
         tseq, tenq, tend, tstp = _rows(ops, rank, tp_comm)
         tbase = k * len(order) * kk
@@ -125,6 +133,9 @@ def pass_times(ops: Columns, spec: PipelineSpec, stage: int, rank: int, pp_comm:
         grid_end = np.zeros((len(order), kk), dtype=np.int64)
         grid_enq[idx[ok] // kk, idx[ok] % kk] = tenq[ok]
         grid_end[idx[ok] // kk, idx[ok] % kk] = tend[ok]
+        tstart = _rows(ops, rank, tp_comm, "t_start")[0]
+        inside = np.where(tend[ok] > 0, tend[ok] - tstart[ok], 0)
+        np.add.at(pass_wait, idx[ok] // kk, inside)
         tp_first, tp_last_end = grid_enq[:, 0], grid_end[:, -1]
         n_calls = (grid_enq > 0).sum(axis=1)
         last_enq = max(last_enq, int(grid_enq.max()))
@@ -144,12 +155,13 @@ def pass_times(ops: Columns, spec: PipelineSpec, stage: int, rank: int, pp_comm:
         later = int(pp_enq[op_i:].max()) if op_i < len(plan) else 0
         if kk > 0 and tp_comm is not None:
             calls[ki, m] = n_calls[p]
+            wait[ki, m] = pass_wait[p]
             later = max(later, int(tp_first[p + 1:].max()) if p + 1 < len(order) else 0)
         e = int(tp_last_end[p]) if kk > 0 else 0
         end[ki, m] = e or send_enq or later
         prev_end = int(end[ki, m])
     del last_enq
-    return PassTimes(ready, end, calls, end > 0)
+    return PassTimes(ready, end, calls, end > 0, wait)
 
 
 def durations(times: PassTimes) -> Array:

@@ -97,3 +97,18 @@ def test_slow_dp_allreduce_on_the_path():
     ar[:, 0, :] = 5.0  # stage 0's AllReduce transfer itself is slow on every member
     found = analyze_slowdown(d, exp, grid, allreduce=ar, expected_ar=exp_ar)
     assert [(f.stage, f.component) for f in found] == [("dp_allreduce", "nic_rdma")]
+
+
+def test_drill_down_by_tp_wait_when_tp_ranks_share_pass_time():
+    """TP ranks synchronize, so pass times match; the slow rank is the one that waits least."""
+    grid = grid_of(megatron_topology(2, 4, 2))
+    exp = Expectation(shape=(4, 2, 4))
+    for _ in range(3):
+        update_expected(exp, fig7_step({}))
+    step = fig7_step({(1, F, 0, 0): 2.0, (1, F, 0, 1): 2.0})  # both TP ranks see the long pass
+    wait = np.full_like(step, 0.1)
+    wait[1, 1, 1, F, 0] = 0.1  # rank t=1 computed slowly: it never waited
+    wait[1, 1, 0, F, 0] = 1.1  # rank t=0 waited ~1.0 for it inside the TP collectives
+    found = analyze_slowdown(step, exp, grid, tp_wait=wait)
+    assert [(f.stage, f.culprit_ranks) for f in found] == [("fwd mb=0 pp=1",
+                                                             (grid.rank_at(1, 1, 1),))]
