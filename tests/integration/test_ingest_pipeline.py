@@ -1,0 +1,221 @@
+"""The first end-to-end path: producer -> real Kafka broker -> Faust worker -> embedded ClickHouse.
+
+Each test runs its own worker process (`rankwatch worker`, started by the same code as
+`rankwatch up`) against the session's broker, with its own topics and its own embedded database,
+and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from ingest.batch import encode_batch, encode_topology
+from ingest.publish import BatchPublisher
+from ingest.records import Communicator, JobTopology
+from ingest.synthetic import ops_columns
+from rankwatch import stack
+from rankwatch.kafka_broker import delete_topics
+from rankwatch.settings import Settings
+
+
+@dataclass
+class Pipeline:
+    settings: Settings
+
+    def sql(self, query: str) -> str:
+        req = urllib.request.Request(stack.sql_endpoint(self.settings) + "/", method="POST",
+                                     data=query.encode())
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return str(r.read().decode()).strip()
+
+    def count(self, table: str, where: str = "1") -> int:
+        return int(self.sql(f"SELECT count() FROM {table} WHERE {where}"))
+
+    def wait_count(self, table: str, n: int, where: str = "1", timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        got = -1
+        while time.monotonic() < deadline:
+            got = self.count(table, where)
+            if got >= n:
+                return got
+            time.sleep(0.2)
+        return got
+
+    def publisher(self) -> BatchPublisher:
+        return BatchPublisher(self.settings.bootstrap, self.settings.topics)
+
+    def start_worker(self) -> None:
+        stack.up(self.settings, progress=lambda m: None)
+
+    def kill_worker(self) -> None:
+        pid = stack.worker_daemon(self.settings).pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and stack.worker_daemon(self.settings).pid() == pid:
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def pipeline(kafka, settings_factory) -> Iterator[Pipeline]:  # type: ignore[no-untyped-def]
+    settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
+                                topic_prefix=f"p{uuid.uuid4().hex[:10]}", kafka_partitions=3)
+    p = Pipeline(settings)
+    try:
+        p.start_worker()
+        yield p
+    finally:
+        stack.down(settings, progress=lambda m: None)
+        delete_topics(kafka.bootstrap, [s.name for s in settings.topics.specs(3)])
+
+
+def ops_batch(job: str, start: int, n: int, seq: int) -> bytes:
+    return encode_batch("ops", job, ops_columns(8, start, n, 1_763_000_000_000_000_000),
+                        producer="test", seq=seq)
+
+
+def test_published_batches_of_every_kind_appear_as_rows(pipeline: Pipeline) -> None:
+    pub = pipeline.publisher()
+    pub.publish("ops", ops_batch("j1", 0, 500, 0), key="a")
+    pub.publish("chunks", encode_batch("chunks", "j1", {
+        "rank": [3, 4], "comm_id": ["dp0", "dp0"], "op_seq": [7, 7], "channel": [0, 1],
+        "ts": [10**18, 10**18 + 1], "total_chunks": [64, 64], "gpu_ready": [64, 40],
+        "rdma_transmitted": [64, 20], "rdma_done": [60, 20]}))
+    pub.publish("beats", encode_batch("beats", "j1", {"rank": [0, 1], "ts": [10**18, 10**18],
+                                                      "comm_id": ["dp0", "dp0"],
+                                                      "last_op_seq": [6, 7]}))
+    topo = JobTopology(job_id="j1", ts=1, world_size=2, dp=2, hosts=["h0", "h0"],
+                       communicators=[Communicator(comm_id="dp0", kind="dp", members=[0, 1])])
+    pub.publish("jobs", encode_topology(topo), key="j1")
+    assert pub.flush(30) == 0
+    assert pipeline.wait_count("ops", 500) == 500
+    assert pipeline.wait_count("chunks", 2) == 2
+    assert pipeline.wait_count("beats", 2) == 2
+    assert pipeline.wait_count("jobs", 1) == 1
+    assert pipeline.sql("SELECT rank, gpu_ready, rdma_transmitted, rdma_done FROM chunks "
+                        "ORDER BY rank") == "3\t64\t64\t60\n4\t40\t20\t20"
+    assert pipeline.sql("SELECT uniqExact(rank, op_seq), min(op), max(bytes) FROM ops") == (
+        f"500\tAllReduce\t{256 << 20}")
+    assert pipeline.sql("SELECT world_size, dp FROM jobs") == "2\t2"
+
+
+def test_bad_batch_goes_to_the_dlq_and_its_neighbours_are_stored(pipeline: Pipeline) -> None:
+    pub = pipeline.publisher()
+    bad = ops_batch("j2", 100, 10, 1).replace(b'"AllReduce"', b'"Teleport"')
+    for data in (ops_batch("j2", 0, 100, 0), bad, ops_batch("j2", 200, 100, 2)):
+        pub.publish("ops", data, key="same-partition")
+    pub.publish("ops", b"not json at all", key="same-partition")
+    assert pub.flush(30) == 0
+    assert pipeline.wait_count("dlq", 2) == 2
+    assert pipeline.wait_count("ops", 200) == 200
+    rows = pipeline.sql("SELECT field, row, reason FROM dlq ORDER BY offset FORMAT TSVRaw"
+                        ).splitlines()
+    assert rows[0].startswith("op\t0\t'Teleport' is not one of")
+    assert "not valid JSON" in rows[1]
+    # the dead letters are in the DLQ topic too, with the original bytes
+    c = Consumer({"bootstrap.servers": pipeline.settings.bootstrap, "group.id": "dlq-check",
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([pipeline.settings.topics.dlq])
+    got = []
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        m = c.poll(1.0)
+        if m is not None and not m.error():
+            got.append(orjson.loads(m.value()))
+    c.close()
+    assert sorted(d["reason"][:20] for d in got) == sorted(r.split("\t")[2][:20] for r in rows)
+    assert any(d["payload_b64"] and d["field"] == "op" and d["row"] == 0 for d in got)
+
+
+def test_redelivered_messages_are_stored_once(pipeline: Pipeline, kafka) -> None:  # type: ignore[no-untyped-def]
+    pub = pipeline.publisher()
+    for i in range(30):
+        pub.publish("ops", ops_batch("j3", i * 100, 100, i), key=str(i))
+    assert pub.flush(30) == 0
+    assert pipeline.wait_count("ops", 3000) == 3000
+    stack.down(pipeline.settings, progress=lambda m: None)
+    # rewind the worker's consumer group to the start: Kafka delivers every message again
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
+    group = f"rankwatch-{pipeline.settings.topic_prefix}"
+    rewind = [TopicPartition(pipeline.settings.topics.ops, p, 0) for p in range(3)]
+    from confluent_kafka import ConsumerGroupTopicPartitions
+    for fut in admin.alter_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(group, rewind)]).values():
+        fut.result(30)
+    pipeline.start_worker()
+    pub.publish("ops", ops_batch("j3", 3000, 100, 30), key="last")
+    assert pub.flush(30) == 0
+    assert pipeline.wait_count("ops", 3100) == 3100
+    time.sleep(2)  # give a wrongly re-inserted batch time to show up
+    assert pipeline.sql("SELECT count(), uniqExact(rank, op_seq) FROM ops") == "3100\t3100"
+
+
+def test_killing_the_worker_mid_stream_loses_and_duplicates_nothing(pipeline: Pipeline) -> None:
+    total, per_message = 200_000, 2_000
+    env = stack.child_env(pipeline.settings)
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from ingest.batch import encode_batch\n"
+            "from ingest.publish import BatchPublisher\n"
+            "from ingest.synthetic import ops_columns\n"
+            "from ingest.topics import Topics\n"
+            f"p = BatchPublisher({pipeline.settings.bootstrap!r}, "
+            f"Topics.with_prefix({pipeline.settings.topic_prefix!r}))\n"
+            f"for i in range({total // per_message}):\n"
+            f"    cols = ops_columns(1024, i * {per_message}, {per_message}, 10**18)\n"
+            "    p.publish('ops', encode_batch('ops', 'j4', cols, seq=i), key=str(i))\n"
+            "    time.sleep(0.03)\n"
+            "assert p.flush(60) == 0\n")],
+        env=env)
+    try:
+        assert pipeline.wait_count("ops", 20_000, timeout=60) >= 20_000
+        pipeline.kill_worker()
+        time.sleep(1.0)  # messages keep arriving while no worker runs
+        pipeline.start_worker()
+        assert publisher.wait(120) == 0
+    finally:
+        publisher.kill()
+    assert pipeline.wait_count("ops", total, timeout=120) == total
+    time.sleep(2)
+    assert pipeline.sql("SELECT count(), uniqExact(rank, op_seq) FROM ops") == (
+        f"{total}\t{total}")
+
+
+def test_rankwatch_sql_answers_while_the_worker_owns_the_database(pipeline: Pipeline) -> None:
+    pub = pipeline.publisher()
+    pub.publish("ops", ops_batch("j5", 0, 16, 0))
+    assert pub.flush(30) == 0
+    assert pipeline.wait_count("ops", 16) == 16
+    env = stack.child_env(pipeline.settings)
+    cli = [sys.executable, "-m", "rankwatch.cli", "sql"]
+    out = subprocess.run([*cli, "SELECT rank, count() AS n FROM ops GROUP BY rank ORDER BY rank",
+                          "--format", "JSONEachRow"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert rows == [{"rank": r, "n": "2"} for r in range(8)] or rows == [
+        {"rank": r, "n": 2} for r in range(8)]
+    bad = subprocess.run([*cli, "SELECT nope FROM ops"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1
+    assert "UNKNOWN_IDENTIFIER" in bad.stderr and "Traceback" not in bad.stderr
+    write = subprocess.run([*cli, "DROP TABLE ops"], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert write.returncode == 1 and "readonly" in write.stderr.lower()
+    assert np.int64(pipeline.count("ops")) == 16
