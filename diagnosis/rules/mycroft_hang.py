@@ -13,8 +13,9 @@ How we implement it, from the ops of all ranks in the job's window at `now_ns`:
    - collective: every member b of the communicator whose last op_seq there is below a's (b
      never reached the op) — Mycroft's min-op test, done per member rather than per group;
    - Send/Recv (op_seq is not aligned across pp ranks, see pipeline_ops.py): the peer b, unless b
-     is itself stuck in a Send/Recv to a on the same communicator (then both posted: a transfer
-     stall, not a missing call).
+     has the matching call (Recv for a's Send, Send for a's Recv) in flight on the same
+     communicator — any in-flight row, not only its last log: then both sides posted and the
+     transfer itself stalled, not a missing call.
 4. Root causes are the sinks reachable from stuck ranks: a rank with no outgoing edge. A sink
    that is not stuck anywhere never reached the op its peers wait in (min-op culprit). Stuck
    ranks without edges share a stalled op with all its members present: min-data — the chunk
@@ -88,12 +89,21 @@ def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
     )
 
 
-def _edges(ll: LastLogs, grid: Grid) -> dict[int, set[int]]:
+def posted_p2p(ops: Columns, now_ns: int) -> set[tuple[int, str, int, str]]:
+    """(rank, comm_id, peer, op) of every Send/Recv in flight at `now_ns` — not only last logs:
+    a rank may have posted a Send and then a Recv that both hang (a dead link both ways)."""
+    op = col(ops, "op", "AllReduce").astype(str)
+    t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
+    sel = np.flatnonzero(np.isin(op, P2P) & (enq <= now_ns) & ((t_end == 0) | (t_end > now_ns)))
+    return set(zip(ints(ops, "rank")[sel].tolist(), col(ops, "comm_id").astype(str)[sel].tolist(),
+                   ints(ops, "peer", -1)[sel].tolist(), op[sel].tolist(), strict=True))
+
+
+def _edges(ll: LastLogs, grid: Grid,
+           posted: set[tuple[int, str, int, str]]) -> dict[int, set[int]]:
     """Waits-for edges from every stuck (rank, comm) last log (loops over stuck groups only)."""
     edges: dict[int, set[int]] = {}
     stuck = np.flatnonzero(ll.stuck)
-    p2p_stuck = {(int(ll.rank[i]), str(ll.comm_id[i]), int(ll.peer[i]))
-                 for i in stuck if ll.op[i] in P2P}
     for c in np.unique(ll.comm_id[stuck]).tolist():
         in_c = ll.comm_id == c
         seq_of = dict(zip(ll.rank[in_c].tolist(), ll.op_seq[in_c].tolist(), strict=True))
@@ -102,7 +112,8 @@ def _edges(ll: LastLogs, grid: Grid) -> dict[int, set[int]]:
             a = int(ll.rank[i])
             if ll.op[i] in P2P:
                 b = int(ll.peer[i])
-                if b >= 0 and (b, c, a) not in p2p_stuck:
+                match = "Send" if ll.op[i] == "Recv" else "Recv"
+                if b >= 0 and (b, c, a, match) not in posted:  # b never posted its side
                     edges.setdefault(a, set()).add(b)
                 continue
             k = int(ll.op_seq[i])
@@ -164,7 +175,8 @@ def analyze_hang(ops: Columns, grid: Grid, now_ns: int, *, chunks: Columns | Non
     ll = last_logs(ops, now_ns, cfg.stuck_ns)
     if not ll.stuck.any():
         return []
-    edges = _edges(ll, grid)
+    posted = posted_p2p(ops, now_ns)
+    edges = _edges(ll, grid, posted)
     stuck_ranks = sorted({int(r) for r in ll.rank[ll.stuck]})
     reach, cyclic = _reachable_sinks(edges, stuck_ranks)
     stuck_set = set(stuck_ranks)
@@ -177,7 +189,7 @@ def analyze_hang(ops: Columns, grid: Grid, now_ns: int, *, chunks: Columns | Non
                            now_ns, grid, cfg, beats is not None and bool(beats)))
     same_op = [r for r in reach if r in stuck_set]
     if same_op:
-        out.extend(_min_data(same_op, ll, now_ns, grid, chunks, flows))
+        out.extend(_min_data(same_op, ll, now_ns, grid, chunks, flows, ops))
     if cyclic:
         out.append(Finding(rule="mycroft.alg2.deadlock", culprit_ranks=tuple(sorted(cyclic)),
                            component="host_software", score=1.0, labels=("deadlock_cycle",),
@@ -217,15 +229,24 @@ def _min_op(x: int, ll: LastLogs, edges: dict[int, set[int]], waiting: int, n_st
 
 
 def _min_data(ranks: list[int], ll: LastLogs, now_ns: int, grid: Grid,
-              chunks: Columns | None, flows: Columns | None) -> list[Finding]:
+              chunks: Columns | None, flows: Columns | None, ops: Columns) -> list[Finding]:
     sel = np.flatnonzero(ll.stuck & np.isin(ll.rank, ranks))
     ops_key = {(str(ll.comm_id[i]), int(ll.op_seq[i])) for i in sel}
+    # the stalled transfers of p2p pairs include in-flight Sends/Recvs that are not last logs
+    op = col(ops, "op", "AllReduce").astype(str)
+    t_end = ints(ops, "t_end")
+    p2p = np.flatnonzero(np.isin(op, P2P) & np.isin(ints(ops, "rank"), ranks)
+                         & ((t_end == 0) | (t_end > now_ns)) & (ints(ops, "t_enqueue") <= now_ns))
+    ops_key |= set(zip(col(ops, "comm_id").astype(str)[p2p].tolist(),
+                       ints(ops, "op_seq")[p2p].tolist(), strict=True))
     if chunks:
         c = col(chunks, "comm_id").astype(str)
         q = ints(chunks, "op_seq")
+        r = ints(chunks, "rank")
         keep = np.zeros(c.size, dtype=bool)
         for comm, seq in ops_key:
             keep |= (c == comm) & (q == seq)
+        keep &= np.isin(r, [*ranks, *(int(x) for x in ll.rank[sel])])
         sub = {k: np.asarray(v)[keep] for k, v in chunks.items()}
         found = state_findings(chunk_states(sub, now_ns, grid, flows))
         if found:
