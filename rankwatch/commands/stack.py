@@ -1,0 +1,115 @@
+"""`rankwatch up | down | status | fetch-jars | topics`: the local stack (broker + worker) without
+Docker, and the topics every deployment needs (docker-compose.yml runs `topics create`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rankwatch import stack
+from rankwatch.kafka_broker import BrokerError, ensure_jars, ensure_topics, list_topics
+from rankwatch.settings import Settings
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="start the local Kafka broker and worker (idempotent)")
+    p.add_argument("--no-worker", action="store_true", help="start only the broker and topics")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each part")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="stop the local worker, then the broker")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("status", help="show each part of the local stack (exit 1 if unhealthy)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("fetch-jars", help="fetch the Kafka broker's jars (cached; first use only)")
+    p.set_defaults(func=cmd_fetch_jars)
+
+    p = sub.add_parser("topics", help="create or list rankwatch's Kafka topics")
+    p.add_argument("action", choices=("create", "list"),
+                   help="create: add the missing topics (idempotent); list: show them")
+    p.set_defaults(func=cmd_topics)
+
+
+def _fail(e: Exception) -> int:
+    print(f"rankwatch: {e}", file=sys.stderr)
+    return 1
+
+
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        st = stack.up(settings, worker=not args.no_worker, timeout=args.timeout)
+    except (BrokerError, stack.StackError) as e:
+        return _fail(e)
+    print()
+    print(format_status(st))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
+    stack.down(settings)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    st = stack.status(settings)
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0 if st["healthy"] else 1
+
+
+def cmd_fetch_jars(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        lib = ensure_jars(settings)
+    except BrokerError as e:
+        return _fail(e)
+    print(f"Kafka {settings.kafka_version} jars: {lib}")
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
+    bootstrap = stack.bootstrap(settings)
+    specs = settings.topics.specs(settings.kafka_partitions)
+    try:
+        if args.action == "create":
+            created = ensure_topics(bootstrap, specs)
+            print(f"{bootstrap}: created {len(created)} topics, {len(specs) - len(created)} "
+                  "were present")
+            return 0
+        present = list_topics(bootstrap)
+    except BrokerError as e:
+        return _fail(e)
+    for s in specs:
+        n = present.get(s.name)
+        shape = "compacted" if s.compacted else f"retention {s.retention_ms} ms"
+        print(f"{s.name:<28}{'missing' if n is None else f'{n} partitions':<16}{shape}")
+    return 0 if all(s.name in present for s in specs) else 1
+
+
+def _state(part: dict[str, Any]) -> str:
+    if part["healthy"]:
+        return "up"
+    return "starting" if part["running"] else "down"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """A few aligned lines for a terminal."""
+    k, w = st["kafka"], st["worker"]
+    kafka_where = k["bootstrap"] + ("" if k["managed"] else " (external)")
+    rows = [
+        ("kafka", _state(k), k["pid"], kafka_where, k.get("log", "")),
+        ("worker", _state(w), w["pid"], f"SQL {w['sql_endpoint']}", w["log"]),
+    ]
+    lines = []
+    for name, state, pid, where, log in rows:
+        pid_text = f"pid {pid}" if pid else ""
+        lines.append(f"{name:<8}{state:<10}{pid_text:<12}{where:<36}{log}".rstrip())
+    for name, part in (("kafka", k), ("worker", w)):
+        if part["running"] and not part["healthy"]:
+            lines.append(f"  {name}: {part['detail']}")
+    lines.append(f"{'storage':<8}{st['clickhouse']['url']}  (database "
+                 f"{st['clickhouse']['database']})")
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""The local stack (`rankwatch up` / `down` / `status`): the Kafka broker and one worker.
+
+The worker (`rankwatch worker`) owns the embedded ClickHouse and serves SQL on `sql_port`; it is
+ready when ``GET /ping`` there answers ``Ok.``. Both processes run detached in their own sessions
+with pid files in `settings.run_dir` and logs in ``<home>/logs``, so the stack outlives the
+command that started it. With `kafka_bootstrap` set, the stack uses that cluster instead of
+starting a broker.
+
+Order matters: up = jars → broker → topics → worker; down = worker (it flushes and commits on
+SIGTERM) → broker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rankwatch.kafka_broker import (
+    Broker,
+    Daemon,
+    Progress,
+    connect_host,
+    ensure_jars,
+    ensure_topics,
+    port_open,
+    probe,
+    tail,
+)
+from rankwatch.settings import Settings
+
+#: Where `rankwatch` itself is imported from; the worker runs the same code.
+_SOURCE_ROOT = Path(__file__).resolve().parents[1]
+WORKER_STOP_TIMEOUT = 30.0
+
+
+class StackError(RuntimeError):
+    """A part of the stack did not come up; the message carries the end of its log."""
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """`settings` as ``RANKWATCH_*`` variables, so a child's `Settings.load()` equals `settings`."""
+    out = {}
+    for name, value in settings.model_dump(mode="json").items():
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        out[f"RANKWATCH_{name.upper()}"] = text
+    return out
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    """This process's environment with the settings in it (replacing any ``RANKWATCH_*``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
+    env.update(settings_env(settings))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SOURCE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def bootstrap(settings: Settings) -> str:
+    """Where this machine reaches Kafka: the configured cluster, else the local broker."""
+    return settings.kafka_bootstrap or Broker(settings).bootstrap
+
+
+def worker_daemon(settings: Settings) -> Daemon:
+    return Daemon("worker", settings.run_dir / "worker.pid",
+                  settings.home / "logs" / "worker.log", marker="rankwatch.cli")
+
+
+def worker_command(settings: Settings) -> list[str]:
+    return [sys.executable, "-m", "rankwatch.cli", "--home", str(settings.home),
+            "--kafka-port", str(settings.kafka_port), "worker"]
+
+
+def sql_endpoint(settings: Settings) -> str:
+    return f"http://{connect_host(settings.bind_host)}:{settings.sql_port}"
+
+
+def ping_worker(settings: Settings, timeout: float = 1.0) -> str:
+    """"" if the worker's SQL endpoint answers ``/ping`` with ``Ok.``, else why not."""
+    url = f"{sql_endpoint(settings)}/ping"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            body = r.read(64).decode(errors="replace").strip()
+    except (urllib.error.URLError, OSError) as e:
+        return f"{url}: {getattr(e, 'reason', e)}"
+    return "" if body == "Ok." else f"{url} answered {body!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
+       timeout: float = 60.0) -> dict[str, Any]:
+    """Start whatever is not running (idempotent) and return `status`. Raises StackError or
+    BrokerError with the end of the failing part's log."""
+    if settings.kafka_bootstrap:
+        why = probe(settings.bootstrap)
+        if why:
+            raise StackError(f"kafka: the cluster at {settings.bootstrap} does not answer: {why}")
+        progress(f"kafka: using {settings.bootstrap}")
+    else:
+        b = Broker(settings)
+        pid = b.pid()
+        if pid is not None and not probe(b.bootstrap):
+            progress(f"kafka: already running (pid {pid}) at {b.bootstrap}")
+        else:
+            b.lib = ensure_jars(settings, progress)
+            b.start(timeout=timeout, progress=progress)
+    specs = settings.topics.specs(settings.kafka_partitions)
+    created = ensure_topics(bootstrap(settings), specs)
+    progress(f"topics: created {len(created)} of {len(specs)}" if created
+             else f"topics: all {len(specs)} present")
+    if worker:
+        _start_worker(settings, progress, timeout)
+    return status(settings)
+
+
+def _start_worker(settings: Settings, progress: Progress, timeout: float) -> None:
+    d = worker_daemon(settings)
+    pid = d.pid()
+    if pid is not None and not ping_worker(settings):
+        progress(f"worker: already running (pid {pid}); SQL at {sql_endpoint(settings)}")
+        return
+    if pid is None:
+        if port_open(settings.bind_host, settings.sql_port):
+            raise StackError(f"worker: port {settings.sql_port} is in use by another program; "
+                             f"stop it or choose another (RANKWATCH_SQL_PORT)")
+        pid = d.start(worker_command(settings), env=child_env(settings), cwd=settings.home)
+        progress(f"worker: starting (pid {pid}), log {d.log_file}…")
+    t0 = time.monotonic()
+    why = ""
+    while time.monotonic() - t0 < timeout:
+        if d.exited() is not None or d.pid() != pid:
+            d.stop(5)
+            raise StackError(f"worker: exited while starting; the end of {d.log_file}:\n"
+                             f"{tail(d.log_file)}")
+        why = ping_worker(settings)
+        if not why:
+            progress(f"worker: ready in {time.monotonic() - t0:.1f} s; SQL at "
+                     f"{sql_endpoint(settings)}, ClickHouse {settings.clickhouse}")
+            return
+        time.sleep(0.25)
+    d.stop(WORKER_STOP_TIMEOUT)
+    raise StackError(f"worker: no answer within {timeout:.0f} s ({why}); stopped it. The broker "
+                     f"is still running (`rankwatch down` stops it). The end of {d.log_file}:\n"
+                     f"{tail(d.log_file)}")
+
+
+def down(settings: Settings, progress: Progress = print) -> bool:
+    """Stop the worker, then the broker. Returns whether anything was running."""
+    stopped = False
+    d = worker_daemon(settings)
+    pid = d.pid()
+    if pid is not None:
+        progress(f"worker: stopping (pid {pid})…")
+        stopped = d.stop(WORKER_STOP_TIMEOUT)
+    if not settings.kafka_bootstrap:
+        b = Broker(settings)
+        pid = b.pid()
+        if pid is not None:
+            progress(f"kafka: stopping broker (pid {pid})…")
+            stopped = b.stop() or stopped
+    progress("stopped" if stopped else "nothing was running")
+    return stopped
+
+
+def status(settings: Settings) -> dict[str, Any]:
+    """Each part's state, as JSON-ready values; ``healthy`` is true when every part answers."""
+    if settings.kafka_bootstrap:
+        why = probe(settings.bootstrap)
+        kafka: dict[str, Any] = {"managed": False, "running": not why, "healthy": not why,
+                                 "pid": None, "detail": why or "ok"}
+    else:
+        b = Broker(settings)
+        h = b.health()
+        kafka = {"managed": True, "running": h.running, "healthy": h.healthy, "pid": h.pid,
+                 "detail": h.detail, "log": str(b.log_file)}
+    kafka["bootstrap"] = bootstrap(settings)
+    d = worker_daemon(settings)
+    pid = d.pid()
+    why = ping_worker(settings) if pid is not None else "not running"
+    worker = {"running": pid is not None, "healthy": not why, "pid": pid, "detail": why or "ok",
+              "sql_endpoint": sql_endpoint(settings), "log": str(d.log_file)}
+    return {
+        "healthy": bool(kafka["healthy"] and worker["healthy"]),
+        "home": str(settings.home),
+        "kafka": kafka,
+        "worker": worker,
+        "clickhouse": {"url": settings.clickhouse, "database": settings.clickhouse_database},
+    }
