@@ -6,7 +6,7 @@ COPY ingest ingest
 COPY streams streams
 COPY diagnosis diagnosis
 COPY rankwatch rankwatch
-COPY sql sql
+COPY sql streams/sql
 RUN pip install --no-cache-dir . && useradd --system rankwatch && mkdir -p /var/lib/rankwatch \
     && chown rankwatch /var/lib/rankwatch
 USER rankwatch
