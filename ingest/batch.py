@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 from pydantic import ValidationError
 
-from ingest.records import COLUMNS, CONTRACT_VERSION, KINDS, Column, JobTopology
+from ingest.records import COLUMNS, CONTRACT_VERSION, DERIVED, KINDS, Column, JobTopology
 
 #: The column that carries a record's own time, used for lag metrics and time windows.
 TIME_COLUMN: dict[str, str] = {
@@ -35,6 +35,9 @@ TIME_COLUMN: dict[str, str] = {
     "kernels": "t_start",
     "wr": "ts",
     "beats": "ts",
+    "progress": "window_end",
+    "iterations": "t_start",
+    "kernel_summaries": "window_start",
 }
 
 MAX_ROWS = 4_000_000
@@ -152,7 +155,8 @@ def _check_lengths(cols: Mapping[str, Any]) -> int:
 def _spec(kind: str) -> tuple[Column, ...]:
     spec = COLUMNS.get(kind)
     if spec is None:
-        raise BatchError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}", "kind")
+        raise BatchError(f"unknown kind {kind!r}; expected one of "
+                         f"{', '.join((*KINDS, *DERIVED))}", "kind")
     return spec
 
 

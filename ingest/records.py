@@ -250,6 +250,87 @@ def columns_of(model: type[Record]) -> tuple[Column, ...]:
     return tuple(_column(n, f) for n, f in model.model_fields.items())
 
 
+# ---------------------------------------------------------------------------------------------
+# Derived kinds: what the streams layer computes from raw records and publishes (rw.<kind>) and
+# stores (a table of the same name). Same wire format and column rules as the raw kinds.
+
+StepSource = Literal["stages", "dp_collective"]
+
+
+class Progress(Record):
+    """One rank and communicator in one short window of a job: the progress feed (rw.progress,
+    keyed by job_id) that trigger agents read (Mycroft Alg. 1, VenusTrace heartbeats).
+
+    Computed over the records of the job seen up to the window's end (`window_end`, ns, event
+    time). `last_op_seq` is the highest op_seq completed on the communicator by then (−1: none
+    yet); `completed_ops`, `bytes_per_s` (bytes of those ops / window length, integer) and
+    `op_interval_ns` ((last end − first end) / (completed − 1) over the ops that completed inside
+    the window; −1 below two) describe the window itself. `inflight_ops` counts ops started and
+    not completed by `window_end`, `oldest_inflight_age_ns` is `window_end` minus the oldest one's
+    t_start (0: none). `last_beat_ts` is the newest heartbeat's ts (0: none), `last_record_ts` the
+    newest op/beat time seen from the rank on this communicator.
+    """
+
+    window_end: Ns
+    rank: Rank
+    comm_id: OptName = ""
+    last_op_seq: Annotated[int, Field(ge=-1)] = -1
+    completed_ops: Count = 0
+    bytes_per_s: Count = 0
+    op_interval_ns: Annotated[int, Field(ge=-1)] = -1
+    inflight_ops: Count = 0
+    oldest_inflight_age_ns: Count = 0
+    last_beat_ts: Ns = 0
+    last_record_ts: Ns = 0
+
+
+class Iteration(Record):
+    """One training step on one rank. `source` says where the step boundaries came from: the
+    rank's `stages` record (StageFrontier's stage vector, exact), or the end of the DP gradient
+    collective (VenusTrace's rule: step k ends when the rank's k-th DP AllReduce/ReduceScatter
+    ends, and starts when step k−1 ended). The six stage durations are −1 without stage records.
+
+    `tp_comm_ns`, `pp_comm_ns`, `dp_comm_ns` are the rank's exposed communication time per group
+    kind inside the step (the union of its calls' [t_start, t_end) on communicators of that kind,
+    clipped to the step); `compute_ns` is the step time minus the union over all kinds. `ops` and
+    `op_bytes` count the completed calls that ended inside the step.
+    """
+
+    rank: Rank
+    step: Count
+    source: StepSource
+    t_start: Ns
+    t_end: Ns
+    step_ns: Count
+    data_next_wait: Step = -1
+    model_fwd_loss: Step = -1
+    model_backward: Step = -1
+    callbacks: Step = -1
+    optim_step: Step = -1
+    step_other: Step = -1
+    compute_ns: Count = 0
+    tp_comm_ns: Count = 0
+    pp_comm_ns: Count = 0
+    dp_comm_ns: Count = 0
+    ops: Count = 0
+    op_bytes: Count = 0
+
+
+class KernelSummary(Record):
+    """One KDE cluster of one (rank, stream, kernel) in one window (ARGUS §5.2): the cluster's
+    event count and its p50/p99 duration in ns (interpolated quantiles, rounded). `cluster` counts
+    from 0 in ascending duration within the key and window; `window_start` is in ns."""
+
+    window_start: Ns
+    rank: Rank
+    stream: Count
+    kernel: Name
+    cluster: Small
+    count: Count
+    p50_ns: Count
+    p99_ns: Count
+
+
 #: Columnar record kinds, by the name used in the wire format and topic names (rw.<kind>).
 MODELS: dict[str, type[Record]] = {
     "ops": Op,
@@ -260,6 +341,15 @@ MODELS: dict[str, type[Record]] = {
     "wr": WorkRequest,
     "beats": Beat,
 }
-COLUMNS: dict[str, tuple[Column, ...]] = {k: columns_of(m) for k, m in MODELS.items()}
-#: Every kind, including the non-columnar topology record.
+#: Derived kinds the streams layer computes and publishes; raw agents do not subscribe to them.
+DERIVED: dict[str, type[Record]] = {
+    "progress": Progress,
+    "iterations": Iteration,
+    "kernel_summaries": KernelSummary,
+}
+#: Column specs of every columnar kind, raw and derived (the wire format covers both).
+COLUMNS: dict[str, tuple[Column, ...]] = {
+    k: columns_of(m) for k, m in {**MODELS, **DERIVED}.items()
+}
+#: Every raw kind, including the non-columnar topology record.
 KINDS: tuple[str, ...] = ("jobs", *MODELS)

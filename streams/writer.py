@@ -26,11 +26,12 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ingest.batch import TIME_COLUMN, RecordBatch
-from ingest.records import COLUMNS, JobTopology
+from ingest.records import COLUMNS, MODELS, JobTopology
 from streams.db import Database
 
-#: The raw table of each columnar kind (sql/001_raw.sql): named like the kind.
-RAW_TABLES: dict[str, str] = {kind: kind for kind in COLUMNS}
+#: The raw table of each raw columnar kind (sql/001_raw.sql): named like the kind. Derived kinds
+#: (ingest.records.DERIVED) have their own tables and writers (streams/derived_store.py).
+RAW_TABLES: dict[str, str] = {kind: kind for kind in MODELS}
 _NS_PER_MS = 1_000_000
 
 
