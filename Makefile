@@ -42,6 +42,14 @@ test: build jars lint ## Set everything up and run every test (unit, integration
 demo: build jars ## Start the local stack, run a job with a fault, print the diagnosis, stop
 	$(BIN)/python -m rankwatch.demo
 
+.PHONY: up down status
+up: build jars ## Start the local stack (Kafka broker + worker) in ~/.local/share/rankwatch
+	$(BIN)/rankwatch up
+down: $(STAMP) ## Stop the local stack
+	$(BIN)/rankwatch down
+status: $(STAMP) ## Show the local stack's health
+	$(BIN)/rankwatch status
+
 .PHONY: bench
 bench: build jars ## Run the benchmarks (prints figures)
 	$(BIN)/rankwatch bench ingest

@@ -7,6 +7,7 @@ Sources, lowest to highest precedence: defaults, environment variables `RANKWATC
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -90,6 +91,12 @@ class Settings(BaseModel):
             key = f"RANKWATCH_{name.upper()}"
             if key in env:
                 values[name] = env[key]
+        known = {f"RANKWATCH_{n.upper()}" for n in cls.model_fields}
+        unknown = sorted(k for k in env if k.startswith("RANKWATCH_") and k not in known
+                         and not k.startswith("RANKWATCH_TEST_"))
+        if unknown:
+            warnings.warn(f"ignoring unknown settings {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}", stacklevel=2)
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls.model_validate(values)
@@ -97,6 +104,7 @@ class Settings(BaseModel):
             lines = []
             for err in e.errors():
                 name = str(err["loc"][0]) if err["loc"] else "?"
-                src = f"RANKWATCH_{name.upper()}" if name not in overrides else f"--{name}"
+                src = (f"--{name.replace('_', '-')}" if overrides.get(name) is not None
+                       else f"RANKWATCH_{name.upper()}")
                 lines.append(f"{src}={values.get(name)!r}: {err['msg']}")
             raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None

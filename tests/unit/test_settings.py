@@ -76,8 +76,13 @@ def test_errors_list_every_bad_variable():
 def test_an_override_error_names_the_option_not_a_variable():
     with pytest.raises(SettingsError) as e:
         Settings.load(env={}, kafka_port=0)
-    assert "kafka_port" in str(e.value)
+    assert "--kafka-port=0" in str(e.value)
     assert "RANKWATCH_" not in str(e.value)
+
+
+def test_a_misspelled_variable_is_reported_not_silently_ignored():
+    with pytest.warns(UserWarning, match="RANKWATCH_KAFKA_PROT"):
+        Settings.load(env={"RANKWATCH_KAFKA_PROT": "1"})
 
 
 def test_unknown_override_is_rejected():
