@@ -298,7 +298,10 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 
 
 def _kafka_uuid() -> str:
-    """A cluster id as Kafka writes them: 16 random bytes, URL-safe base64 without padding."""
+    """A cluster id as Kafka writes them: 16 random bytes, URL-safe base64 without padding.
+
+    One in 64 starts with "-", which is why it is passed as `--cluster-id=<id>`, never as a
+    separate argument that the tool's option parser would take for a flag."""
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
 
 
@@ -421,7 +424,7 @@ log4j.logger.kafka.log.LogCleaner=WARN
         cluster_id = id_file.read_text().strip()
         res = subprocess.run(
             self._java("kafka.tools.StorageTool", "format", "--ignore-formatted",
-                       "-t", cluster_id, "-c", str(conf)),
+                       f"--cluster-id={cluster_id}", "-c", str(conf)),
             capture_output=True, text=True, timeout=120,
         )
         if res.returncode != 0:

@@ -395,3 +395,15 @@ def test_up_shows_the_log_of_a_worker_that_fails(settings_factory, fake_worker):
         assert stack.status(s)["kafka"]["healthy"]  # the broker stays up for `down`
     finally:
         stack.down(s, progress=lambda _: None)
+
+
+def test_storage_formats_with_a_cluster_id_that_starts_with_a_dash(settings_factory, monkeypatch):
+    """One random cluster id in 64 starts with "-"; the storage tool must not read it as a flag."""
+    import rankwatch.kafka_broker as kafka_broker
+
+    s = settings_factory()
+    monkeypatch.setattr(kafka_broker, "_kafka_uuid", lambda: "-" + "Q" * 21)
+    b = Broker(s, ensure_jars(s, progress=lambda _: None))
+    b._prepare()
+    assert (b.data_dir / "meta.properties").exists()
+    assert "-QQQ" in (b.data_dir / "meta.properties").read_text()
