@@ -54,9 +54,10 @@ class Settings(BaseModel):
     sql_port: Port = 8124
     sql_writable: bool = False
     topic_prefix: str = "rw"
-    #: Writer batching: flush at this many rows or after this many seconds, whichever first.
-    writer_max_rows: Annotated[int, Field(ge=1)] = 200_000
-    writer_max_seconds: Annotated[float, Field(gt=0, le=60)] = 1.0
+    #: Writer batching: one insert per partition for at most this many Kafka messages (each a
+    #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.
+    writer_max_messages: Annotated[int, Field(ge=1, le=100_000)] = 256
+    writer_max_seconds: Annotated[float, Field(gt=0, le=60)] = 0.5
     worker_id: str = "worker-1"
 
     @field_validator("clickhouse_url")

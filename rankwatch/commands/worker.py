@@ -37,7 +37,8 @@ def build(settings: Settings, db: Database) -> StreamsApp:
     """The streams app wired to `db`, with the SQL endpoint and a metrics timer attached."""
     writer = ClickHouseWriter(db)
     cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
-                    topics=settings.topics)
+                    topics=settings.topics, max_messages=settings.writer_max_messages,
+                    within_s=settings.writer_max_seconds)
     sapp = StreamsApp(cfg, ClickHouseStore(writer))
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}
