@@ -1,0 +1,82 @@
+"""Process groups as communicators: ids, members, and the rank's sidecar file.
+
+Every process group a rank uses becomes a communicator with a job-wide `comm_id`: ``"world"`` for
+the default group, ``"pg<name>"`` for the others, where `<name>` is torch's group name — torch
+requires every rank to create groups in the same order, so the names agree across ranks. The kind
+(`tp`/`pp`/`dp`/`ep`/`cp`/`world`) comes from `set_kind` (e.g. ``ingest.torch.name_group(pg,
+"tp")``), otherwise ``world`` for the default group and ``dp`` for the others.
+
+Events carry the communicator's *index* in this rank's table (no strings in the ring). Each new
+communicator rewrites the sidecar ``rank-<r>.json`` beside the ring (atomically; once per group,
+never per event), which the agent reads to map indices to comm_ids and to build the job's topology
+record: ``{job_id, rank, world_size, host, pid, parallel, comms: [{comm_id, kind, members}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+CommKind = str
+
+
+class CommTable:
+    """Maps process-group objects to (index, comm_id) and keeps the rank's sidecar current."""
+
+    def __init__(self, sidecar: Path, job_id: str, rank: int, world_size: int) -> None:
+        self.sidecar = sidecar
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.comms: list[dict[str, Any]] = []
+        self.seq: list[int] = []  # next op_seq per communicator index
+        self._by_group: dict[int, int] = {}
+        self._kinds: dict[int, str] = {}
+        self._keep: list[object] = []  # groups stay alive while indexed by id()
+        self.parallel = _parallel_from_env()
+
+    def set_kind(self, group: object, kind: CommKind) -> None:
+        self._kinds[id(group)] = kind
+        idx = self._by_group.get(id(group))
+        if idx is not None:
+            self.comms[idx]["kind"] = kind
+            self.write()
+
+    def index(self, group: object, comm_id: str, members: list[int]) -> int:
+        """The index of `group`, registering it on first sight."""
+        idx = self._by_group.get(id(group))
+        if idx is not None:
+            return idx
+        default = "world" if comm_id == "world" else "dp"
+        kind = self._kinds.get(id(group), default)
+        idx = len(self.comms)
+        self.comms.append({"comm_id": comm_id, "kind": kind, "members": members})
+        self.seq.append(0)
+        self._by_group[id(group)] = idx
+        self._keep.append(group)
+        self.write()
+        return idx
+
+    def write(self) -> None:
+        doc = {"job_id": self.job_id, "rank": self.rank, "world_size": self.world_size,
+               "host": socket.gethostname(), "pid": os.getpid(), "parallel": self.parallel,
+               "comms": self.comms}
+        tmp = self.sidecar.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.sidecar)
+
+
+def _parallel_from_env() -> dict[str, int]:
+    """Parallel sizes the launcher may declare: RANKWATCH_TP/PP/DP/EP/CP, RANKWATCH_MICROBATCHES."""
+    out: dict[str, int] = {}
+    for key in ("tp", "pp", "dp", "ep", "cp", "microbatches"):
+        raw = os.environ.get(f"RANKWATCH_{key.upper()}")
+        if raw is None:
+            continue
+        if not raw.isdigit() or int(raw) < 1:
+            print(f"rankwatch: ignoring RANKWATCH_{key.upper()}={raw!r} (expected an integer "
+                  ">= 1)", flush=True)
+            continue
+        out[key] = int(raw)
+    return out

@@ -1,0 +1,158 @@
+"""Turning tracing on in a training process: `enable()` and what it hooks.
+
+`enable()` patches ``torch.distributed.init_process_group``, ``new_group`` and
+``destroy_process_group`` (and DDP, ddp.py); once the default group exists (now, or when the
+script initializes it) the rank opens its ring ``<ring_dir>/<job_id>/rank-<rank>.ring`` with the
+sidecar ``rank-<rank>.json`` beside it, registers the world group and every group created after,
+and installs the collective wrappers (collectives.py).
+
+Configuration, read when `enable()` runs (never at import), explicit arguments first:
+``RANKWATCH_JOB`` (default: torchrun's ``TORCHELASTIC_RUN_ID``, else ``default``),
+``RANKWATCH_RING_DIR`` (default ``/dev/shm/rankwatch``), ``RANKWATCH_RING_SLOTS`` (power of two,
+default 65536), ``RANKWATCH_CUDA_SAMPLE`` (fraction of steps with CUDA events, default 0).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ingest.torch import collectives, ddp
+from ingest.torch.comms import CommTable
+from ingest.torch.spool import SpoolWriter
+from ingest.torch.stages import StageClock
+from ingest.torch.tracer import Tracer
+
+DEFAULT_RING_DIR = "/dev/shm/rankwatch"
+_JOB_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+@dataclass
+class Config:
+    job_id: str
+    ring_dir: Path
+    slots: int
+    cuda_sample: float
+
+
+def config(job_id: str | None = None, ring_dir: str | Path | None = None,
+           slots: int | None = None, cuda_sample: float | None = None) -> Config:
+    env = os.environ
+    job = job_id or env.get("RANKWATCH_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
+    if not _JOB_RE.match(job):
+        raise ValueError(f"job id {job!r}: expected 1-128 of [A-Za-z0-9_.:-]")
+    raw_slots = slots if slots is not None else env.get("RANKWATCH_RING_SLOTS", "65536")
+    n = int(raw_slots)
+    if n < 64 or n & (n - 1):
+        raise ValueError(f"RANKWATCH_RING_SLOTS={raw_slots!r}: expected a power of two >= 64")
+    q = cuda_sample if cuda_sample is not None else float(env.get("RANKWATCH_CUDA_SAMPLE", "0"))
+    return Config(job, Path(ring_dir or env.get("RANKWATCH_RING_DIR") or DEFAULT_RING_DIR), n, q)
+
+
+class Session:
+    """The process-wide tracing state (one per process)."""
+
+    def __init__(self, cfg: Config, clock: StageClock) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.tracer: Tracer | None = None
+        self.originals: dict[str, Any] = {}
+        self._patched: dict[str, Any] = {}
+        self._group_cache: dict[int, int] = {}
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        self.clock.enable_cuda_events(self.cfg.cuda_sample)
+        for name, hook in (("init_process_group", self._after_init),
+                           ("new_group", self._after_new_group)):
+            self._patched[name] = orig = getattr(dist, name)
+            setattr(dist, name, _after(orig, hook))
+        ddp.install(self._patched)
+        if dist.is_initialized():
+            self._attach()
+        atexit.register(self.flush)
+
+    def uninstall(self) -> None:
+        import torch.distributed as dist
+
+        self.flush()
+        collectives.uninstall(dist, self.originals)
+        ddp.uninstall(self._patched)
+        for name in ("init_process_group", "new_group"):
+            if name in self._patched:
+                setattr(dist, name, self._patched.pop(name))
+        if self.tracer is not None:
+            self.tracer.writer.close()
+        self.clock.tracer = self.tracer = None
+
+    def flush(self) -> None:
+        if self.tracer is not None and self.tracer.outstanding:
+            self.tracer.harvest()
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def _after_init(self, _result: Any) -> None:
+        self._attach()
+
+    def _after_new_group(self, pg: Any) -> None:
+        if self.tracer is not None and not isinstance(pg, int) and pg is not None:
+            self.group_index(pg)
+
+    def _attach(self) -> None:
+        import torch.distributed as dist
+
+        if self.tracer is not None:
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        base = self.cfg.ring_dir / self.cfg.job_id
+        base.mkdir(parents=True, exist_ok=True)
+        writer = SpoolWriter(base / f"rank-{rank}.ring", self.cfg.slots)
+        comms = CommTable(base / f"rank-{rank}.json", self.cfg.job_id, rank, world)
+        tracer = Tracer(writer, comms, rank)
+        tracer.group_of = self._group_of
+        self.tracer = tracer
+        self.group_index(None)
+        self.originals = collectives.install(tracer, dist)
+        self.clock.tracer = tracer
+
+    def _group_of(self, group: Any) -> int:
+        idx = self._group_cache.get(id(group))
+        return idx if idx is not None else self.group_index(group)
+
+    def group_index(self, group: Any) -> int:
+        """Register `group` (None: the default group) as a communicator; its index."""
+        import torch.distributed as dist
+
+        assert self.tracer is not None
+        world = dist.group.WORLD
+        real = world if group is None else group
+        if real is world:
+            comm_id = "world"
+        else:
+            comm_id = f"pg{getattr(real, 'group_name', '') or len(self.tracer.comms.comms)}"
+        members = [int(r) for r in dist.get_process_group_ranks(real)]
+        idx = self.tracer.comms.index(real, comm_id, members)
+        if idx == len(self.tracer.nccl):
+            self.tracer.nccl.append(dist.get_backend(real) == "nccl")
+        self._group_cache[id(group)] = idx
+        return idx
+
+
+def _after(orig: Any, hook: Any) -> Any:
+    import functools
+
+    @functools.wraps(orig)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = orig(*args, **kwargs)
+        try:
+            hook(result)
+        except Exception as e:  # tracing must never fail the job
+            print(f"rankwatch: tracing not attached: {e}", flush=True)
+        return result
+
+    return wrapped

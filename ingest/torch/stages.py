@@ -1,0 +1,168 @@
+"""StageFrontier's stage contract as context managers (StageFrontier §3, Appendix A).
+
+    from ingest.torch import stages
+    for batch_idx in range(n):
+        with stages.step():                      # one logical step; closes the vector
+            with stages.data():        batch = next(loader)        # data.next_wait
+            with stages.fwd_loss():    loss = model(batch)         # model.fwd_loss
+            with stages.backward():    loss.backward()             # model.backward
+            with stages.callbacks():   log(loss)                   # callbacks
+            with stages.optim():       opt.step()                  # optim.step
+
+At the end of the step the rank writes one STAGE event: the five ordered spans (CPU wall time,
+``perf_counter_ns``: rank-local and monotonic, no synchronized clocks) and ``step.other``, the
+residual ``max(0, wall - Σ spans)``, so the vector sums to the step's wall time whenever the spans
+do not overlap (StageFrontier's closure; a nested ordered span makes Σ exceed the wall and shows
+as zero residual — the overlap error the labeler gates on). The data wait belongs to the step
+that consumes the batch: call `data()` inside that step's `step()`.
+
+Optional side channel: with ``cuda_sample=q`` (0 < q ≤ 1) every ⌈1/q⌉-th step records two CUDA
+events around `fwd_loss` on the current stream and polls them (``Event.query``, never
+``synchronize``) when the step closes; a ready pair gives ``device_ns``, otherwise -1 (missing).
+It never enters the ordered vector.
+
+Every context manager is preallocated: entering and leaving allocates nothing but the ints.
+Without an active tracer the spans still time (cheaply) and nothing is written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ingest.torch.events import STAGE, STAGES
+
+_perf = time.perf_counter_ns
+
+
+class _Span:
+    __slots__ = ("acc", "i", "owner", "t0")
+
+    def __init__(self, owner: StageClock, i: int) -> None:
+        self.owner, self.acc, self.i, self.t0 = owner, owner.acc, i, 0
+
+    def __call__(self) -> _Span:
+        return self
+
+    def __enter__(self) -> _Span:
+        self.t0 = _perf()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.acc[self.i] += _perf() - self.t0
+
+
+class _FwdSpan(_Span):
+    __slots__ = ()
+
+    def __enter__(self) -> _Span:
+        o = self.owner
+        if o.sample_every and o.step_index % o.sample_every == 0:
+            o.cuda_begin()
+        self.t0 = _perf()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.acc[self.i] += _perf() - self.t0
+        if self.owner.events_armed:
+            self.owner.cuda_end()
+
+
+class _Step:
+    __slots__ = ("owner", "p0", "t0")
+
+    def __init__(self, owner: StageClock) -> None:
+        self.owner, self.t0, self.p0 = owner, 0, 0
+
+    def __enter__(self) -> _Step:
+        o = self.owner
+        acc = o.acc
+        acc[0] = acc[1] = acc[2] = acc[3] = acc[4] = 0
+        o.events_armed = False
+        tracer = o.tracer
+        if tracer is not None:
+            tracer.step = o.step_index
+            if tracer.outstanding:
+                tracer.harvest()
+        self.t0 = time.time_ns()
+        self.p0 = _perf()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = _perf() - self.p0
+        o = self.owner
+        a = o.acc
+        other = wall - (a[0] + a[1] + a[2] + a[3] + a[4])
+        tracer = o.tracer
+        if tracer is not None:
+            device = o.cuda_poll() if o.events_armed else -1
+            tracer.write((STAGE, tracer.rank, o.step_index, self.t0, a[0], a[1], a[2], a[3],
+                          a[4], other if other > 0 else 0, device))
+            if tracer.outstanding:
+                tracer.harvest()
+        o.step_index += 1
+
+
+class StageClock:
+    """One rank's stage timers; `ingest.torch` keeps the process-wide instance."""
+
+    def __init__(self) -> None:
+        self.acc = [0, 0, 0, 0, 0]
+        self.tracer: Any = None
+        self.step_index = 0
+        self.sample_every = 0
+        self.events_armed = False
+        self._events: tuple[Any, Any] | None = None
+        self._step = _Step(self)
+        self.spans = {name: (_FwdSpan if i == 1 else _Span)(self, i)
+                      for i, name in enumerate(STAGES)}
+        self.data = self.spans["data.next_wait"]
+        self.fwd_loss = self.spans["model.fwd_loss"]
+        self.backward = self.spans["model.backward"]
+        self.callbacks = self.spans["callbacks"]
+        self.optim = self.spans["optim.step"]
+
+    def step(self, index: int | None = None) -> _Step:
+        """The step context manager; `index` sets this step's number (default: previous + 1)."""
+        if index is not None:
+            self.step_index = index
+        return self._step
+
+    def stage(self, name: str) -> _Span:
+        """The span of stage `name` (one of data.next_wait, model.fwd_loss, model.backward,
+        callbacks, optim.step)."""
+        try:
+            return self.spans[name]
+        except KeyError:
+            raise ValueError(f"unknown stage {name!r}; expected one of {', '.join(STAGES)}"
+                             " (step.other is the residual)") from None
+
+    # -- sampled CUDA-event side channel --------------------------------------------------------
+
+    def enable_cuda_events(self, q: float) -> None:
+        if not 0 <= q <= 1:
+            raise ValueError(f"cuda_sample={q}: expected a fraction in [0, 1]")
+        import torch
+
+        if q == 0 or not torch.cuda.is_available():
+            self.sample_every = 0
+            return
+        self.sample_every = max(1, round(1 / q))
+        self._events = (torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True))
+
+    def cuda_begin(self) -> None:
+        if self._events is not None:
+            self._events[0].record()
+            self.events_armed = True
+
+    def cuda_end(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+
+    def cuda_poll(self) -> int:
+        self.events_armed = False
+        ev = self._events
+        if ev is None or not ev[1].query():
+            return -1
+        return int(ev[0].elapsed_time(ev[1]) * 1e6)

@@ -1,0 +1,104 @@
+"""The per-process tracer state: the ring writer, communicator table, step, and op completions.
+
+Threading contract — the ring has ONE producer, the training thread:
+
+- op starts are written by the training thread when the call is made;
+- completions of asynchronous work arrive on other threads (gloo's worker threads, NCCL's
+  watchdog) through ``Future.add_done_callback``. A callback does one thing: store
+  ``time.time_ns()`` into its preallocated slot of `ends` (a list item store, atomic under the
+  GIL). No lock, no ring write, no allocation beyond the int;
+- the training thread *harvests* finished slots into OP_END events at its next intercepted call,
+  stage boundary or `Work.wait()`. Timestamps are the completion times, however late the harvest.
+
+Work without a future (gloo's point-to-point) completes when `Work.wait()` returns (the patched
+`wait`, see collectives.py) — the host-visible completion.
+
+Nothing here blocks, locks or raises into training: a full ring drops and counts (spool.py), and
+more than `PENDING` outstanding async ops leave the excess untracked (counted in `untracked`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ingest.torch.comms import CommTable
+from ingest.torch.events import OP_END, OP_START
+from ingest.torch.spool import SpoolWriter
+
+PENDING = 4096
+_now = time.time_ns
+
+
+class Tracer:
+    def __init__(self, writer: SpoolWriter, comms: CommTable, rank: int) -> None:
+        self.writer = writer
+        self.write = writer.write
+        self.comms = comms
+        self.rank = rank
+        self.step = -1
+        self.untracked = 0
+        self.ends: list[int] = [0] * PENDING
+        self.slot_comm: list[int] = [0] * PENDING
+        self.slot_seq: list[int] = [0] * PENDING
+        self.outstanding: list[int] = []
+        self._free: list[int] = list(range(PENDING - 1, -1, -1))
+        self.callbacks: list[Callable[[Any], None]] = [self._make_cb(i) for i in range(PENDING)]
+        self.group_of: Callable[[Any], int] = lambda g: 0  # set by collectives.install
+        self.nccl: list[bool] = []  # per communicator: issue sync collectives async + wait
+        self.waits: dict[int, int] = {}  # id(Work) -> slot, for work without a future
+
+    def _make_cb(self, slot: int) -> Callable[[Any], None]:
+        ends = self.ends
+
+        def done(_fut: Any) -> None:
+            ends[slot] = _now()
+
+        return done
+
+    # -- training thread only ------------------------------------------------------------------
+
+    def start(self, comm: int, opcode: int, nbytes: int, peer: int) -> int:
+        """Write OP_START for the next op on `comm`; returns its op_seq."""
+        if self.outstanding:
+            self.harvest()
+        seqs = self.comms.seq
+        seq = seqs[comm]
+        seqs[comm] = seq + 1
+        t = _now()
+        self.write((OP_START, self.rank, comm, seq, opcode, nbytes, peer, t, t, self.step))
+        return seq
+
+    def end_now(self, comm: int, seq: int) -> None:
+        self.write((OP_END, self.rank, comm, seq, _now()))
+
+    def track(self, comm: int, seq: int) -> int:
+        """A slot whose callback records the completion time of (comm, seq); -1 if none free."""
+        if not self._free:
+            self.untracked += 1
+            return -1
+        slot = self._free.pop()
+        self.ends[slot] = 0
+        self.slot_comm[slot] = comm
+        self.slot_seq[slot] = seq
+        self.outstanding.append(slot)
+        return slot
+
+    def complete(self, slot: int) -> None:
+        """Mark `slot` finished now unless its callback already did (Work.wait returned)."""
+        if slot >= 0 and self.ends[slot] == 0:
+            self.ends[slot] = _now()
+        self.harvest()
+
+    def harvest(self) -> None:
+        """Turn every finished slot into an OP_END event."""
+        ends, keep = self.ends, []
+        for slot in self.outstanding:
+            t = ends[slot]
+            if t:
+                self.write((OP_END, self.rank, self.slot_comm[slot], self.slot_seq[slot], t))
+                self._free.append(slot)
+            else:
+                keep.append(slot)
+        self.outstanding = keep
