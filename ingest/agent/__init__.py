@@ -1,0 +1,1 @@
+"""The per-host agent (`rankwatch agent`): local rings → columnar record batches → Kafka."""

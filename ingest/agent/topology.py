@@ -1,0 +1,61 @@
+"""The job's topology record from the ranks' sidecars (ingest/torch/comms.py).
+
+Communicators are the union over ranks by comm_id (members agree: every member of a group
+registers the same torch group). Parallel sizes come from RANKWATCH_TP/PP/DP/… when the launcher
+set them and they multiply to the world size; otherwise the job is described as pure data
+parallel (dp = world_size, schedule "none"), which is what the records alone can show.
+
+Hosts: a host agent knows the ranks on its host. It publishes the topology only if rank 0 is
+local, naming the other ranks' host "unknown" — enough on one host; a multi-host job needs the
+hosts gathered (not done yet, see the agent README).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ingest.records import Communicator, JobTopology
+
+
+def read_sidecar(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # being replaced right now, or gone: read it next time
+    return doc if isinstance(doc, dict) and isinstance(doc.get("comms"), list) else None
+
+
+def build(job_id: str, sidecars: list[dict[str, Any]], now_ns: int | None = None) -> JobTopology:
+    """JobTopology from the sidecars of one job's local ranks. Raises ValueError if inconsistent."""
+    if not sidecars:
+        raise ValueError(f"job {job_id}: no sidecars")
+    world = max(int(s["world_size"]) for s in sidecars)
+    hosts = ["unknown"] * world
+    comms: dict[str, Communicator] = {}
+    parallel: dict[str, int] = {}
+    for s in sidecars:
+        rank = int(s["rank"])
+        if 0 <= rank < world:
+            hosts[rank] = str(s.get("host") or "unknown")
+        parallel = parallel or dict(s.get("parallel") or {})
+        for c in s["comms"]:
+            if c["comm_id"] not in comms:
+                comms[c["comm_id"]] = Communicator(
+                    comm_id=c["comm_id"], kind=c["kind"], members=sorted(c["members"]))
+    sizes = {k: parallel.get(k, 1) for k in ("tp", "pp", "cp")}
+    sizes["dp"] = parallel.get("dp", world // max(1, sizes["tp"] * sizes["pp"] * sizes["cp"]))
+    fields: dict[str, Any] = {"job_id": job_id, "ts": now_ns or time.time_ns(),
+                              "world_size": world, "hosts": hosts,
+                              "communicators": list(comms.values()),
+                              "microbatches": parallel.get("microbatches", 1)}
+    try:
+        return JobTopology.model_validate({
+            **fields, **sizes, "ep": parallel.get("ep", 1),
+            "schedule": "1f1b" if sizes["pp"] > 1 else "none"})
+    except ValidationError:
+        return JobTopology.model_validate({**fields, "dp": world, "schedule": "none"})

@@ -1,0 +1,82 @@
+"""`rankwatch agent`: drain this host's tracer rings and publish their records to Kafka."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ingest.agent.agent import Agent, AgentConfig
+from ingest.publish import BatchPublisher
+from ingest.torch.session import DEFAULT_RING_DIR
+from rankwatch.settings import Settings
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("agent", help="per-host agent: tracer rings -> Kafka record batches",
+                       description=__doc__)
+    p.add_argument("--ring-dir", default=DEFAULT_RING_DIR,
+                   help=f"where the tracers' rings live (default {DEFAULT_RING_DIR})")
+    p.add_argument("--job", help="only this job's rings (default: every job)")
+    p.add_argument("--linger", type=float, default=0.25, help="seconds a batch may wait")
+    p.add_argument("--beat", type=float, default=1.0, help="heartbeat interval, seconds")
+    p.add_argument("--inflight", type=float, default=2.0,
+                   help="publish an op still running after this many seconds as in flight")
+    p.add_argument("--spill-mb", type=int, default=64, help="bounded spill during outages")
+    p.add_argument("--keep-dead", action="store_true", help="keep rings of exited processes")
+    p.add_argument("--duration", type=float, default=0, help="stop after N seconds (0: never)")
+    p.add_argument("--exit-when-idle", type=float, default=0,
+                   help="stop once rings existed and none is left for N seconds")
+    p.add_argument("--json", action="store_true", help="print final stats as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    for name in ("linger", "beat", "inflight"):
+        if getattr(args, name) <= 0:
+            print(f"rankwatch agent: --{name} must be > 0", file=sys.stderr)
+            return 2
+    cfg = AgentConfig(ring_dir=Path(args.ring_dir), job=args.job, linger_s=args.linger,
+                      beat_s=args.beat, inflight_s=args.inflight,
+                      spill_bytes=args.spill_mb << 20, remove_dead=not args.keep_dead)
+    pub = BatchPublisher(settings.bootstrap, settings.topics, block_s=0.0, config={
+        "message.timeout.ms": 15000, "queue.buffering.max.kbytes": 32 * 1024})
+    agent = Agent(cfg, pub)
+    stopping = False
+
+    def on_signal(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    t_end = time.monotonic() + args.duration if args.duration else float("inf")
+    seen = 0.0
+    idle_since = [0.0]
+
+    def stop() -> bool:
+        nonlocal seen
+        now = time.monotonic()
+        if args.exit_when_idle:
+            if agent.rings:
+                seen, idle_since[0] = 1.0, 0.0
+            elif seen and not idle_since[0]:
+                idle_since[0] = now
+            elif seen and now - idle_since[0] >= args.exit_when_idle:
+                return True
+        return stopping or now >= t_end
+
+    print(f"rankwatch agent: {cfg.ring_dir} -> {settings.bootstrap} "
+          f"({settings.topics.ops}, …)", file=sys.stderr, flush=True)
+    agent.run(stop)
+    stats = agent.stats()
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print("rankwatch agent: " + ", ".join(f"{k}={v}" for k, v in stats.items()),
+              file=sys.stderr)
+    return 0
