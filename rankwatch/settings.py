@@ -59,6 +59,12 @@ class Settings(BaseModel):
     writer_max_messages: Annotated[int, Field(ge=1, le=100_000)] = 256
     writer_max_seconds: Annotated[float, Field(gt=0, le=60)] = 0.5
     worker_id: str = "worker-1"
+    #: Derived streams (streams/derived.py): event-time windows close at max event time seen
+    #: minus this lateness; window widths of the progress feed, iterations and kernel summaries.
+    derived_lateness_s: Annotated[float, Field(ge=0, le=3600)] = 2.0
+    progress_window_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    iteration_window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    kernel_window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
 
     @field_validator("clickhouse_url")
     @classmethod

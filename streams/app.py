@@ -72,6 +72,8 @@ class StreamsApp:
         self.dlq_topic = self.app.topic(cfg.topics.dlq, value_serializer="raw",
                                         key_serializer="raw")
         self.sinks: dict[str, RawSink] = {}
+        #: The derived runner (streams.derived.DerivedRunner) when the composition root adds one.
+        self.derived: Any = None
         for kind in MODELS:
             self._add_raw_agent(kind)
         self._add_jobs_agent()
@@ -161,3 +163,11 @@ class StreamsApp:
             if lag is not None:
                 out[kind].update(lag_ms_p50=lag.p50_ms, lag_ms_max=lag.max_ms)
         return out
+
+    def derived_stats(self) -> dict[str, Any]:
+        if self.derived is None:
+            return {}
+        st = self.derived.stats
+        return {"windows": dict(st.windows), "rows": dict(st.rows),
+                "late_recomputed": st.late_recomputed, "errors": st.errors,
+                "last_error": st.last_error}

@@ -103,6 +103,9 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
     m = ops.grad & (ops.t_end > 0)
     rank, end = ops.rank[m].astype(np.int64), ops.t_end[m]
     step = np.where(ops.step[m] >= 0, ops.step[m], ops.op_seq[m] // per_step)
+    if not len(rank):
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty, empty
     # several buckets of one step: the step ends with its last one
     order = np.lexsort((end, step, rank))
     rank, step, end = rank[order], step[order], end[order]

@@ -16,11 +16,14 @@ from typing import Any
 import faust
 from aiohttp import web
 
+from ingest.records import DERIVED
 from rankwatch.settings import Settings
 from streams.app import AppConfig, StreamsApp
 from streams.db import ClickHouseError, Database, migrate
+from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
+from streams.kernel_summaries import KernelParams
+from streams.progress import ProgressParams
 from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
-from streams.store import ClickHouseStore
 from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
@@ -33,13 +36,46 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def build(settings: Settings, db: Database) -> StreamsApp:
-    """The streams app wired to `db`, with the SQL endpoint and a metrics timer attached."""
+def derived_config(settings: Settings) -> DerivedConfig:
+    """The derived runner's windows from the settings (seconds -> ns)."""
+    def ns(s: float) -> int:
+        return round(s * 1e9)
+
+    return DerivedConfig(
+        lateness_ns=ns(settings.derived_lateness_s),
+        progress=ProgressParams(window_ns=ns(settings.progress_window_s)),
+        iteration_window_ns=ns(settings.iteration_window_s),
+        kernels=KernelParams(window_ns=ns(settings.kernel_window_s)))
+
+
+def build(settings: Settings, db: Database, derived: DerivedConfig | None = None) -> StreamsApp:
+    """The streams app wired to `db`, with the SQL endpoint, the derived runner (progress,
+    iterations, kernel summaries: streams/derived.py) and a metrics timer attached."""
     writer = ClickHouseWriter(db)
     cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
                     topics=settings.topics, max_messages=settings.writer_max_messages,
                     within_s=settings.writer_max_seconds)
-    sapp = StreamsApp(cfg, ClickHouseStore(writer))
+    topics: dict[str, Any] = {}
+
+    async def publish(kind: str, job: str, data: bytes) -> None:
+        fut = await topics[kind].send(key=job.encode(), value=data)
+        await fut  # delivered before the window is checkpointed
+
+    derived = derived or derived_config(settings)
+    deriver = DerivedRunner(db, publish, derived)
+    sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows))
+    sapp.derived = deriver
+    for kind in DERIVED:
+        topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",
+                                      key_serializer="raw")
+    restored: list[bool] = []
+
+    async def derive() -> None:
+        if not restored:
+            await deriver.restore()
+            restored.append(True)
+        await deriver.tick()
+
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}
 
@@ -69,6 +105,7 @@ def build(settings: Settings, db: Database) -> StreamsApp:
 
     sapp.app.task(serve_sql)
     sapp.app.timer(METRICS_INTERVAL_S)(store_metrics)
+    sapp.app.timer(derived.tick_s)(derive)
     sapp.app.on_before_shutdown.connect(close_sql)  # type: ignore[arg-type]
     return sapp
 

@@ -1,0 +1,235 @@
+"""The derived runner: closes event-time windows of every job and writes progress, iterations and
+kernel summaries, computed from the durable raw tables (docs/architecture.md, "Derived streams").
+
+Flow per tick (a Faust timer, every `tick_s`):
+1. The raw sinks' store (`ObservingStore`) reports the event-time range of every batch *after*
+   it is stored; `streams.windows.Windows` turns that into per-job watermarks and due windows.
+2. For each due window: compute from ClickHouse (progress: streams/progress.py; iterations:
+   streams/iterations.py over the window's stages and ops; kernels: streams/kernel_summaries.py),
+   insert with a deduplication token naming (kind, job, window), publish to rw.<kind> keyed by
+   job_id, then mark the window closed.
+3. Store the job's checkpoint (`stream_state`: next window per kind, largest event time).
+
+Restart: the checkpoint says which windows are closed; every raw row is durable before it is
+observed, so the windows after the checkpoint are computed from complete raw data; a window that
+was written but not checkpointed is computed again, its insert dropped by the token (no duplicate
+row) and its message published again (consumers key on (job_id, window) — see docs/records.md).
+Late iterations: a batch older than the closed windows marks them; they are recomputed and the new
+rows replace the old ones (ReplacingMergeTree on (job_id, rank, step), newest ingest_ts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ingest.batch import TIME_COLUMN, RecordBatch, encode_batch
+from streams.db import Database
+from streams.iterations import KIND_CODES, OTHER_KIND, OpFrame, iteration_rows
+from streams.kernel_summaries import KernelParams, KernelSummarizer
+from streams.progress import ProgressFeed, ProgressParams
+from streams.store import ClickHouseStore
+from streams.windows import Checkpoint, Windows, WindowSpec
+from streams.writer import ClickHouseWriter, insert_settings
+
+log = logging.getLogger(__name__)
+SEC = 1_000_000_000
+Publish = Callable[[str, str, bytes], Awaitable[None]]  # (kind, job_id, batch bytes)
+
+
+@dataclass(frozen=True)
+class DerivedConfig:
+    lateness_ns: int = 2 * SEC
+    progress: ProgressParams = field(default_factory=ProgressParams)
+    iteration_window_ns: int = 10 * SEC
+    max_step_ns: int = 60 * SEC
+    grad_collectives_per_step: int = 1
+    kernels: KernelParams = field(default_factory=KernelParams)
+    tick_s: float = 0.5
+    max_windows_per_tick: int = 16
+    publish_rows: int = 20_000
+
+
+class ObservingStore(ClickHouseStore):
+    """The raw sinks' store; reports each stored batch's event-time range to `windows`."""
+
+    def __init__(self, writer: ClickHouseWriter, windows: Windows) -> None:
+        super().__init__(writer)
+        self.windows = windows
+
+    async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
+                    sources: Sequence[tuple[int, int]]) -> int:
+        n = await super().write(kind, batches, token, sources=sources)
+        column = TIME_COLUMN[kind]
+        for b in batches:
+            t = b.cols[column]
+            known = t[t > 0]
+            if len(known):
+                self.windows.observe(b.job_id, int(known.min()), int(known.max()))
+        return n
+
+
+STAGES_SQL = """
+SELECT rank, step, toUnixTimestamp64Nano(t_start) AS start_ns, data_next_wait, model_fwd_loss,
+       model_backward, callbacks, optim_step, step_other
+FROM stages WHERE job_id = {job:String}
+  AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
+  AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')
+"""
+OPS_SQL = """
+SELECT rank,
+       toInt8(transform(toString(comm_id), {ids:Array(String)}, {codes:Array(Int8)},
+              multiIf(startsWith(comm_id, 'tp'), 0, startsWith(comm_id, 'pp'), 1,
+                      startsWith(comm_id, 'dp'), 2, 3))) AS kind,
+       op IN ('AllReduce', 'ReduceScatter') AS grad_op, op_seq, step, bytes,
+       toUnixTimestamp64Nano(t_start) AS start_ns, toUnixTimestamp64Nano(t_end) AS end_ns
+FROM ops WHERE job_id = {job:String}
+  AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
+  AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')
+"""
+TOPOLOGY_SQL = """
+SELECT comm_ids, comm_kinds FROM jobs FINAL WHERE job_id = {job:String} LIMIT 1
+"""
+STATE_SQL = "SELECT job_id, kind, next_start, max_ns FROM stream_state FINAL"
+
+
+@dataclass
+class RunnerStats:
+    windows: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    late_recomputed: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+
+class DerivedRunner:
+    """See the module docstring. `publish` sends one encoded batch to rw.<kind> keyed by job."""
+
+    def __init__(self, db: Database, publish: Publish, cfg: DerivedConfig | None = None, *,
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        cfg = cfg or DerivedConfig()
+        self.db, self.publish, self.cfg, self.clock = db, publish, cfg, clock
+        self.windows = Windows([
+            WindowSpec("progress", cfg.progress.window_ns),
+            WindowSpec("iterations", cfg.iteration_window_ns, reach_ns=cfg.max_step_ns,
+                       late_marks=True),
+            WindowSpec("kernel_summaries", cfg.kernels.window_ns),
+        ], cfg.lateness_ns)
+        self.progress = ProgressFeed(db, cfg.progress)
+        self.kernels = KernelSummarizer(db, cfg.kernels)
+        self.stats = RunnerStats()
+        self._topology: dict[str, tuple[list[str], list[int]]] = {}
+        self._lock = asyncio.Lock()
+
+    async def restore(self) -> None:
+        """Resume from the stored checkpoints (call once, before the first tick)."""
+        rows = await self.db.aquery_columns(STATE_SQL)
+        self.windows.restore([Checkpoint(str(j), str(k), int(s), int(m)) for j, k, s, m in zip(
+            rows["job_id"], rows["kind"], rows["next_start"], rows["max_ns"], strict=True)])
+
+    async def tick(self) -> int:
+        """Close every due window of every job; returns the windows closed."""
+        if self._lock.locked():
+            return 0
+        async with self._lock:
+            done = 0
+            for job in list(self.windows.jobs):
+                try:
+                    done += await self._job(job)
+                except Exception as e:  # a failing job must not stall the others
+                    log.debug("derived failure", exc_info=True)
+                    self.stats.errors += 1
+                    self.stats.last_error = f"{job}: {type(e).__name__}: {e}"
+                    log.warning("derived windows of %s failed (%s); retrying next tick",
+                                job, self.stats.last_error)
+            return done
+
+    async def _job(self, job: str) -> int:
+        w, limit, done = self.windows, self.cfg.max_windows_per_tick, 0
+        for ws in w.due(job, "progress", limit):
+            await self._emit("progress", job, ws, await self.progress.compute(job, ws))
+            w.closed(job, "progress", ws)
+            done += 1
+        for ws in w.late(job, "iterations", limit):
+            await self._emit("iterations", job, ws, await self._iterations(job, ws),
+                             token_suffix=f":late:{self.clock()}")
+            w.recomputed(job, "iterations", ws)
+            self.stats.late_recomputed += 1
+        for ws in w.due(job, "iterations", limit):
+            await self._emit("iterations", job, ws, await self._iterations(job, ws))
+            w.closed(job, "iterations", ws)
+            done += 1
+        for ws in w.due(job, "kernel_summaries", 2):
+            rows, window = await self.kernels.compute(job, ws)
+            await self._emit("kernel_summaries", job, ws, rows)
+            if window:
+                await self._insert("kernel_windows", job, window, f"kw:{job}:{ws}")
+            w.closed(job, "kernel_summaries", ws)
+            done += 1
+        if done or w.late(job, "iterations", 1):
+            await self._checkpoint(job)
+        return done
+
+    async def _iterations(self, job: str, ws: int) -> dict[str, np.ndarray]:
+        we = ws + self.cfg.iteration_window_ns
+        ids, codes = await self._comm_kinds(job)
+        frame = {"job": job, "lo": ws - self.cfg.max_step_ns, "we": we}
+        stages = await self.db.aquery_columns(STAGES_SQL, frame)
+        stages["t_start"] = stages.pop("start_ns")  # (an alias named t_start would shadow it)
+        ops = await self.db.aquery_columns(OPS_SQL, {**frame, "ids": ids, "codes": codes})
+        grad = (ops["kind"] == KIND_CODES["dp"]) & (ops["grad_op"] > 0)
+        of = OpFrame(ops["rank"], ops["kind"], grad, ops["op_seq"], ops["step"], ops["bytes"],
+                     ops["start_ns"], ops["end_ns"])
+        return await asyncio.to_thread(
+            iteration_rows, stages, of, ws, we, max_step_ns=self.cfg.max_step_ns,
+            grad_collectives_per_step=self.cfg.grad_collectives_per_step)
+
+    async def _comm_kinds(self, job: str) -> tuple[list[str], list[int]]:
+        got = self._topology.get(job)
+        if got is None:
+            res = await self.db.aquery(TOPOLOGY_SQL, {"job": job})
+            ids: list[str] = []
+            codes: list[int] = []
+            for comm_ids, kinds in res.result_rows:
+                ids = [str(c) for c in comm_ids]
+                codes = [KIND_CODES.get(str(k), OTHER_KIND) for k in kinds]
+            got = (ids, codes)
+            if ids:  # cache only once the topology arrived
+                self._topology[job] = got
+        return got
+
+    async def _emit(self, kind: str, job: str, ws: int, cols: dict[str, np.ndarray],
+                    token_suffix: str = "") -> None:
+        if not cols or not len(cols["rank"]):
+            return
+        await self._insert(kind, job, cols, f"{kind}:{job}:{ws}{token_suffix}")
+        step = self.cfg.publish_rows
+        n = len(cols["rank"])
+        for lo in range(0, n, step):
+            part = {k: v[lo:lo + step] for k, v in cols.items()}
+            data = encode_batch(kind, job, part, producer="rankwatch/streams", seq=ws // SEC,
+                                validate=False)
+            await self.publish(kind, job, data)
+        self.stats.windows[kind] = self.stats.windows.get(kind, 0) + 1
+        self.stats.rows[kind] = self.stats.rows.get(kind, 0) + n
+
+    async def _insert(self, table: str, job: str, cols: dict[str, np.ndarray], token: str) -> None:
+        n = len(next(iter(cols.values())))
+        job_col = np.empty(n, dtype=object)
+        job_col[:] = job
+        await self.db.ainsert(table, {"job_id": job_col, **cols}, insert_settings(token))
+
+    async def _checkpoint(self, job: str) -> None:
+        rows = self.windows.checkpoint(job)
+        now = self.clock()
+        cols = {"job_id": np.array([r.job_id for r in rows], dtype=object),
+                "kind": np.array([r.kind for r in rows], dtype=object),
+                "next_start": np.array([r.next_start for r in rows], np.int64),
+                "max_ns": np.array([r.max_ns for r in rows], np.int64),
+                "updated": np.full(len(rows), now, np.int64)}
+        await self.db.ainsert("stream_state", cols, insert_settings(None))
