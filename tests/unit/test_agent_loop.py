@@ -70,8 +70,9 @@ def test_agent_publishes_ops_stages_beats_and_topology(tmp_path: Path) -> None:
     assert sorted(r for c in ops for r in c["rank"].tolist()) == [0, 1]
     assert all(c["t_end"].min() > 0 for c in ops)
     beats = kinds(pub, "beats")
-    assert {(int(r), s) for c in beats for r, s in zip(c["rank"], c["last_op_seq"])} == {
-        (0, 0), (1, 0)}
+    pairs = {(int(r), int(s)) for c in beats
+             for r, s in zip(c["rank"], c["last_op_seq"], strict=True)}
+    assert pairs == {(0, 0), (1, 0)}
     topo = [orjson.loads(d) for k, d in pub.got if k == "jobs"]
     assert topo and topo[0]["recs"][0]["world_size"] == 2
     assert agent.stats()["delivered_records"] >= 6
