@@ -186,7 +186,8 @@ class JobTopology(BaseModel):
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}")
         if len(self.hosts) != self.world_size:
-            raise ValueError(f"hosts has {len(self.hosts)} entries, world_size is {self.world_size}")
+            raise ValueError(
+                f"hosts has {len(self.hosts)} entries, world_size is {self.world_size}")
         for comm in self.communicators:
             bad = [m for m in comm.members if m >= self.world_size]
             if bad:
@@ -238,7 +239,8 @@ def _column(name: str, info: Any) -> Column:
     if ann is int:
         return Column(name, "int", np.dtype(dtype), required, default, ge, lt)
     if ann is str:
-        return Column(name, "str", np.dtype(object), required, default, None, None, min_len, max_len)
+        return Column(name, "str", np.dtype(object), required, default, None, None, min_len,
+                      max_len)
     if get_origin(ann) is Literal:
         return Column(
             name, "str", np.dtype(object), required, default, choices=frozenset(get_args(ann))

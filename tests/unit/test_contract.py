@@ -1,4 +1,4 @@
-"""The record contract: round-trips, every rejection path, and agreement with the pydantic models."""
+"""The record contract: round-trips, every rejection path, agreement with the pydantic models."""
 
 from __future__ import annotations
 
