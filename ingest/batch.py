@@ -16,6 +16,8 @@ the row and the reason.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,12 +82,17 @@ class RecordBatch:
 # Encoding
 
 
-def _dict_encode(values: np.ndarray | Sequence[str]) -> dict[str, list[Any]]:
+def _ints(values: Any, packed: bool) -> Any:
+    arr = np.ascontiguousarray(values, dtype="<i8")
+    return {"le64": base64.b64encode(arr.tobytes()).decode("ascii")} if packed else arr
+
+
+def _dict_encode(values: np.ndarray | Sequence[str]) -> tuple[np.ndarray, list[str]]:
     index: dict[str, int] = {}
     codes = np.fromiter(
         (index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values)
     )
-    return {"d": list(index), "i": codes.tolist()}
+    return codes, list(index)
 
 
 def encode_batch(
@@ -96,30 +103,40 @@ def encode_batch(
     producer: str = "",
     seq: int = 0,
     validate: bool = True,
+    packed: bool = True,
 ) -> bytes:
     """Encode one batch of `kind` from numpy columns (or sequences). String columns may also be
     given pre-encoded as ``(codes, dictionary)`` to skip factorization. Validates by default, so a
-    producer learns of a bug at the source rather than in the dead-letter topic."""
+    producer learns of a bug at the source rather than in the dead-letter topic. `packed` writes
+    integer columns as base64 little-endian int64 (``{"le64": "..."}``), several times faster to
+    decode than JSON arrays of numbers; `packed=False` writes plain arrays."""
     if kind == "jobs":
         raise BatchError("use encode_topology for the jobs kind", "kind")
     spec = _spec(kind)
+    unknown = set(cols) - {c.name for c in spec}
+    if unknown:
+        raise BatchError(f"unknown columns {sorted(unknown)} for kind {kind!r}", sorted(unknown)[0])
     out: dict[str, Any] = {}
+    n = -1
     for c in spec:
         if c.name not in cols:
             continue
         v = cols[c.name]
         if c.kind == "str":
             if isinstance(v, tuple) and len(v) == 2:
-                codes, dictionary = v
-                out[c.name] = {"d": list(dictionary), "i": np.asarray(codes, np.int64)}
+                codes, dictionary = np.asarray(v[0]), list(v[1])
             else:
-                out[c.name] = _dict_encode(v)
+                codes, dictionary = _dict_encode(v)
+            m = len(codes)
+            out[c.name] = {"d": dictionary, "i": _ints(codes, packed)}
         else:
-            out[c.name] = np.ascontiguousarray(v, dtype=np.int64)
-    unknown = set(cols) - {c.name for c in spec}
-    if unknown:
-        raise BatchError(f"unknown columns {sorted(unknown)} for kind {kind!r}", sorted(unknown)[0])
-    n = _check_lengths(out)
+            arr = np.asarray(v)
+            m = len(arr)
+            out[c.name] = _ints(arr, packed)
+        if n >= 0 and m != n:
+            raise BatchError(f"column has {m} rows, others have {n}", c.name)
+        n = m
+    n = max(n, 0)
     doc = {"v": CONTRACT_VERSION, "kind": kind, "job_id": job_id, "producer": producer,
            "seq": seq, "n": n, "cols": out}
     data = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -135,17 +152,6 @@ def encode_topology(topo: JobTopology | Sequence[JobTopology], *, producer: str 
     doc = {"v": CONTRACT_VERSION, "kind": "jobs", "job_id": topos[0].job_id, "producer": producer,
            "seq": 0, "n": len(topos), "recs": [t.model_dump() for t in topos]}
     return orjson.dumps(doc)
-
-
-def _check_lengths(cols: Mapping[str, Any]) -> int:
-    n = -1
-    for name, v in cols.items():
-        m = len(v["i"]) if isinstance(v, dict) else len(v)
-        if n < 0:
-            n = m
-        elif m != n:
-            raise BatchError(f"column has {m} rows, others have {n}", name)
-    return max(n, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +170,22 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+def _unpack(c: Column, raw: dict[str, Any]) -> np.ndarray:
+    text = raw.get("le64")
+    if set(raw) != {"le64"} or not isinstance(text, str):
+        raise BatchError('expected an array of integers or {"le64": base64}', c.name)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise BatchError("le64 is not valid base64", c.name) from None
+    if len(data) % 8:
+        raise BatchError(f"le64 holds {len(data)} bytes, not a whole number of int64", c.name)
+    return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
+
+
 def _int_column(c: Column, raw: Any, n: int) -> np.ndarray:
+    if isinstance(raw, dict):
+        return _check_ints(c, _unpack(c, raw), n)
     if not isinstance(raw, list):
         raise BatchError(f"expected an array of integers, got {type(raw).__name__}", c.name)
     try:
@@ -182,7 +203,10 @@ def _int_column(c: Column, raw: Any, n: int) -> np.ndarray:
         big = arr > np.iinfo(np.int64).max
         if big.any():
             raise BatchError(f"{arr[big][0]} is out of the int64 range", c.name, _first(big))
-    arr = arr.astype(np.int64, copy=False)
+    return _check_ints(c, arr.astype(np.int64, copy=False), n)
+
+
+def _check_ints(c: Column, arr: np.ndarray, n: int) -> np.ndarray:
     if len(arr) != n:
         raise BatchError(f"column has {len(arr)} rows, batch says n={n}", c.name)
     if c.ge is not None and len(arr):

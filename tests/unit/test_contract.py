@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import orjson
 import pytest
@@ -132,6 +134,35 @@ def test_rejections_name_field_row_reason(mutate, field, row, words) -> None:
     assert exc.value.row == row
     assert words in exc.value.reason
     assert exc.value.to_dict() == {"field": field, "row": row, "reason": exc.value.reason}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_and_plain_integer_columns_decode_alike(packed: bool) -> None:
+    cols = ops_cols(40, seed=3)
+    data = encode_batch("ops", "j", cols, packed=packed)
+    assert (b'"le64"' in data) is packed
+    rb = decode_batch(data)
+    np.testing.assert_array_equal(rb.cols["t_start"], cols["t_start"])
+    assert list(rb.cols["op"]) == cols["op"]
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ({"le64": "!!notbase64"}, "not valid base64"),
+        ({"le64": base64.b64encode(b"1234567").decode()}, "whole number of int64"),
+        ({"le64": base64.b64encode(np.arange(2, dtype="<i8").tobytes()).decode()}, "rows"),
+        ({"le64": base64.b64encode(np.array([0, -9, 1], "<i8").tobytes()).decode()},
+         "below the minimum"),
+        ({"le64": "AAAAAAAAAAA=", "x": 1}, "le64"),
+    ],
+)
+def test_packed_column_rejections(value: dict, words: str) -> None:
+    d = doc(encode_batch("ops", "j", ops_cols(3)))
+    d["cols"]["bytes"] = value
+    with pytest.raises(BatchError, match=words) as exc:
+        decode_batch(orjson.dumps(d))
+    assert exc.value.field == "bytes"
 
 
 def test_not_json_and_not_object() -> None:
