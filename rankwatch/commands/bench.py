@@ -12,6 +12,8 @@ BENCHES = {
     "ingest": "bench.ingest",
     "simulate": "bench.simulate",
     "kde": "bench.kde",
+    "streams": "bench.streams",
+    "raw_order": "bench.raw_order",
 }
 
 
