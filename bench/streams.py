@@ -72,7 +72,7 @@ async def run(ranks: int, kernel_events: int, ops_per_s: int) -> dict[str, float
             n = int(db.query("SELECT count() FROM kernels").result_rows[0][0])
             ks = KernelSummarizer(db)
             t = time.perf_counter()
-            rows, window = await ks.compute("bench", T0, offload=False)
+            _, window = await ks.compute("bench", T0, offload=False)
             dt = time.perf_counter() - t
             out.update(kernel_events=n, kernel_s=round(dt, 3),
                        kernel_events_per_s=round(n / dt),
