@@ -1,0 +1,124 @@
+"""The root-cause side of one process: triggers in, versioned diagnoses out (pure; no I/O).
+
+`Analyst` owns the incident book and decides *when* the engine runs; the caller supplies the
+job's window through `read(job_id, start_ns, now_ns) -> Window | None` (ClickHouse in the agent,
+the simulator's records in the in-process evaluation) and the clock.
+
+- `on_trigger`: a trigger for a class with an open incident is absorbed (de-duplicated) — the
+  periodic re-check keeps that incident current; otherwise the engine runs over the last
+  `window_s` and a conclusion opens an incident.
+- `tick` (call every second or so): every `recheck_s`, each open incident is re-analysed: a
+  changed conclusion is published as "updated", nothing found `clear_after` times in a row as
+  "resolved". Every `sweep_s`, jobs without an open performance incident get one slowdown
+  analysis (trigger kind "straggler", rule "rankwatch.sweep"): degradations the job's step time
+  absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from diagnosis import engine, hang_rca, slow_rca
+from diagnosis.conclusion import Conclusion
+from diagnosis.incidents import IncidentBook, incident_class, incident_id
+from diagnosis.model import Diagnosis
+from diagnosis.triggers.base import Trigger
+from diagnosis.window import Window
+
+SECOND = 1_000_000_000
+Reader = Callable[[str, int, int], Window | None]
+
+
+@dataclass(frozen=True)
+class AnalystConfig:
+    window_s: float = 90.0
+    recheck_s: float = 4.0
+    sweep_s: float = 10.0
+
+
+@dataclass
+class Analyst:
+    read: Reader
+    config: AnalystConfig = field(default_factory=AnalystConfig)
+    book: IncidentBook = field(default_factory=IncidentBook)
+    jobs: set[str] = field(default_factory=set)
+    last_check: dict[str, int] = field(default_factory=dict)
+    last_sweep: dict[str, int] = field(default_factory=dict)
+    triggers: dict[tuple[str, str], Trigger] = field(default_factory=dict)
+    analysis_ms: list[float] = field(default_factory=list)
+
+    def _window(self, job_id: str, now_ns: int) -> Window | None:
+        return self.read(job_id, now_ns - int(self.config.window_s * SECOND), now_ns)
+
+    def _run(self, fn: Callable[[Window, int], Conclusion | None], w: Window,
+             now_ns: int) -> tuple[Conclusion | None, float]:
+        t0 = time.perf_counter()
+        c = fn(w, now_ns)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.analysis_ms.append(ms)
+        return c, ms
+
+    def on_trigger(self, t: Trigger, now_ns: int) -> list[Diagnosis]:
+        self.jobs.add(t.job_id)
+        cls = "hang" if t.kind in ("hang", "failure") else "performance"
+        if self.book.is_open(t.job_id, cls) or self.book.is_open(t.job_id, "hang"):
+            return []
+        w = self._window(t.job_id, now_ns)
+        if w is None:
+            return []
+        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, now_ns)
+        if c is None:
+            return []
+        return self._publish(c, w, t, now_ns, ms)
+
+    def _publish(self, c: Conclusion, w: Window, t: Trigger, now_ns: int,
+                 ms: float) -> list[Diagnosis]:
+        cls = incident_class(c.kind)
+        self.triggers.setdefault((t.job_id, cls), t)
+        iid = incident_id(t.job_id, cls, now_ns)
+        d = engine.to_diagnosis(c, w, self.triggers[(t.job_id, cls)], incident_id=iid, version=1,
+                                status="open", detected_ns=now_ns, analysis_ms=ms)
+        out = self.book.conclude(d)
+        if out is not None and out.status == "resolved":
+            self.triggers.pop((t.job_id, cls), None)
+        return [out] if out is not None else []
+
+    def tick(self, now_ns: int) -> list[Diagnosis]:
+        out: list[Diagnosis] = []
+        for job in sorted(self.jobs):
+            due = now_ns - self.last_check.get(job, 0) >= self.config.recheck_s * SECOND
+            open_cls = [cls for cls in ("hang", "performance") if self.book.is_open(job, cls)]
+            if open_cls and due:
+                self.last_check[job] = now_ns
+                out += self._recheck(job, open_cls, now_ns)
+            elif not self.book.is_open(job, "performance") and not self.book.is_open(job, "hang") \
+                    and now_ns - self.last_sweep.get(job, 0) >= self.config.sweep_s * SECOND:
+                self.last_sweep[job] = now_ns
+                t = Trigger(job, now_ns, "straggler", (), {"rule": "rankwatch.sweep"})
+                w = self._window(job, now_ns)
+                if w is not None:
+                    c, ms = self._run(slow_rca.analyze, w, now_ns)
+                    if c is not None:
+                        out += self._publish(c, w, t, now_ns, ms)
+        return out
+
+    def _recheck(self, job: str, classes: list[str], now_ns: int) -> list[Diagnosis]:
+        w = self._window(job, now_ns)
+        if w is None:
+            return []
+        out: list[Diagnosis] = []
+        for cls in classes:
+            fn = hang_rca.analyze if cls == "hang" else slow_rca.analyze
+            c, ms = self._run(fn, w, now_ns)
+            if c is None or incident_class(c.kind) != cls:
+                r = self.book.clear(job, cls, now_ns)
+                if r is not None:
+                    self.triggers.pop((job, cls), None)
+                    out.append(r)
+            else:
+                t = self.triggers.get((job, cls)) or Trigger(job, now_ns, "straggler", (),
+                                                             {"rule": "rankwatch.recheck"})
+                out += self._publish(c, w, t, now_ns, ms)
+        return out

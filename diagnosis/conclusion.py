@@ -1,0 +1,38 @@
+"""What a root-cause analysis concludes before it becomes a versioned `Diagnosis`.
+
+`hang_rca` and `slow_rca` each return a `Conclusion` (or None: nothing to report); the engine
+adds identity, trigger, hosts, SQL and incident state. `findings` are the rule outputs that
+support the conclusion (their rule names become `Diagnosis.rules`); `suspects` are further
+culprits when several faults act at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diagnosis.rules.base import Component, Finding, Kind
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    ranks: tuple[int, ...]
+    stage: str | None
+    component: Component | None
+    score: float  # excess ns per step it explains (slowdowns), or rule score (hangs)
+    rules: tuple[str, ...] = ()
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Conclusion:
+    kind: Kind
+    ranks: tuple[int, ...]
+    stage: str | None
+    component: Component | None
+    confidence: float
+    onset_ns: int | None = None
+    stages: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    summaries: tuple[tuple[str, str], ...] = ()  # (rule, one-line summary)
+    suspects: tuple[Suspicion, ...] = field(default=())

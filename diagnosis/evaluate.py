@@ -1,0 +1,293 @@
+"""Scoring diagnoses against the simulator's ground truth, and the in-process pipeline.
+
+`score_scenario(truth, diagnoses, expect_kinds)` matches each injected fault with the incidents
+published for its job and `summarize` turns many scenarios into the figures `rankwatch eval`
+prints. The same scoring serves the real pipeline (diagnoses read back from rw.diagnoses) and
+the fast in-process mode (`run_in_process`: the simulator's batches decoded in release order,
+`JobWatch` on the sampled ranks, `Analyst` over a window of everything released so far, the
+clock = simulated time), which is the development loop; reported figures come from the
+real pipeline (`rankwatch eval`, not `--in-process`).
+
+Matching, per fault with expect_diagnosis: an incident matches when its culprit ranks (or a
+suspect's) overlap the fault's ranks and it opened no earlier than 2 s before the onset; its
+last version before resolution is scored. rank exact = primary culprit ranks ⊆ fault ranks;
+stage top-1 = `stage_match(fault stage, diagnosis stage)`, top-2 = a match among the first two
+ranked stages; component by `COMPONENT_OF_TRUTH`. An incident that matches no expected fault is
+a false alarm (controls and "too small to matter" faults expect none). Hang figures count faults
+whose job stops (hang, death, nic_down, recv_fail lasting ≥ 5 s or forever).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from diagnosis.analyst import Analyst, AnalystConfig
+from diagnosis.columns import Columns
+from diagnosis.model import Diagnosis
+from diagnosis.triggers.watch import JobWatch, steps_from_stages
+from diagnosis.window import Window
+
+COMPONENT_OF_TRUTH = {"gpu": "gpu_compute", "nic": "nic_rdma", "pcie": "pcie_host",
+                      "dataloader": "data_loader", "host": "host_software",
+                      "software": "host_software"}
+HANG_FAMILIES = ("hang", "death", "nic_down", "recv_fail")
+SECOND = 1_000_000_000
+
+
+def stage_match(truth: str, diag: str | None) -> bool:
+    if diag is None:
+        return False
+    if truth == diag:
+        return True
+    if truth == "compute":
+        return diag.startswith(("fwd ", "bwd "))
+    return False
+
+
+def is_hang_truth(t: Any) -> bool:
+    if t.fault not in HANG_FAMILIES:
+        return False
+    return bool(t.end_ns == 0 or (t.end_ns - t.start_ns) >= 5 * SECOND)
+
+
+@dataclass
+class FaultScore:
+    scenario: str
+    fault: str
+    hang: bool
+    detected: bool = False
+    hang_kind: bool = False
+    rank_exact: bool = False
+    stage_top1: bool = False
+    stage_top2: bool = False
+    component: bool = False
+    latency_s: float | None = None
+    diagnosis: dict[str, Any] | None = None
+
+
+@dataclass
+class ScenarioScore:
+    scenario: str
+    tags: tuple[str, ...]
+    faults: list[FaultScore] = field(default_factory=list)
+    false_alarms: int = 0
+    hang_diagnoses: int = 0
+    false_hangs: int = 0
+    incidents: int = 0
+    wall_s: float = 0.0
+    analysis_ms: list[float] = field(default_factory=list)
+
+
+def _incidents(diags: Sequence[Diagnosis]) -> dict[str, list[Diagnosis]]:
+    out: dict[str, list[Diagnosis]] = {}
+    for d in sorted(diags, key=lambda d: (d.incident_id, d.version)):
+        out.setdefault(d.incident_id, []).append(d)
+    return out
+
+
+def score_scenario(name: str, tags: Sequence[str], truth: Sequence[Any],
+                   diags: Sequence[Diagnosis]) -> ScenarioScore:
+    sc = ScenarioScore(name, tuple(tags))
+    inc = _incidents(diags)
+    sc.incidents = len(inc)
+    used: set[str] = set()
+    for t in truth:
+        if not t.expect_diagnosis:
+            continue
+        fs = FaultScore(name, t.spec, is_hang_truth(t))
+        truth_ranks = set(t.ranks)
+        for iid, versions in inc.items():
+            first = versions[0]
+            final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
+            if first.detected_ns < t.start_ns - 2 * SECOND:
+                continue
+            cands = [(final.culprit_ranks, final.stage, final.stages, final.component, True)]
+            cands += [(s.ranks, s.stage, [s.stage] if s.stage else [], s.component, False)
+                      for s in final.suspects]
+            for ranks, stage, stages, comp, primary in cands:
+                if not set(ranks) & truth_ranks:
+                    continue
+                used.add(iid)
+                if fs.detected and not primary:
+                    continue
+                fs.detected = True
+                fs.hang_kind = final.kind == "hang"
+                fs.rank_exact = bool(ranks) and set(ranks) <= truth_ranks
+                fs.stage_top1 = stage_match(t.stage, stage)
+                fs.stage_top2 = any(stage_match(t.stage, s) for s in list(stages)[:2])
+                fs.component = comp == COMPONENT_OF_TRUTH[t.component]
+                fs.latency_s = (first.detected_ns - t.start_ns) / SECOND
+                fs.diagnosis = {"kind": final.kind, "ranks": ranks[:16], "stage": stage,
+                                "stages": list(stages)[:3], "component": comp,
+                                "version": final.version, "primary": primary}
+                break
+        sc.faults.append(fs)
+    hang_truth = {r for t in truth if t.expect_diagnosis for r in t.ranks}
+    for iid, versions in inc.items():
+        final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
+        if final.kind == "hang":
+            sc.hang_diagnoses += 1
+            if not set(final.culprit_ranks) & hang_truth:
+                sc.false_hangs += 1
+        if iid not in used:
+            sc.false_alarms += 1
+    return sc
+
+
+def _pct(x: list[bool]) -> float | None:
+    return round(float(np.mean(x)), 3) if x else None
+
+
+def summarize(scores: Sequence[ScenarioScore]) -> dict[str, Any]:
+    faults = [f for s in scores for f in s.faults]
+    hang = [f for f in faults if f.hang]
+    slow = [f for f in faults if not f.hang]
+    tp_h = sum(f.detected and f.hang_kind for f in hang)
+    hang_diags = sum(s.hang_diagnoses for s in scores)
+    false_h = sum(s.false_hangs for s in scores)
+    tp_s = sum(f.detected for f in slow)
+    fa_slow = sum(s.false_alarms for s in scores)
+    prec_s = tp_s / max(tp_s + fa_slow, 1)
+    rec_s = tp_s / max(len(slow), 1)
+    lat = [f.latency_s for f in faults if f.latency_s is not None]
+    det = [f for f in faults if f.detected]
+    controls = [s for s in scores if "control" in s.tags]
+    small = [s for s in scores if "small" in s.tags]
+    return {
+        "scenarios": len(scores), "faults": len(faults),
+        "hang": {"faults": len(hang), "recall": round(tp_h / max(len(hang), 1), 3),
+                 "precision": round((hang_diags - false_h) / max(hang_diags, 1), 3),
+                 "rank_exact": _pct([f.rank_exact for f in hang if f.detected]),
+                 "stage_exact": _pct([f.stage_top1 for f in hang if f.detected]),
+                 "rank_and_stage": _pct([f.rank_exact and f.stage_top1 for f in hang])},
+        "slowdown": {"faults": len(slow), "detected": tp_s, "false_alarms": fa_slow,
+                     "precision": round(prec_s, 3), "recall": round(rec_s, 3),
+                     "f1": round(2 * prec_s * rec_s / max(prec_s + rec_s, 1e-9), 3),
+                     "rank_exact": _pct([f.rank_exact for f in slow if f.detected])},
+        "stage_top1": _pct([f.stage_top1 for f in det]),
+        "stage_top2": _pct([f.stage_top2 for f in det]),
+        "component": _pct([f.component for f in det]),
+        "latency_s": {"p50": round(float(np.percentile(lat, 50)), 2) if lat else None,
+                      "p90": round(float(np.percentile(lat, 90)), 2) if lat else None},
+        "false_alarms_controls": sum(s.incidents for s in controls),
+        "false_alarms_small": sum(s.incidents for s in small),
+        "analysis_ms_p50": round(float(np.median([m for s in scores for m in s.analysis_ms]
+                                                  or [0.0])), 1),
+    }
+
+
+# ------------------------------------------------------------------------- in-process pipeline
+
+
+class _Store:
+    """Decoded record columns released so far, per kind (concatenated lazily)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.cache: dict[str, dict[str, np.ndarray]] = {}
+
+    def add(self, kind: str, cols: dict[str, np.ndarray]) -> None:
+        self.parts.setdefault(kind, []).append(cols)
+        self.cache.pop(kind, None)
+
+    def table(self, kind: str) -> dict[str, np.ndarray]:
+        if kind not in self.cache:
+            p = self.parts.get(kind)
+            if not p:
+                return {}
+            merged = {c: np.concatenate([x[c] for x in p]) for c in p[0]}
+            self.parts[kind] = [merged]
+            self.cache[kind] = merged
+        return self.cache[kind]
+
+
+TIME_COL = {"ops": "t_start", "flows": "t_start", "stages": "t_start", "kernels": "t_start",
+            "chunks": "ts", "wr": "ts", "beats": "ts"}
+
+
+def window_of(store: _Store, topo: Any, start_ns: int, now_ns: int) -> Window:
+    tables: dict[str, Columns] = {}
+    for kind, tc in TIME_COL.items():
+        t = store.table(kind)
+        if not t:
+            continue
+        ts = t[tc]
+        keep = (ts >= start_ns) & (ts <= now_ns)
+        if kind == "ops":
+            keep |= (t["t_end"] == 0) & (ts <= now_ns)
+        tables[kind] = {c: v[keep] for c, v in t.items()}
+    return Window(topo, tables, start_ns, now_ns)
+
+
+def run_in_process(scenario: Any, config: AnalystConfig | None = None
+                   ) -> tuple[list[Diagnosis], list[Any], list[float]]:
+    """Simulate `scenario`, run triggers + engine on its records in release order; returns
+    (diagnoses, truth, analysis ms per engine run)."""
+    from ingest.batch import decode_batch
+    from ingest.sim.simulation import Simulation
+
+    sim = Simulation(scenario.config, scenario.faults)
+    epoch = scenario.config.epoch_ns
+    store = _Store()
+    topo: list[Any] = []
+    analyst = Analyst(lambda job, a, b: window_of(store, topo[0], a, b) if topo else None,
+                      config or AnalystConfig())
+    watch: list[JobWatch] = []
+    fresh: dict[str, list[dict[str, np.ndarray]]] = {}
+    diags: list[Diagnosis] = []
+
+    def process(release_s: float) -> None:
+        now = epoch + int(release_s * SECOND)
+        if not watch:
+            return
+        new = {k: {c: np.concatenate([p[c] for p in v]) for c in v[0]} for k, v in fresh.items()}
+        fresh.clear()
+        steps = steps_from_stages(new["stages"]) if "stages" in new else None
+        for t in watch[0].observe(now, ops=new.get("ops"), beats=new.get("beats"), steps=steps):
+            diags.extend(analyst.on_trigger(t, now))
+        diags.extend(analyst.tick(now))
+
+    current = 0.0
+    for release, kind, data in sim.batches():
+        if release != current:
+            process(current)
+            while release - current > 1.0:  # the trigger agents' timer between releases
+                current += 1.0
+                process(current)
+            current = release
+        b = decode_batch(data)
+        if kind == "jobs":
+            topo.append(b.topologies[0])
+            watch.append(JobWatch(b.topologies[0]))
+            analyst.jobs.add(b.topologies[0].job_id)
+            continue
+        store.add(kind, b.cols)
+        fresh.setdefault(kind, []).append(b.cols)
+    process(current)
+    for extra in (1.0, 2.0, 5.0, 9.0):  # let open incidents resolve after the job ends
+        diags.extend(analyst.tick(epoch + int((current + extra) * SECOND)))
+    return diags, sim.truth, analyst.analysis_ms
+
+
+def evaluate_in_process(names: Sequence[str] | None = None,
+                        progress: Any = None) -> tuple[list[ScenarioScore], dict[str, Any]]:
+    from ingest.sim.scenario import load_catalog
+
+    cat = load_catalog()
+    scores = []
+    for name in names or list(cat):
+        sc = cat[name]
+        t0 = time.perf_counter()
+        diags, truth, ms = run_in_process(sc)
+        s = score_scenario(name, sc.tags, truth, diags)
+        s.wall_s = time.perf_counter() - t0
+        s.analysis_ms = ms
+        scores.append(s)
+        if progress:
+            progress(s, diags)
+    return scores, summarize(scores)

@@ -1,0 +1,282 @@
+"""Root cause of a hang: Mycroft Alg. 2 + Table 4, VenusTrace's halt point, Table 3's flow rule.
+
+Combination (each rule's own docstring states its assumptions):
+1. `mycroft_hang.analyze_hang` over all ranks' ops at `now_ns` — the waits-for graph names
+   min-op culprits (a rank that never reached the op its peers wait in) and tells process death
+   (records stopped, beats too) from a live hang (beats continue); a stall with every member
+   present is min-data, decided by the chunk counters (Table 4) → NIC/RDMA or GPU side.
+   `stuck_ns` scales with the job: 1.5 × the median step time (≥ 1 s), since a trigger fires
+   after 2 × step time and a fixed 5 s would hide the culprit for the first seconds;
+   death needs a silence of 1.5 beat intervals beyond the others'.
+2. `halt_point.halt_point` names the 1F1B node ("bwd mb=3 pp=1", "data") for a live min-op
+   culprit; the stage is taken from the halt point whose culprit set contains the min-op rank.
+3. Between steps: a culprit that issued no op of the hung step stopped after its previous
+   step's DP collectives. If its `stages` record of that previous step is missing (peers have
+   theirs) it never finished the optimizer → "optim"; if present, it stopped before its first
+   call of the new step → "data" (the loader runs first). Neither paper has this; the stage
+   record is what tells the two apart.
+4. `mycroft_flow.slow_flows`'s "flow_incomplete" corroborates NIC hangs.
+A rank that only waits is never blamed: Alg. 2 blames sinks of the waits-for graph, Table 4 rows
+by their own counters, the halt point ranks that did not complete a node their peers completed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diagnosis.columns import ints
+from diagnosis.conclusion import Conclusion
+from diagnosis.rules.base import Component, Finding
+from diagnosis.rules.halt_point import halt_point, hung_step
+from diagnosis.rules.mycroft_flow import FlowConfig, slow_flows
+from diagnosis.rules.mycroft_hang import HangConfig, analyze_hang
+from diagnosis.window import Window
+
+SECOND = 1_000_000_000
+
+
+def normalize_stage(stage: str | None) -> str | None:
+    """Alg. 2's "<kind> <op>" stage names in the diagnosis vocabulary (diagnosis.model)."""
+    if stage is None:
+        return None
+    if stage.startswith("pp "):
+        return "pp_p2p"
+    if stage.startswith("tp ") or stage.startswith("cp ") or stage.startswith("ep "):
+        return "tp_collectives"
+    if stage.startswith("world "):
+        return "collectives"
+    return stage
+
+
+def _between_steps(w: Window, rank: int, step: int) -> str | None:
+    ops = w.get("ops")
+    if not ops or step < 0:
+        return None
+    mine = ints(ops, "rank") == rank
+    if (mine & (ints(ops, "step", -1) == step)).any():
+        return None
+    st = w.get("stages")
+    if not st:
+        return None
+    have = (ints(st, "rank") == rank) & (ints(st, "step") == step - 1)
+    peers = (ints(st, "step") == step - 1).any()
+    return "data" if have.any() or not peers else "optim"
+
+
+def analyze(w: Window, now_ns: int) -> Conclusion | None:
+    ops = w.get("ops")
+    if not ops:
+        return None
+    grid = w.grid
+    stuck_ns = max(int(1.5 * w.step_ns), SECOND)
+    gap = int(1.5 * w.beat_interval_ns())
+    alg2 = analyze_hang(ops, grid, now_ns, chunks=w.get("chunks") or None,
+                        beats=w.get("beats") or None, flows=w.get("flows") or None,
+                        config=HangConfig(stuck_ns=stuck_ns, death_gap_ns=gap))
+    if not alg2:
+        return None
+    dead = _dead_ranks(w, now_ns, gap)
+    if dead.size and dead.size <= max(1, grid.world // 10):
+        return _death(w, dead, alg2)
+    try:
+        halt = halt_point(ops, grid, w.spec, now_ns)
+    except (ValueError, IndexError):
+        halt = []
+    flows = w.get("flows")
+    incomplete = [f for f in (slow_flows(flows, now_ns, FlowConfig(stuck_ns=stuck_ns))
+                              if flows else []) if "flow_incomplete" in f.labels]
+    min_op = [f for f in alg2 if f.rule == "mycroft.alg2.min_op"]
+    if min_op:
+        return _min_op(w, now_ns, min_op, halt, alg2)
+    blamed = [f for f in alg2 if f.culprit_ranks]
+    if not blamed:
+        blamed = [p for f in alg2 if "no_counter_evidence" in f.labels
+                  for p in [_p2p_stall(w, now_ns, f)] if p is not None]
+    if blamed:
+        return _min_data(blamed, halt, incomplete)
+    if incomplete:
+        f = incomplete[0]
+        return Conclusion("hang", f.culprit_ranks, "dp_allreduce", "nic_rdma", 0.6,
+                          onset_ns=f.onset_ns, labels=("flow_incomplete",),
+                          findings=(*incomplete, *alg2),
+                          summaries=((f.rule, "a flow of the rank never completed"),))
+    return None
+
+
+def _dead_ranks(w: Window, now_ns: int, gap: int) -> np.ndarray:
+    """Ranks whose records (ops, beats) stopped: last one older than `gap` before now and
+    before the median rank's last record (Mycroft #1: the culprit "stops earlier")"""
+    world = w.grid.world
+    seen = np.zeros(world, dtype=np.int64)
+    for kind, cols in (("ops", ("t_enqueue", "t_start", "t_end")), ("beats", ("ts",))):
+        t = w.get(kind)
+        if not t:
+            continue
+        r = ints(t, "rank")
+        ts = np.maximum.reduce([ints(t, c, 0) for c in cols])
+        ok = (ts <= now_ns) & (r < world)
+        np.maximum.at(seen, r[ok], ts[ok])
+    if not w.get("beats") or not (seen > 0).any():
+        return np.zeros(0, dtype=np.int64)
+    med = int(np.median(seen[seen > 0]))
+    return np.flatnonzero((seen > 0) & (now_ns - seen > gap) & (med - seen > gap))
+
+
+def _death(w: Window, dead: np.ndarray, alg2: list[Finding]) -> Conclusion:
+    ranks = tuple(int(r) for r in dead)
+    f = Finding(rule="mycroft.alg2.records_stopped", culprit_ranks=ranks, stage="process",
+                component="host_software", score=1.0, kind="hang",
+                labels=("records_stopped", "process_death"),
+                evidence={"ranks": list(ranks)[:32]})
+    return Conclusion("hang", ranks, "process", "host_software", 0.9, stages=("process",),
+                      labels=("records_stopped", "process_death"), findings=(f, *alg2[:2]),
+                      summaries=((f.rule, f"rank(s) {list(ranks)[:8]} stopped sending records "
+                                  "(ops and heartbeats) while their peers wait: the process is "
+                                  "gone, not hung"),))
+
+
+def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
+            alg2: list[Finding]) -> Conclusion:
+    top = min_op[0]
+    x = top.culprit_ranks[0]
+    dead = "records_stopped" in top.labels
+    hp = next((h for h in halt if x in h.culprit_ranks), None)
+    stage: str | None
+    comp: Component | None
+    if dead:
+        stage, comp = "process", "host_software"
+        alt = hp.stage if hp else normalize_stage(top.stage)
+        conf = 0.9
+    else:
+        stage = hp.stage if hp and hp.stage else normalize_stage(top.stage)
+        comp = hp.component if hp else top.component
+        k = int(hp.evidence.get("step", -1)) if hp else -1  # type: ignore[call-overload]
+        if k < 0:
+            try:
+                k = hung_step(w.get("ops"), w.grid, w.spec)
+            except (ValueError, IndexError):
+                k = -1
+        between = _between_steps(w, x, k)
+        if between is not None and (hp is None or "min_tp_calls" in hp.labels
+                                    or "no_tp_calls_in_pass" in hp.labels
+                                    or hp.stage in ("between_steps", "data")):
+            alt = stage
+            stage, comp = between, "data_loader" if between == "data" else "gpu_compute"
+        else:
+            alt = normalize_stage(top.stage)
+        conf = 0.95 if hp is not None else 0.75
+    ranks = tuple(sorted({int(r) for f in min_op for r in f.culprit_ranks}))
+    labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))
+    summ = [(top.rule, f"rank {x} never reached the op its peers wait in "
+             f"({top.evidence.get('waited_in')}); {top.evidence.get('ranks_waiting')} ranks wait"
+             + ("; its records stopped (process gone)" if dead else "; it is alive (beats)"))]
+    if hp is not None:
+        summ.append((hp.rule, f"halt point {hp.evidence.get('node')} in replica "
+                     f"{hp.evidence.get('replica')}, step {hp.evidence.get('step')}"))
+    stages = tuple(s for s in dict.fromkeys((stage, alt)) if s)
+    return Conclusion("hang", ranks, stage, comp, conf, onset_ns=top.onset_ns, stages=stages,
+                      labels=labels, findings=(*min_op, *([hp] if hp else []),
+                                               *[f for f in alg2 if f not in min_op]),
+                      summaries=tuple(summ))
+
+
+def _p2p_stall(w: Window, now_ns: int, f: Finding) -> Finding | None:
+    """A Recv stuck while its sender posted the matching Send: Table 4 on the *sender's*
+    counters of that transfer (p2p op_seq is per rank, so the pair is found by peer, not by
+    op_seq): posts lagging staged data (1 > 2) → the sender's NIC; completions lagging posts
+    (2 > 3) → the receiver's side does not complete (its NIC or link)."""
+    ops, ch = w.get("ops"), w.get("chunks")
+    if not ops or not ch:
+        return None
+    op = np.asarray(ops["op"]).astype(str)
+    t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
+    in_op = np.asarray(f.evidence.get("ranks_in_op", []), dtype=np.int64)
+    recv = np.flatnonzero((op == "Recv") & ((t_end == 0) | (t_end > now_ns)) & (enq <= now_ns)
+                          & np.isin(ints(ops, "rank"), in_op))
+    cr, cc, cts = ints(ch, "rank"), np.asarray(ch["comm_id"]).astype(str), ints(ch, "ts")
+    for i in recv.tolist():
+        r, s, c = int(ops["rank"][i]), int(ints(ops, "peer", -1)[i]), str(ops["comm_id"][i])
+        rows = np.flatnonzero((cr == s) & (cc == c) & (cts <= now_ns) & (cts >= enq[i]))
+        if s < 0 or rows.size == 0:
+            continue
+        last = rows[np.argmax(cts[rows])]
+        g, t, d = (int(ints(ch, k)[last]) for k in ("gpu_ready", "rdma_transmitted",
+                                                     "rdma_done"))
+        if t > d:
+            x, why = r, "the sender's RDMA posts are not completed: the receiver does not complete"
+        elif g > t:
+            x, why = s, "the sender's NIC does not post staged data"
+        else:
+            continue
+        return Finding(rule="mycroft.table4.p2p", culprit_ranks=(x,), stage=f.stage,
+                       component="nic_rdma", score=0.8, kind="hang",
+                       labels=("min_data", "p2p_pair", "remote" if x == r else "local"),
+                       evidence={"receiver": r, "sender": s, "comm_id": c,
+                                 "sender_counters": [g, t, d], "states": [why]})
+    return None
+
+
+def _min_data(blamed: list[Finding], halt: list[Finding],
+              incomplete: list[Finding]) -> Conclusion:
+    top = blamed[0]
+    stage = normalize_stage(top.stage) or "dp_allreduce"
+    ranks = top.culprit_ranks
+    comp = top.component
+    conf = 0.85 if "no_counter_evidence" not in top.labels else 0.3
+    if incomplete and set(incomplete[0].culprit_ranks) & set(ranks):
+        conf = min(1.0, conf + 0.1)
+    summ = [(top.rule, f"all members sit in the same stalled op; chunk counters "
+             f"{top.evidence.get('states')} blame rank(s) {list(ranks)}")]
+    alt = [h.stage for h in halt if h.stage]
+    if comp == "nic_rdma" and stage != "dp_allreduce":
+        # convention: a NIC culprit's stage is the network-bound phase it carries, the DP ring
+        # (also stalled behind it); the first stalled op (often a PP transfer) comes second
+        alt = [stage, *alt]
+        stage = "dp_allreduce"
+    return Conclusion("hang", ranks, stage, comp, conf, onset_ns=top.onset_ns,
+                      stages=tuple(dict.fromkeys([stage, *[a for a in alt if a]]))[:3],
+                      labels=top.labels, findings=(*blamed, *halt, *incomplete),
+                      summaries=tuple(summ))
+
+
+def past_stall(w: Window) -> tuple[int, int] | None:
+    """The longest gap between consecutive op completions in the window, if it is a stall
+    (≥ max(3 s, 4 × step time)): (start, end) ns."""
+    ops = w.get("ops")
+    if not ops:
+        return None
+    ends = np.unique(ints(ops, "t_end"))
+    ends = ends[ends > 0]
+    if ends.size < 2:
+        return None
+    gaps = np.diff(ends)
+    i = int(np.argmax(gaps))
+    if gaps[i] < max(3 * SECOND, 4 * w.step_ns):
+        return None
+    return int(ends[i]), int(ends[i + 1])
+
+
+def analyze_past_stall(w: Window, now_ns: int) -> Conclusion | None:
+    """A stall that already recovered, analysed as of 3/4 into it (the records then in flight
+    are the ones that ended after that moment): a transient hang."""
+    gap = past_stall(w)
+    if gap is None:
+        return None
+    a, b = gap
+    c = analyze(w, a + (b - a) * 3 // 4)
+    if c is None:
+        return None
+    from dataclasses import replace
+    return replace(c, labels=(*c.labels, "transient", "recovered"),
+                   summaries=(*c.summaries, ("rankwatch.past_stall", f"the job stalled "
+                              f"{(b - a) / 1e9:.1f} s and recovered")))
+
+
+def stuck_ranks(w: Window, now_ns: int) -> np.ndarray:
+    """Ranks with an op in flight for longer than the hang threshold (for resolution checks)."""
+    ops = w.get("ops")
+    if not ops:
+        return np.zeros(0, dtype=np.int64)
+    t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
+    stuck = (t_end == 0) & (now_ns - enq > max(int(1.5 * w.step_ns), SECOND))
+    return np.unique(ints(ops, "rank")[stuck])

@@ -1,0 +1,384 @@
+"""Root cause of a slowdown or jitter: which rank's *own* time grew, in which component.
+
+Method — excess over peers, per (step, rank), on quantities that contain no waiting:
+- compute: Σ GPU kernel time per step, NCCL kernels excluded (they spin while waiting) — ARGUS
+  L3's view, per kernel class (gemm, attn, elementwise, optimizer);
+- data (`data_next_wait`), callbacks, step_other, optim_step from the `stages` record
+  (StageFrontier's contract; the loader wait is the rank's own loader);
+- launch: Σ (t_start − t_enqueue) of the rank's calls — the NCCL proxy starting late (Mycroft #7);
+- network: per DP communicator and step, the transfer time of its collective = the *shortest*
+  time any member spent in it (the last arriver's; everyone else's includes waiting, Mycroft
+  Fig. 2 / VenusTrace's AR node duration).
+The reference at each step is the lower quartile over peers doing the same work (ranks of the
+same PP stage; all DP communicators): the quartile stays clean while fewer than three quarters of
+the peers are slow (a whole host of 8 out of 16 stage peers, a whole PP stage's rings).
+A rank (or communicator) is flagged when its mean excess over the recent steps is at least
+`min_share` of the step time and its mean ratio to the reference at least `min_ratio` (network:
+`net_ratio` and `net_abs_ns`, since a slower ring can hide in the step time: VenusTrace's bubbles,
+Fig. 7). Thresholds are ours; the catalog's "too small to matter" faults sit below them.
+
+Naming: a DP ring flagged as slow is narrowed to one member by its chunk counters (Mycroft §5.3,
+Table 4 read over time): the member whose RDMA completions lag its posts (② > ③) has a loaded
+link (nic_rdma); the member whose posts lag its staged data (① > ②) has a slow NIC — unless its
+receiver is the ring's laggard in progress while staging nothing ahead (①≈②), then the receiver's
+host side is slow (pcie_host; Mycroft #3's "GPU or PCIe", told apart by normal kernel times).
+Several flagged ranks of one host with one (stage, component) are merged into a host-level
+suspect. Suspects are ranked by the excess ns per step they explain; the first is the culprit,
+its stage and the next suspect's stage are the top-2 routing. Waiting is never blamed: no
+quantity above grows when a rank waits longer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from diagnosis.columns import col, ints
+from diagnosis.conclusion import Conclusion, Suspicion
+from diagnosis.rules.base import Component, Finding, Kind
+from diagnosis.window import Window, assign_steps, step_matrix
+
+Array = np.ndarray
+KERNEL_CLASS = (("gemm", "gemm"), ("flash", "attn"), ("attn", "attn"),
+                ("elementwise", "elementwise"), ("multi_tensor", "optimizer"))
+
+
+@dataclass(frozen=True)
+class SlowConfig:
+    recent: int = 20  # steps examined
+    min_share: float = 0.03  # mean excess ≥ this share of the step time
+    min_ratio: float = 1.05
+    phase_ratio: float = 1.5  # CPU phases: ratio for "host cpu" (≥ 2 phases)
+    net_ratio: float = 1.2
+    net_abs_ns: float = 2e6
+    class_ratio: float = 1.3  # one kernel class slower by this (median), others < other_ratio
+    other_ratio: float = 1.1
+
+
+def _kclass(names: Array) -> Array:
+    out = np.full(names.size, "", dtype=object)
+    uniq, inv = np.unique(names.astype(str), return_inverse=True)
+    cls = []
+    for u in uniq.tolist():
+        low = u.lower()
+        c = "" if low.startswith("nccl") else next((v for k, v in KERNEL_CLASS if k in low),
+                                                   "other")
+        cls.append(c)
+    if uniq.size:
+        out = np.asarray(cls, dtype=object)[inv]
+    return out
+
+
+@dataclass
+class _Ctx:
+    w: Window
+    cfg: SlowConfig
+    steps: Array  # recent complete steps
+    step_ns: float
+    stage_of: Array  # pp stage per rank
+
+
+def _ref(m: Array, stage_of: Array) -> Array:
+    """Lower quartile over ranks of the same PP stage, per step: [n_steps, world]."""
+    out = np.full_like(m, np.nan)
+    for s in np.unique(stage_of).tolist():
+        cols = np.flatnonzero(stage_of == s)
+        with np.errstate(all="ignore"):
+            q = np.nanpercentile(m[:, cols], 25, axis=1) if cols.size else np.nan
+        out[:, cols] = np.asarray(q)[:, None]
+    return out
+
+
+def _flag(ctx: _Ctx, m: Array, ratio_min: float) -> tuple[Array, Array, Array]:
+    """(flag, mean excess ns, mean ratio) per rank of a [steps, world] quantity."""
+    ref = _ref(m, ctx.stage_of)
+    with np.errstate(all="ignore"):
+        exc = np.nanmean(np.maximum(m - ref, 0.0), axis=0)
+        ratio = np.nanmean(m, axis=0) / np.nanmean(ref, axis=0)
+    exc, ratio = np.nan_to_num(exc), np.nan_to_num(ratio, nan=1.0)
+    flag = (exc >= ctx.cfg.min_share * ctx.step_ns) & (ratio >= ratio_min)
+    return flag, exc, ratio
+
+
+def _recent(w: Window, cfg: SlowConfig) -> tuple[Array, float]:
+    st = w.get("stages")
+    step, rank = ints(st, "step"), ints(st, "rank")
+    steps, counts = np.unique(step, return_counts=True)
+    full = steps[counts >= 0.9 * max(int(counts.max()), 1)] if steps.size else steps
+    recent = full[-cfg.recent:]
+    tot = sum(ints(st, c, 0) for c in ("data_next_wait", "model_fwd_loss", "model_backward",
+                                       "callbacks", "optim_step", "step_other"))
+    sel = np.isin(step, full)
+    step_ns = float(np.median(np.asarray(tot)[sel])) if sel.any() else 0.0
+    del rank
+    return recent, step_ns
+
+
+def _stage_matrix(ctx: _Ctx, name: str) -> Array:
+    st = ctx.w.get("stages")
+    sel = np.isin(ints(st, "step"), ctx.steps)
+    steps, m = step_matrix(ints(st, "step")[sel], ints(st, "rank")[sel],
+                           ints(st, name, 0)[sel], ctx.w.grid.world)
+    return _align(ctx, steps, m)
+
+
+def _align(ctx: _Ctx, steps: Array, m: Array) -> Array:
+    out = np.full((ctx.steps.size, m.shape[1]), np.nan)
+    pos = np.searchsorted(ctx.steps, steps)
+    ok = (pos < ctx.steps.size) & (ctx.steps[np.minimum(pos, ctx.steps.size - 1)] == steps)
+    out[pos[ok]] = m[ok]
+    return out
+
+
+def analyze(w: Window, now_ns: int, config: SlowConfig | None = None) -> Conclusion | None:
+    cfg = config or SlowConfig()
+    if not w.get("stages"):
+        return None
+    recent, step_ns = _recent(w, cfg)
+    if recent.size < 3 or step_ns <= 0:
+        return None
+    ctx = _Ctx(w, cfg, recent, step_ns, w.grid.stage)
+    sus: list[Suspicion] = []
+    sus += _compute(ctx)
+    sus += _phases(ctx)
+    sus += _launch(ctx)
+    sus += _network(ctx)
+    sus = _merge_hosts(w, sus)
+    if not sus:
+        return None
+    sus.sort(key=lambda s: -s.score)
+    top = sus[0]
+    kind = _kind(ctx, top)
+    stages = tuple(dict.fromkeys(s.stage for s in sus if s.stage))[:3]
+    conf = float(min(0.95, 0.5 + 0.5 * top.score / max(top.score + (sus[1].score if len(sus) > 1
+                                                                    else 0.0), 1.0)))
+    labels = tuple(dict.fromkeys(("excess_over_peers", *(("host_level",) if len(top.ranks) > 1
+                                                        else ()))))
+    findings = tuple(Finding(rule=r, culprit_ranks=s.ranks, stage=s.stage, component=s.component,
+                             score=s.score, kind=kind, evidence={"excess_ns_per_step": s.score})
+                     for s in sus[:4] for r in s.rules)
+    return Conclusion(kind, top.ranks, top.stage, top.component, conf, stages=stages,
+                      labels=labels, findings=findings,
+                      summaries=tuple((s.rules[0], s.summary) for s in sus[:4]),
+                      suspects=tuple(sus[1:6]), onset_ns=_onset(ctx, top))
+
+
+def _kind(ctx: _Ctx, top: Suspicion) -> Kind:
+    return "jitter" if "intermittent" in top.summary else "slowdown"
+
+
+def _onset(ctx: _Ctx, top: Suspicion) -> int | None:
+    st = ctx.w.get("stages")
+    sel = np.isin(ints(st, "rank"), top.ranks) & np.isin(ints(st, "step"), ctx.steps)
+    return int(ints(st, "t_start")[sel].min()) if sel.any() else None
+
+
+def _persistence(m: Array, ref: Array, col_: int) -> float:
+    with np.errstate(all="ignore"):
+        x = (m[:, col_] - ref[:, col_]) / ref[:, col_]
+    x = x[np.isfinite(x)]
+    hit = np.flatnonzero(x > 0.05)
+    return float(np.mean(x[hit[0]:] > 0.05)) if hit.size else 0.0
+
+
+def _compute(ctx: _Ctx) -> list[Suspicion]:
+    k = ctx.w.get("kernels")
+    st = ctx.w.get("stages")
+    if not k or not st:
+        return []
+    cls = _kclass(col(k, "kernel"))
+    keep = cls != ""
+    t, r = ints(k, "t_start")[keep], ints(k, "rank")[keep]
+    step = assign_steps(t, r, ints(st, "rank"), ints(st, "step"), ints(st, "t_start"))
+    inwin = np.isin(step, ctx.steps)
+    dur = ints(k, "duration")[keep][inwin]
+    step, r, c = step[inwin], r[inwin], cls[keep][inwin]
+    if step.size == 0:
+        return []
+    _, m = step_matrix(step, r, dur, ctx.w.grid.world)
+    flag, exc, ratio = _flag(ctx, m, ctx.cfg.min_ratio)
+    out = []
+    ref = _ref(m, ctx.stage_of)
+    by_class = {name: step_matrix(step[c == name], r[c == name], dur[c == name],
+                                  ctx.w.grid.world)[1] for name in np.unique(c).tolist()}
+    for x in np.flatnonzero(flag).tolist():
+        stage = "compute"
+        meds = {}
+        for name, mc in by_class.items():
+            if mc.shape[0] != m.shape[0]:
+                continue
+            rc = _ref(mc, ctx.stage_of)
+            with np.errstate(all="ignore"):
+                meds[name] = float(np.nanmedian(mc[:, x] / rc[:, x]))
+        slow = [n for n, v in meds.items() if v >= ctx.cfg.class_ratio]
+        if len(slow) == 1 and all(v < ctx.cfg.other_ratio for n, v in meds.items()
+                                  if n != slow[0]):
+            stage = f"kernel {slow[0]}"
+        pers = _persistence(m, ref, x)
+        mode = "persistent" if pers >= 0.6 else "intermittent"
+        out.append(Suspicion((x,), stage, "gpu_compute", float(exc[x]),
+                             ("argus.l3", "rankwatch.excess.compute"),
+                             f"rank {x}: GPU kernel time {ratio[x]:.2f}x its stage peers' lower "
+                             f"quartile, +{exc[x] / 1e6:.1f} ms/step ({mode})"))
+    return out
+
+
+PHASES = (("data_next_wait", "data", "data_loader"), ("callbacks", "callbacks", "host_software"),
+          ("step_other", "host cpu", "host_software"), ("optim_step", "optim", "gpu_compute"))
+CPU_PHASES = ("data_next_wait", "callbacks", "step_other")
+
+
+def _phases(ctx: _Ctx) -> list[Suspicion]:
+    res = {}
+    for name, _, _ in PHASES:
+        m = _stage_matrix(ctx, name)
+        ref = _ref(m, ctx.stage_of)
+        flag, exc, ratio = _flag(ctx, m, ctx.cfg.min_ratio)
+        res[name] = (flag, exc, ratio, _persistence_all(m, ref))
+    out: list[Suspicion] = []
+    world = ctx.w.grid.world
+    cpu_hits = np.sum([res[n][2] >= ctx.cfg.phase_ratio for n in CPU_PHASES], axis=0)
+    cpu_exc = np.sum([res[n][1] for n in CPU_PHASES], axis=0)
+    cpu = (cpu_hits >= 2) & (cpu_exc >= ctx.cfg.min_share * ctx.step_ns)
+    for x in np.flatnonzero(cpu).tolist():
+        out.append(Suspicion((x,), "host cpu", "host_software", float(cpu_exc[x]),
+                             ("argus.l2", "rankwatch.excess.host_cpu"),
+                             f"rank {x}: CPU-side phases (data, callbacks, other) "
+                             f"{', '.join(f'{res[n][2][x]:.1f}x' for n in CPU_PHASES)} of peers"))
+    for name, stage, comp in PHASES:
+        flag, exc, ratio, pers = res[name]
+        for x in np.flatnonzero(flag & ~cpu).tolist():
+            mode = "persistent" if pers[x] >= 0.6 else "intermittent"
+            out.append(Suspicion((x,), stage, comp, float(exc[x]),  # type: ignore[arg-type]
+                                 ("argus.l2", f"rankwatch.excess.{name}"),
+                                 f"rank {x}: {name} {ratio[x]:.2f}x its peers, "
+                                 f"+{exc[x] / 1e6:.1f} ms/step ({mode})"))
+    del world
+    return out
+
+
+def _persistence_all(m: Array, ref: Array) -> Array:
+    return np.asarray([_persistence(m, ref, c) for c in range(m.shape[1])])
+
+
+def _launch(ctx: _Ctx) -> list[Suspicion]:
+    ops = ctx.w.get("ops")
+    if not ops:
+        return []
+    step = ints(ops, "step", -1)
+    sel = np.isin(step, ctx.steps) & (ints(ops, "t_end") > 0)
+    delay = (ints(ops, "t_start") - ints(ops, "t_enqueue"))[sel]
+    steps, m = step_matrix(step[sel], ints(ops, "rank")[sel], np.maximum(delay, 0),
+                           ctx.w.grid.world)
+    m = _align(ctx, steps, m)
+    flag, exc, _ = _flag(ctx, m, 1.5)
+    kinds = ctx.w.comm_kind_of_ops[sel]
+    out = []
+    for x in np.flatnonzero(flag).tolist():
+        mine = ints(ops, "rank")[sel] == x
+        kk, cnt = np.unique(kinds[mine], return_counts=True)
+        # the kind whose calls carry the most delay
+        w = [float(np.maximum(delay[mine & (kinds == q)], 0).sum()) for q in kk.tolist()]
+        kind = str(kk[int(np.argmax(w))]) if kk.size else "dp"
+        stage = {"dp": "dp_allreduce", "pp": "pp_p2p"}.get(kind, "tp_collectives")
+        out.append(Suspicion((x,), stage, "host_software", float(exc[x]),
+                             ("mycroft.table3.late_start", "rankwatch.excess.launch"),
+                             f"rank {x}: calls start {exc[x] / 1e6:.1f} ms/step later after "
+                             f"enqueue than its peers' (proxy/host thread)"))
+        del cnt
+    return out
+
+
+def _network(ctx: _Ctx) -> list[Suspicion]:
+    ops = ctx.w.get("ops")
+    if not ops:
+        return []
+    is_dp = ctx.w.comm_kind_of_ops == "dp"
+    step = ints(ops, "step", -1)
+    sel = is_dp & np.isin(step, ctx.steps) & (ints(ops, "t_end") > 0)
+    if not sel.any():
+        return []
+    comm = col(ops, "comm_id").astype(str)[sel]
+    cu, ci = np.unique(comm, return_inverse=True)
+    dur = (ints(ops, "t_end") - ints(ops, "t_start"))[sel].astype(np.float64)
+    # transfer time per (comm, op_seq): the shortest member time; then summed per (step, comm)
+    seq = ints(ops, "op_seq")[sel]
+    key = ci.astype(np.int64) * (int(seq.max()) + 1) + seq
+    uk, kinv = np.unique(key, return_inverse=True)
+    mn = np.full(uk.size, np.inf)
+    np.minimum.at(mn, kinv, dur)
+    first = np.zeros(uk.size, dtype=np.int64)
+    first[kinv] = np.arange(kinv.size)
+    steps, m = step_matrix(step[sel][first], ci[first], mn, cu.size)
+    m = _align(ctx, steps, m)
+    with np.errstate(all="ignore"):
+        ref = np.nanpercentile(m, 25, axis=1)[:, None]
+        exc = np.nan_to_num(np.nanmean(np.maximum(m - ref, 0), axis=0))
+        ratio = np.nan_to_num(np.nanmean(m, axis=0) / np.nanmean(ref), nan=1.0)
+    flag = (ratio >= ctx.cfg.net_ratio) & (exc >= ctx.cfg.net_abs_ns)
+    out = []
+    for c in np.flatnonzero(flag).tolist():
+        name = str(cu[c])
+        x, comp, why = _ring_member(ctx, name)
+        out.append(Suspicion(x, "dp_allreduce", comp, float(exc[c]),
+                             ("venustrace.ar_node", "mycroft.table4.temporal"),
+                             f"{name}: transfer {ratio[c]:.2f}x the other rings', "
+                             f"+{exc[c] / 1e6:.1f} ms/step; {why}"))
+    return out
+
+
+def _ring_member(ctx: _Ctx, comm: str) -> tuple[tuple[int, ...], Component | None, str]:
+    members = ctx.w.grid.comm_members.get(comm)
+    ch = ctx.w.get("chunks")
+    if members is None:
+        return (), "nic_rdma", "no members"
+    if not ch:
+        return tuple(int(r) for r in members), "nic_rdma", "no chunk counters: the whole ring"
+    st = ctx.w.get("stages")
+    lo = int(ints(st, "t_start")[np.isin(ints(st, "step"), ctx.steps)].min())
+    sel = (col(ch, "comm_id").astype(str) == comm) & (ints(ch, "ts") >= lo)
+    r = ints(ch, "rank")[sel]
+    tot = np.maximum(ints(ch, "total_chunks")[sel], 1).astype(np.float64)
+    g, t, d = (ints(ch, k)[sel] for k in ("gpu_ready", "rdma_transmitted", "rdma_done"))
+    n = members.size
+    pos = np.full(ctx.w.grid.world, -1)
+    pos[members] = np.arange(n)
+    p = pos[r]
+    ok = p >= 0
+    cnt = np.maximum(np.bincount(p[ok], minlength=n), 1)
+    gt = np.bincount(p[ok], weights=((g - t) / tot)[ok], minlength=n) / cnt
+    td = np.bincount(p[ok], weights=((t - d) / tot)[ok], minlength=n) / cnt
+    prog = np.bincount(p[ok], weights=(d / tot)[ok], minlength=n) / cnt
+    i_td = int(np.argmax(td))
+    if td[i_td] >= 0.02 and td[i_td] >= 3 * np.median(td) + 1e-9:
+        return (int(members[i_td]),), "nic_rdma", "its RDMA completions lag its posts (2 > 3)"
+    i_gt = int(np.argmax(gt))
+    recv = (i_gt + 1) % n
+    if prog[recv] <= prog.min() + 1e-9 and gt[recv] <= np.median(gt):
+        return (int(members[recv]),), "pcie_host", (
+            "it is the ring's laggard with its posts keeping up with staging (1 = 2): the host "
+            "side (PCIe) of the rank, its kernels are normal")
+    return (int(members[i_gt]),), "nic_rdma", "its NIC posts lag its staged data (1 > 2)"
+
+
+def _merge_hosts(w: Window, sus: list[Suspicion]) -> list[Suspicion]:
+    """Flagged ranks of one host with the same (stage, component) → one host-level suspect."""
+    hosts = w.grid.hosts
+    groups: dict[tuple[str, str | None, str | None], list[Suspicion]] = {}
+    for s in sus:
+        h = {hosts[r] for r in s.ranks} if s.ranks else {""}
+        key = (next(iter(h)) if len(h) == 1 else "", s.stage, s.component)
+        groups.setdefault(key, []).append(s)
+    out = []
+    for (host, stage, comp), lst in groups.items():
+        if host and len(lst) >= 2:
+            ranks = tuple(sorted({r for s in lst for r in s.ranks}))
+            merged: Component | None = "host_software" if comp == "gpu_compute" and \
+                stage == "compute" else comp  # type: ignore[assignment]
+            out.append(Suspicion(ranks, stage, merged,
+                                 float(sum(s.score for s in lst) / len(lst)), lst[0].rules,
+                                 f"host {host}: {len(ranks)} ranks alike — " + lst[0].summary))
+        else:
+            out += lst
+    return out

@@ -1,0 +1,178 @@
+"""One job's always-on triggers over its sampled ranks (DESIGN.md "Diagnosis", stage 1).
+
+`JobWatch` composes the trigger modules and owns their state for one job:
+- sampling (`sampling.sample_ranks`): ≥ 1 rank per DP group, ≤ 10 per job; a sampled rank that
+  goes silent (no op progress and no beat for the hang timeout) is treated as dead and replaced —
+  the dead rank itself was already reported by the hang trigger;
+- Mycroft Alg. 1 (`mycroft.mycroft_trigger`) on the sampled ranks' ops: failure and straggler.
+  Δ is adapted to the job: max(3 × expected step time, 2 s) once the step time is known (the
+  paper's 10 s otherwise) — a 10 s Δ alone would miss the ≤ 5 s detection target on 1 s steps;
+- VenusTrace/MegaTrace heartbeat (`heartbeat.heartbeat_trigger`): no op call or completion for
+  n × expected step time → hang; the expected time is learned from the sampled ranks' steps;
+- ARGUS L1 on the job's step-time series (max over sampled ranks per step): a regression
+  (full-scan change point) whose onset is among the last `recent` steps, and jitter (ratio-gated,
+  effective width) whose onset is the newest step; plus VenusTrace's expected-time test at the
+  step level: `k` consecutive steps above (1 + β) × expected → straggler (fires 2 steps after a
+  slowdown, before L1 has the 5 points it needs on each side).
+
+Inputs per call (all optional, any ranks — rows of unsampled ranks are ignored): `ops` rows
+(rank, comm_id, op_seq, bytes, t_enqueue, t_start, t_end), `beats` rows (rank, ts) and `steps`
+rows (rank, step, step_ns, t_end) — the `iterations` kind, or `stages` rows converted with
+`steps_from_stages`. The clock is the explicit `now_ns`. De-duplication: each trigger module fires
+once per episode; the caller keeps incidents (diagnosis.incidents).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diagnosis.columns import Columns, ints
+from diagnosis.rules.argus_l1 import L1Params, detect_jitter, detect_regression
+from diagnosis.triggers.base import Trigger
+from diagnosis.triggers.heartbeat import (
+    HeartbeatConfig,
+    HeartbeatState,
+    heartbeat_trigger,
+    observe_steps,
+)
+from diagnosis.triggers.mycroft import MycroftTriggerConfig, MycroftTriggerState, mycroft_trigger
+from diagnosis.triggers.sampling import Sample, sample_ranks
+from ingest.records import JobTopology
+
+SECOND = 1_000_000_000
+STAGE_COLUMNS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks",
+                 "optim_step", "step_other")
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    l1: L1Params = field(default_factory=L1Params)
+    series: int = 60  # step-time points kept for L1
+    recent: int = 3  # a regression onset among the last `recent` steps is new
+    beta: float = 0.08  # step-level expected-time test
+    k: int = 2
+    delta_steps: float = 3.0
+    min_delta_ns: int = 2 * SECOND
+
+
+def steps_from_stages(stages: Columns) -> dict[str, np.ndarray]:
+    """`stages` rows → step rows (rank, step, step_ns, t_end): the six durations sum to the step."""
+    total = sum(ints(stages, c, 0) for c in STAGE_COLUMNS)
+    total_arr = np.asarray(total, dtype=np.int64)
+    return {"rank": ints(stages, "rank"), "step": ints(stages, "step"), "step_ns": total_arr,
+            "t_end": ints(stages, "t_start") + total_arr}
+
+
+@dataclass
+class JobWatch:
+    topo: JobTopology
+    config: WatchConfig = field(default_factory=WatchConfig)
+    sample: Sample = field(init=False)
+    heartbeat: HeartbeatState = field(init=False)
+    mycroft: MycroftTriggerState = field(init=False)
+    step_ns: dict[int, float] = field(default_factory=dict)  # step -> max over sampled ranks
+    step_end: dict[int, int] = field(default_factory=dict)
+    dead: set[int] = field(default_factory=set)
+    reported_onset: int = -1
+    reported_jitter: int = -1
+    above: int = 0
+
+    def __post_init__(self) -> None:
+        self.sample = sample_ranks(self.topo)
+        self.heartbeat = HeartbeatState(self.topo.job_id, self.topo.world_size,
+                                        self.config.heartbeat)
+        self.mycroft = MycroftTriggerState(self.topo.job_id, np.asarray(self.sample.ranks),
+                                           MycroftTriggerConfig())
+
+    @property
+    def ranks(self) -> np.ndarray:
+        return np.asarray(self.sample.ranks, dtype=np.int64)
+
+    def expected_step_ns(self) -> float | None:
+        e = self.heartbeat.expected
+        return float(e.value) if bool(e.ready) else None
+
+    def _mine(self, cols: Columns | None) -> Columns:
+        if not cols or "rank" not in cols:
+            return {}
+        keep = np.isin(ints(cols, "rank"), self.ranks)
+        return {k: np.asarray(v)[keep] for k, v in cols.items()}
+
+    def observe(self, now_ns: int, *, ops: Columns | None = None, beats: Columns | None = None,
+                steps: Columns | None = None) -> list[Trigger]:
+        """Fold new rows in and evaluate every trigger at `now_ns`."""
+        out: list[Trigger] = []
+        s = self._mine(steps)
+        if s:
+            out += self._steps(s, now_ns)
+        exp = self.expected_step_ns()
+        if exp is not None:
+            delta = max(int(self.config.delta_steps * exp), self.config.min_delta_ns)
+            if delta != self.mycroft.config.delta_ns:
+                self.mycroft.config = MycroftTriggerConfig(delta_ns=delta)
+        o, b = self._mine(ops), self._mine(beats)
+        if not o:
+            o = {k: np.zeros(0, dtype=np.int64) for k in ("rank", "bytes", "t_start", "t_end")}
+        out += mycroft_trigger(self.mycroft, o, now_ns)
+        hb = heartbeat_trigger(self.heartbeat, o, b, now_ns)
+        out += hb
+        for t in hb:
+            self._resample([int(r) for r in t.evidence.get("silent_no_beats", [])  # type: ignore[attr-defined]
+                            if int(r) in self.sample.ranks])
+        return out
+
+    def _resample(self, dead: list[int]) -> None:
+        if not dead:
+            return
+        self.dead |= set(dead)
+        self.sample = sample_ranks(self.topo, dead=self.dead)
+        self.mycroft = self.mycroft.resample(np.asarray(self.sample.ranks))
+
+    def _steps(self, s: Columns, now_ns: int) -> list[Trigger]:
+        out = observe_steps(self.heartbeat, ints(s, "step"), ints(s, "step_ns"), now_ns)
+        for st, d, e in zip(ints(s, "step").tolist(), ints(s, "step_ns").tolist(),
+                            ints(s, "t_end").tolist(), strict=True):
+            self.step_ns[st] = max(self.step_ns.get(st, 0.0), float(d))
+            self.step_end[st] = max(self.step_end.get(st, 0), int(e))
+        keys = sorted(self.step_ns)[-self.config.series:]
+        for k in [k for k in self.step_ns if k < keys[0]]:
+            self.step_ns.pop(k)
+            self.step_end.pop(k, None)
+        x = np.asarray([self.step_ns[k] for k in keys])
+        if x.size == 0 or x.min() <= 0:
+            return out
+        out += self._l1(x, keys, now_ns)
+        return out
+
+    def _l1(self, x: np.ndarray, keys: list[int], now_ns: int) -> list[Trigger]:
+        cfg = self.config
+        out: list[Trigger] = []
+        exp = self.expected_step_ns()
+        if exp is not None:
+            self.above = self.above + 1 if x[-1] > (1 + cfg.beta) * exp else 0
+            if self.above == cfg.k:
+                out.append(Trigger(self.topo.job_id, now_ns, "straggler", self.sample.ranks, {
+                    "rule": "venustrace.expected_step", "beta": cfg.beta, "k": cfg.k,
+                    "expected_step_ns": exp, "last_step_ns": float(x[-1]),
+                    "onset_step": keys[-cfg.k],
+                    "onset_ns": self.step_end.get(keys[-cfg.k] - 1)}))
+        reg = detect_regression(x, cfg.l1)
+        if reg is not None and reg.onset >= x.size - cfg.recent - cfg.l1.min_segment:
+            step = keys[reg.onset]
+            if step > self.reported_onset + cfg.l1.min_segment:
+                self.reported_onset = step
+                out.append(Trigger(self.topo.job_id, now_ns, "regression", self.sample.ranks, {
+                    "rule": "argus.l1.regression", "ratio": reg.ratio, "onset_step": step,
+                    "onset_ns": self.step_end.get(step - 1), "mean_left": reg.mean_left,
+                    "mean_right": reg.mean_right}))
+        for j in detect_jitter(x, cfg.l1):
+            step = keys[j.onset]
+            if j.onset + j.width >= x.size and step > self.reported_jitter:
+                self.reported_jitter = step
+                out.append(Trigger(self.topo.job_id, now_ns, "jitter", self.sample.ranks, {
+                    "rule": "argus.l1.jitter", "magnitude": j.magnitude, "onset_step": step,
+                    "onset_ns": self.step_end.get(step - 1), "width": j.width}))
+        return out

@@ -1,0 +1,128 @@
+"""One job's window of records, as root cause reads it: numpy columns per record kind.
+
+The root-cause agent fills a `Window` from ClickHouse (all ranks, `[start_ns, now_ns]`), the
+in-process evaluation from the simulator; rules never know which. Helpers here derive what
+several rules need: the job's `Grid`, the ops → 1F1B `PipelineSpec` (K TP collectives per pass
+and D DP collectives per step are counted from the ops of a complete step, since the topology
+does not say), and the per-(step, rank) matrix of any per-rank quantity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from diagnosis.columns import Columns, codes, col, ints
+from diagnosis.groups import Grid, grid_of
+from diagnosis.rules.pipeline_ops import PipelineSpec
+from ingest.records import JobTopology
+
+Array = np.ndarray
+KINDS = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")
+
+
+@dataclass
+class Window:
+    topo: JobTopology
+    tables: dict[str, Columns] = field(default_factory=dict)
+    start_ns: int = 0
+    now_ns: int = 0
+
+    def get(self, kind: str) -> Columns:
+        t = self.tables.get(kind)
+        return t if t is not None and "rank" in t and len(t["rank"]) else {}
+
+    @cached_property
+    def grid(self) -> Grid:
+        return grid_of(self.topo)
+
+    @cached_property
+    def comm_kind_of_ops(self) -> Array:
+        """Per ops row: the kind of its communicator ("" if unknown)."""
+        ops = self.get("ops")
+        if not ops:
+            return np.zeros(0, dtype=object)
+        uniq, inv = codes(col(ops, "comm_id").astype(str))
+        kinds = np.asarray([self.grid.comm_kind.get(str(c), "") for c in uniq], dtype=object)
+        return np.asarray(kinds[inv], dtype=object)
+
+    @cached_property
+    def spec(self) -> PipelineSpec:
+        ops = self.get("ops")
+        m = self.topo.microbatches
+        k, d, base = 0, 1, 0
+        if ops:
+            kind = self.comm_kind_of_ops
+            step, rank = ints(ops, "step", -1), ints(ops, "rank")
+            done = ints(ops, "t_end") > 0
+            known = step[step >= 0]
+            if known.size:
+                base = int(known.min())
+                # a complete step: the median step of the window
+                s = int(np.median(np.unique(known)))
+                r0 = int(rank[0])
+                tp = (kind == "tp") & (step == s) & (rank == r0) & done
+                dp = (kind == "dp") & (step == s) & (rank == r0) & done
+                k = int(tp.sum()) // max(2 * m, 1)
+                d = max(int(dp.sum()), 1)
+        return PipelineSpec(pp=self.topo.pp, microbatches=m, tp_ops_per_pass=k,
+                            dp_ops_per_step=d, step_base=base)
+
+    @cached_property
+    def step_ns(self) -> float:
+        """Median step time over the window (from stages), 0 when unknown."""
+        st = self.get("stages")
+        if not st:
+            return 0.0
+        tot = sum(ints(st, c, 0) for c in ("data_next_wait", "model_fwd_loss", "model_backward",
+                                           "callbacks", "optim_step", "step_other"))
+        return float(np.median(np.asarray(tot)))
+
+    def beat_interval_ns(self) -> float:
+        b = self.get("beats")
+        if not b:
+            return 1e9
+        r, ts = ints(b, "rank"), ints(b, "ts")
+        sel = r == r[0]
+        t = np.unique(ts[sel])
+        return float(np.median(np.diff(t))) if t.size > 2 else 1e9
+
+
+def step_matrix(step: Array, rank: Array, value: Array, world: int,
+                how: str = "sum") -> tuple[Array, Array]:
+    """(steps ascending, float64 [n_steps, world]) of `value` per (step, rank); nan where a
+    rank has no row for a step; rows with the same key are summed (or maxed)."""
+    steps, si = np.unique(step, return_inverse=True)
+    out = np.full((steps.size, world), np.nan)
+    ok = (rank >= 0) & (rank < world)
+    if how == "sum":
+        acc = np.zeros((steps.size, world))
+        seen = np.zeros((steps.size, world), dtype=bool)
+        np.add.at(acc, (si[ok], rank[ok]), value[ok].astype(np.float64))
+        seen[si[ok], rank[ok]] = True
+        out = np.where(seen, acc, np.nan)
+    else:
+        acc = np.full((steps.size, world), -np.inf)
+        np.maximum.at(acc, (si[ok], rank[ok]), value[ok].astype(np.float64))
+        out = np.where(np.isfinite(acc), acc, np.nan)
+    return steps, out
+
+
+def assign_steps(t: Array, rank: Array, st_rank: Array, st_step: Array,
+                 st_start: Array) -> Array:
+    """Step of each (t, rank) event from the stages' per-rank step starts (-1 before the first)."""
+    out = np.full(t.size, -1, dtype=np.int64)
+    if st_rank.size == 0 or t.size == 0:
+        return out
+    order = np.lexsort((st_start, st_rank))
+    sr, ss, s0 = st_rank[order], st_step[order], st_start[order]
+    # search per rank with one combined key: rank * 2^62-safe offset is too big for ns; use
+    # searchsorted on (rank, time) via a structured sort
+    key_st = np.rec.fromarrays([sr, s0])
+    key_ev = np.rec.fromarrays([rank.astype(sr.dtype), t.astype(s0.dtype)])
+    pos = np.searchsorted(key_st, key_ev, side="right") - 1
+    ok = (pos >= 0) & (sr[np.maximum(pos, 0)] == rank)
+    out[ok] = ss[pos[ok]]
+    return out
