@@ -196,8 +196,10 @@ static int ring__check_existing(const char *name)
 		err = 0; /* never initialised */
 	else if (hdr__validate(hdr, (size_t)st.st_size, &map_size))
 		err = -EEXIST;
-	else if (hdr__producer_state(hdr) != RW_PRODUCER_DEAD)
-		err = -EBUSY;
+	else if (hdr__producer_state(hdr) != RW_PRODUCER_DEAD &&
+		 !(hdr->producer_pid == (int32_t)getpid() &&
+		   hdr->producer_start == proc__start_time(getpid())))
+		err = -EBUSY; /* another live process; our own earlier ring may be replaced */
 	munmap(hdr, RW_RING_HDR_SIZE);
 cleanup:
 	close(fd);

@@ -61,8 +61,9 @@ struct rw_ring_stat {
 #define RW_DRAIN_SKIP_TORN 1u /* skip uncommitted slots, but only once the producer is dead */
 
 /* Producer: create the segment `name` (a shm_open name, "/rankwatch..."). An existing segment
- * whose producer is dead, or that was never initialised, is replaced; a live one gives -EBUSY,
- * a foreign one (other magic/version/record size) -EEXIST. */
+ * whose producer is dead or is this process, or that was never initialised, is replaced (a
+ * reader keeps its mapping of the old one); another live producer's gives -EBUSY, a foreign one
+ * (other magic/version/record size) -EEXIST. */
 RW_API int rw_ring__create(const char *name, const struct rw_ring_opts *opts,
 			   struct rw_ring **out);
 /* Consumer: map an existing segment and validate its header (-EPROTO foreign magic,

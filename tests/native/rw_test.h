@@ -7,7 +7,9 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-static int rw_test_checks;
+#include <stdatomic.h>
+
+static _Atomic int rw_test_checks; /* atomic: checks run in several threads */
 
 #define CHECK(cond)                                                                  \
 	do {                                                                         \
