@@ -109,9 +109,8 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, faults: Faul
     first = rank < half
     peer = rank + half if first else rank - half
     groups = [dist.new_group(list(range(0, half))), dist.new_group(list(range(half, world)))]
-    for g in groups:
-        rwt.name_group(g, "dp")
     dp_group = groups[0 if first else 1]
+    rwt.name_group(dp_group, "dp")
     model = mlp(args.width, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank % half)

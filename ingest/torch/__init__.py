@@ -52,9 +52,13 @@ def name_group(group: Any, kind: str) -> None:
     """Declare a process group's role: tp, pp, dp, ep, cp or world (for the topology record)."""
     if kind not in ("tp", "pp", "dp", "ep", "cp", "world"):
         raise ValueError(f"kind {kind!r}: expected tp, pp, dp, ep, cp or world")
-    if _session is not None and _session.tracer is not None:
+    if _session is None or _session.tracer is None or not _session.is_member(group):
+        return
+    try:
         _session.group_index(group)
         _session.tracer.comms.set_kind(group, kind)
+    except Exception as e:  # tracing never raises into training
+        print(f"rankwatch: cannot name group: {e}", flush=True)
 
 
 def tracer() -> Any:

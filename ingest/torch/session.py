@@ -100,8 +100,20 @@ class Session:
         self._attach()
 
     def _after_new_group(self, pg: Any) -> None:
-        if self.tracer is not None and not isinstance(pg, int) and pg is not None:
+        if self.tracer is not None and self.is_member(pg):
             self.group_index(pg)
+
+    @staticmethod
+    def is_member(group: Any) -> bool:
+        """False for the placeholder torch returns to ranks outside a new group."""
+        import torch.distributed as dist
+
+        if group is None or isinstance(group, int):
+            return group is None
+        try:
+            return bool(dist.get_rank(group) >= 0)
+        except (ValueError, RuntimeError):
+            return False
 
     def _attach(self) -> None:
         import torch.distributed as dist
