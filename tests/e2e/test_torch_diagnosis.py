@@ -31,6 +31,7 @@ import orjson
 import pytest
 
 from diagnosis import engine
+from diagnosis.columns import Columns
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
 from ingest.records import JobTopology
@@ -128,9 +129,10 @@ class Rig:
         topo_json = self.sql(f"SELECT topology FROM jobs FINAL WHERE job_id = '{job}' "
                              "FORMAT TSVRaw").strip()
         topo = JobTopology.model_validate_json(topo_json)
-        tables = {k: self.rows(q.format(job=job)) for k, q in QUERIES.items()}
         now = until_ns or time.time_ns()
-        for k, t in tables.items():
+        tables: dict[str, Columns] = {}
+        for k, q in QUERIES.items():
+            t = self.rows(q.format(job=job))
             keep = t[TIME_COL[k]] <= now
             tables[k] = {c: v[keep] for c, v in t.items()}
         return Window(topo, tables, start_ns=now - 600 * 10**9, now_ns=now)
@@ -147,7 +149,7 @@ class Rig:
 
 
 @pytest.fixture
-def rig(kafka, settings_factory, tmp_path: Path) -> Iterator[Rig]:  # type: ignore[no-untyped-def]
+def rig(kafka, settings_factory, tmp_path: Path) -> Iterator[Rig]:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"e{uuid.uuid4().hex[:10]}", kafka_partitions=2)
     stack.up(settings, progress=lambda m: None)
