@@ -58,8 +58,8 @@ int rw_env__str(const char *name, const char *def, char *buf, size_t len, rw_war
 		return 0;
 	n = strlen(val);
 	if (n >= len || strspn(val, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-			       "0123456789_.,:/+-") != n) {
-		env__warn(warn, "%s=\"%.64s\" has characters outside [A-Za-z0-9_.,:/+-] or is too "
+			       "0123456789_.,:/+-*") != n) {
+		env__warn(warn, "%s=\"%.64s\" has characters outside [A-Za-z0-9_.,:/+-*] or is too "
 			  "long (max %ld..%ld bytes); using \"%s\"", name, val, 1, (long)len - 1,
 			  def ? def : "");
 		return 0;

@@ -18,8 +18,8 @@ void rw_warn__stderr(const char *msg);
  * set but invalid). Returns 1 when the environment value was used, 0 otherwise. */
 int rw_env__long(const char *name, long def, long min, long max, rw_warn_fn warn, long *out);
 
-/* Copies the value of `name` into buf if it is 1..len-1 bytes of [A-Za-z0-9_.,:/+-] (a list
- * separator ',' allowed), else def. Returns 1 when the environment value was used. */
+/* Copies the value of `name` into buf if it is 1..len-1 bytes of [A-Za-z0-9_.,:/+-*], else
+ * def (warning when set but invalid). Returns 1 when the environment value was used. */
 int rw_env__str(const char *name, const char *def, char *buf, size_t len, rw_warn_fn warn);
 
 #endif

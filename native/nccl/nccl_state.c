@@ -170,32 +170,10 @@ void rw_nccl__commit(struct rw_record *rec)
 
 void rw_nccl__emit_name(uint16_t ns, uint64_t hash, const char *text)
 {
-	size_t len = strnlen(text, RW_NAME_MAX + 1);
-	uint16_t flags = len > RW_NAME_MAX ? RW_F_TRUNCATED : 0;
-	uint8_t nparts;
-
-	if (len > RW_NAME_MAX)
-		len = RW_NAME_MAX;
-	nparts = (uint8_t)((len + RW_NAME_PART - 1) / RW_NAME_PART);
-	if (!nparts)
-		nparts = 1;
-	for (uint8_t part = 0; part < nparts; part++) {
-		struct rw_record *rec = rw_nccl__reserve(RW_REC_NAME, flags);
-		size_t off = (size_t)part * RW_NAME_PART, n = len - off;
-
-		if (!rec)
-			return;
-		if (n > RW_NAME_PART)
-			n = RW_NAME_PART;
-		rec->u.name.hash = hash;
-		rec->u.name.ns = ns;
-		rec->u.name.part = part;
-		rec->u.name.nparts = nparts;
-		rec->u.name.len = (uint16_t)n;
-		rec->u.name.total_len = (uint16_t)len;
-		memcpy(rec->u.name.text, text + off, n);
-		rw_nccl__commit(rec);
-	}
+	if (!rw_nccl.ring)
+		atomic_fetch_add_explicit(&rw_nccl.no_ring, 1, memory_order_relaxed);
+	else
+		rw_ring__write_name(rw_nccl.ring, RW_SRC_NCCL, ns, hash, text);
 }
 
 void rw_nccl__op_emit(struct rw_op *op, int end)

@@ -82,6 +82,11 @@ RW_API int rw_ring__write(struct rw_ring *ring, const struct rw_record *rec);
  * counted as drops. */
 RW_API long rw_ring__write_batch(struct rw_ring *ring, const void *recs, size_t n);
 
+/* Write the name records for `hash` (text truncated to RW_NAME_MAX bytes, in parts of
+ * RW_NAME_PART); -ENOSPC when the ring filled up part-way (the reader drops incomplete names). */
+RW_API int rw_ring__write_name(struct rw_ring *ring, uint32_t src, uint16_t ns, uint64_t hash,
+			       const char *text);
+
 /* Copy up to max committed records into out (max * RW_RECORD_SIZE bytes), in order, and free
  * their slots. Returns the count (0 when empty). Single consumer only. */
 RW_API long rw_ring__drain(struct rw_ring *ring, void *out, size_t max, unsigned int flags);
