@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -352,9 +353,73 @@ class RingWriter(_Ring):
         n = self._lib.rw_ring__write_batch(self._handle, records.ctypes.data, len(records))
         return _check(n, f"write {self.name}")
 
+    def packer(self, kind: str, fields: Sequence[str], batch: int = 256) -> RecordPacker:
+        """A per-record writer for `kind` that takes values of `fields` positionally."""
+        return RecordPacker(self, kind, fields, batch)
+
+    def _write_raw(self, address: int, n: int) -> int:
+        self._require_open()
+        return _check(self._lib.rw_ring__write_batch(self._handle, address, n), self.name)
+
     def unlink(self) -> None:
         """Remove the ring's name (the reader's mapping stays valid)."""
         _check(self._lib.rw_ring__unlink(self.name.encode()), f"unlink {self.name}")
+
+
+_STRUCT_CODES: Final = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "i4": "i", "i8": "q"}
+
+
+class RecordPacker:
+    """The tracer's per-record path: one `add(*values)` packs a record into a staging buffer
+    with a precompiled struct (no numpy per record); every `batch` records, or on `flush`, the
+    staged records go into the ring with one call (same reservation and release stores as the
+    C producers). `fields` must follow the record layout order (ValueError names the order);
+    kind and src are filled in, `ts` is a field like any other.
+    """
+
+    def __init__(self, writer: RingWriter, kind: str, fields: Sequence[str], batch: int) -> None:
+        dtype = writer._dtypes[kind]
+        known: dict[str, Any] = dict(dtype.fields or {})
+        unknown = [f for f in fields if f not in known or f in ("seq", "kind", "src")]
+        if unknown:
+            raise ValueError(f"{kind}: fields {unknown} cannot be packed")
+        offsets = [int(known[f][1]) for f in fields]
+        if offsets != sorted(offsets):
+            in_order = sorted(fields, key=lambda f: int(known[f][1]))
+            raise ValueError(f"{kind}: give fields in layout order {in_order}")
+        fmt, pos = "<", 8
+        for name in ("kind", "src", *fields):
+            off, ft = int(known[name][1]), known[name][0]
+            code = _STRUCT_CODES.get(ft.str[1:])
+            if code is None:
+                raise ValueError(f"{kind}.{name}: {ft} cannot be packed")
+            fmt += "x" * (off - pos) + code
+            pos = off + ft.itemsize
+        self._struct = struct.Struct(fmt + "x" * (RECORD_SIZE - pos))
+        self._head = (KINDS[kind], writer._src)
+        self._writer = writer
+        self._batch = batch
+        self._buf = bytearray(RECORD_SIZE * batch)
+        self._address = ctypes.addressof((ctypes.c_char * len(self._buf)).from_buffer(self._buf))
+        self._n = 0
+        self.written = 0
+        self.dropped = 0
+
+    def add(self, *values: int) -> None:
+        self._struct.pack_into(self._buf, self._n * RECORD_SIZE + 8, *self._head, *values)
+        self._n += 1
+        if self._n == self._batch:
+            self.flush()
+
+    def flush(self) -> int:
+        """Write what is staged; returns how many went in (the rest are dropped and counted)."""
+        n, self._n = self._n, 0
+        if not n:
+            return 0
+        put = self._writer._write_raw(self._address, n)
+        self.written += put
+        self.dropped += n - put
+        return put
 
 
 def split_kinds(

@@ -3,8 +3,9 @@
     .venv/bin/python tests/native/bench_ring.py
 
 - write(pre-filled batch): RingWriter.write of a ready numpy batch (the ctypes call + C copy);
-- fill+write: the tracer's whole path, one structured-row assignment per record into a
-  preallocated array and one write per batch;
+- packer.add: the tracer's per-record path (RecordPacker: struct.pack_into a staging buffer,
+  one write per 256 records);
+- numpy row fill+write: the same with one structured-row assignment per record, for comparison;
 - drain: RingReader.drain (one ctypes call per block) plus split_kinds.
 """
 
@@ -42,12 +43,24 @@ def main(batch: int = 256, rounds: int = 2000) -> None:
                 n_written += len(raw)
         r.drain()
 
+        packer = w.packer("op", ["ts", "comm_hash", "op_seq", "bytes", "t_enqueue", "peer"])
+        n_pack = rounds * batch // 4
+        t0 = time.perf_counter()
+        for i in range(n_pack):
+            packer.add(i, 77, i, 1024, i, -1)
+            if i % (cap // 2) == 0:
+                r.drain()
+        packer.flush()
+        t_pack = time.perf_counter() - t0
+        r.drain()
+
         names = recs.dtype.names or ()
         row = tuple(0 for _ in names)
         kind_i = names.index("kind")
         ts_i = names.index("t_enqueue")
+        n_fill = rounds * batch // 8
         t0 = time.perf_counter()
-        for i in range(rounds * batch // 8):
+        for i in range(n_fill):
             j = i % batch
             rec = list(row)
             rec[kind_i] = ring.KINDS["op"]
@@ -55,13 +68,16 @@ def main(batch: int = 256, rounds: int = 2000) -> None:
             recs[j] = tuple(rec)
             if j == batch - 1:
                 w.write(recs)
+                if i % (cap // 2) < batch:
+                    r.drain()
         t_fill = time.perf_counter() - t0
         r.drain()
         w.unlink()
     n = rounds * batch
     print(
         f"python ring: write(pre-filled batch of {batch}) {t_write / n * 1e9:.1f} ns/record; "
-        f"fill+write {t_fill / (n // 8) * 1e9:.0f} ns/record; "
+        f"packer.add (6 fields) {t_pack / n_pack * 1e9:.0f} ns/record; "
+        f"numpy row fill+write {t_fill / n_fill * 1e9:.0f} ns/record; "
         f"drain+split_kinds {t_drain / n_written * 1e9:.1f} ns/record ({n_written} records)"
     )
 

@@ -205,11 +205,36 @@ def test_errors_name_the_problem(name: str) -> None:
     with pytest.raises(FileNotFoundError):
         ring.RingReader(name)
     with ring.RingWriter(name, capacity=8) as w:
-        with pytest.raises(OSError, match="Device or resource busy"):
-            ring.RingWriter(name, capacity=8)
+        other = subprocess.run(
+            [sys.executable, "-c", f"from ingest import ring; ring.RingWriter({name!r})"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert "Device or resource busy" in other.stderr  # another live producer owns it
         with pytest.raises(ValueError, match="128-byte"):
             w.write(np.zeros(4, dtype=np.int64))
     assert ring.ring_name("job-1", 3, "py") == "/rankwatch.job-1.3.py"
     with pytest.raises(OSError):
         ring.ring_name("bad/job", 3, "py")
     assert ctypes.sizeof(ring._Stat) == 136
+
+
+def test_packer_writes_records_one_by_one(name: str) -> None:
+    with ring.RingWriter(name, capacity=8) as w, ring.RingReader(name) as r:
+        with pytest.raises(ValueError, match="layout order"):
+            w.packer("op", ["op_seq", "comm_hash"])
+        with pytest.raises(ValueError, match="cannot be packed"):
+            w.packer("name", ["text"])
+        p = w.packer("op", ["ts", "comm_hash", "op_seq", "t_enqueue", "peer"], batch=4)
+        for i in range(10):
+            p.add(100 + i, 0xC0FFEE, i, 1000 + i, -1)
+        assert p.written == 8 and p.dropped == 0  # two batches of 4 went in
+        assert p.flush() == 0 and p.dropped == 2  # the ring (8 slots) was full
+        ops = r.records(r.drain(), "op")
+        assert r.stat().drops == 2
+    assert ops["op_seq"].tolist() == list(range(8))
+    assert ops["ts"].tolist() == [100 + i for i in range(8)]
+    assert (ops["peer"] == -1).all() and (ops["comm_hash"] == 0xC0FFEE).all()
+    assert (ops["kind"] == ring.KINDS["op"]).all() and (ops["src"] == ring.SOURCES["py"]).all()
