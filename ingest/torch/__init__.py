@@ -61,9 +61,9 @@ def name_group(group: Any, kind: str) -> None:
         print(f"rankwatch: cannot name group: {e}", flush=True)
 
 
-def tracer() -> Any:
+def active_tracer() -> Any:
     """The active tracer, or None (diagnostics, tests)."""
     return None if _session is None else _session.tracer
 
 
-__all__ = ["disable", "enable", "name_group", "stages", "tracer"]
+__all__ = ["active_tracer", "disable", "enable", "name_group", "stages"]

@@ -5,8 +5,9 @@ through a wrapper that writes an OP_START event (communicator, per-communicator 
 peer, enqueue time, step) and arranges an OP_END at completion:
 
 - asynchronous work (``async_op=True``, isend/irecv): ``Work.get_future().add_done_callback`` —
-  no added synchronization; gloo's p2p work has no future, so its completion is when
-  ``Work.wait()`` returns (the patched `wait`);
+  no added synchronization; gloo's p2p work has no future, so the tracer polls
+  ``Work.is_completed()`` at its next touchpoint (an intercepted call or a stage boundary) and
+  records the time it first sees it done;
 - synchronous calls on gloo/CPU return complete: the end is the return time;
 - synchronous collectives on NCCL are issued asynchronously and waited, exactly what torch does
   inside, so the future's callback sees the GPU completion instead of the enqueue.
@@ -115,8 +116,8 @@ def _on_done(tracer: Tracer, work: Any, slot: int, callbacks: list[Callable[[Any
         return
     try:
         work.get_future().add_done_callback(callbacks[slot])
-    except RuntimeError:  # gloo p2p: no future; completion when wait() returns
-        tracer.waits[id(work)] = slot
+    except RuntimeError:  # gloo p2p: no future; polled at the next touchpoint
+        tracer.polled[slot] = work
 
 
 def install(tracer: Tracer, dist: Any) -> dict[str, Callable[..., Any]]:
@@ -128,25 +129,9 @@ def install(tracer: Tracer, dist: Any) -> dict[str, Callable[..., Any]]:
             continue
         originals[name] = orig
         setattr(dist, name, _wrap(tracer, name, spec, orig))
-    work_cls = dist.Work
-    orig_wait = work_cls.wait
-    originals["Work.wait"] = orig_wait
-    waits = tracer.waits
-
-    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig_wait(self, *args, **kwargs)
-        slot = waits.pop(id(self), None) if waits else None
-        if slot is not None:
-            tracer.complete(slot)
-        return out
-
-    work_cls.wait = wait
     return originals
 
 
 def uninstall(dist: Any, originals: dict[str, Callable[..., Any]]) -> None:
     for name, orig in originals.items():
-        if name == "Work.wait":
-            dist.Work.wait = orig
-        else:
-            setattr(dist, name, orig)
+        setattr(dist, name, orig)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ from ingest.torch.events import SLOT_WORDS
 MAGIC = 0x52574E47_53504F4C  # "RWNGSPOL"
 HEADER_WORDS = 8
 _HEAD, _TAIL, _DROPPED, _PID = 2, 3, 4, 5
+_SLOT_BASE = HEADER_WORDS * 8
+_SLOT_BYTES = SLOT_WORDS * 8
 
 
 def _map(path: Path, create_capacity: int = 0) -> tuple[mmap.mmap, np.ndarray]:
@@ -66,27 +69,31 @@ class SpoolWriter:
         self._mm, self._words = _map(path, capacity)
         self._cap = capacity
         self._mask = capacity - 1
-        self._slots = self._words[HEADER_WORDS:].reshape(capacity, SLOT_WORDS)
         self._head = 0
+        # memoryview stores and struct.pack_into are several times cheaper than numpy scalars
+        self._hdr = memoryview(self._mm).cast("q")
+        self._pack = [struct.Struct(f"<{n}q").pack_into for n in range(SLOT_WORDS + 1)]
 
     def write(self, row: tuple[int, ...]) -> bool:
         """Append one event (a tuple of up to SLOT_WORDS ints). False: the ring was full."""
-        w = self._words
+        hdr = self._hdr
         head = self._head
-        if head - int(w[_TAIL]) >= self._cap:
-            w[_DROPPED] += 1
+        if head - hdr[_TAIL] >= self._cap:
+            hdr[_DROPPED] += 1
             return False
-        self._slots[head & self._mask, : len(row)] = row
-        self._head = head + 1
-        w[_HEAD] = head + 1  # publishes the slot (see module docstring)
+        self._pack[len(row)](self._mm, _SLOT_BASE + (head & self._mask) * _SLOT_BYTES, *row)
+        head += 1
+        self._head = head
+        hdr[_HEAD] = head  # publishes the slot (see module docstring)
         return True
 
     @property
     def dropped(self) -> int:
-        return int(self._words[_DROPPED])
+        return int(self._hdr[_DROPPED])
 
     def close(self, unlink: bool = False) -> None:
-        self._slots = self._words = np.empty((0, SLOT_WORDS), np.int64)
+        self._hdr.release()
+        self._words = np.empty(0, np.int64)
         self._mm.close()
         if unlink:
             self.path.unlink(missing_ok=True)

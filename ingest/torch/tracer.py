@@ -10,8 +10,9 @@ Threading contract — the ring has ONE producer, the training thread:
 - the training thread *harvests* finished slots into OP_END events at its next intercepted call,
   stage boundary or `Work.wait()`. Timestamps are the completion times, however late the harvest.
 
-Work without a future (gloo's point-to-point) completes when `Work.wait()` returns (the patched
-`wait`, see collectives.py) — the host-visible completion.
+Work without a future (gloo's point-to-point) is polled with ``Work.is_completed()`` at each
+harvest: its end is the time the training thread first saw it done (its next intercepted call or
+stage boundary after the work finished).
 
 Nothing here blocks, locks or raises into training: a full ring drops and counts (spool.py), and
 more than `PENDING` outstanding async ops leave the excess untracked (counted in `untracked`).
@@ -47,7 +48,7 @@ class Tracer:
         self.callbacks: list[Callable[[Any], None]] = [self._make_cb(i) for i in range(PENDING)]
         self.group_of: Callable[[Any], int] = lambda g: 0  # set by collectives.install
         self.nccl: list[bool] = []  # per communicator: issue sync collectives async + wait
-        self.waits: dict[int, int] = {}  # id(Work) -> slot, for work without a future
+        self.polled: dict[int, Any] = {}  # slot -> Work without a future (gloo p2p)
 
     def _make_cb(self, slot: int) -> Callable[[Any], None]:
         ends = self.ends
@@ -85,15 +86,14 @@ class Tracer:
         self.outstanding.append(slot)
         return slot
 
-    def complete(self, slot: int) -> None:
-        """Mark `slot` finished now unless its callback already did (Work.wait returned)."""
-        if slot >= 0 and self.ends[slot] == 0:
-            self.ends[slot] = _now()
-        self.harvest()
-
     def harvest(self) -> None:
         """Turn every finished slot into an OP_END event."""
         ends, keep = self.ends, []
+        if self.polled:
+            for slot, work in list(self.polled.items()):
+                if work.is_completed():
+                    ends[slot] = _now()
+                    del self.polled[slot]
         for slot in self.outstanding:
             t = ends[slot]
             if t:

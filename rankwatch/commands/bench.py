@@ -12,6 +12,7 @@ BENCHES = {
     "ingest": "bench.ingest",
     "simulate": "bench.simulate",
     "kde": "bench.kde",
+    "overhead": "bench.overhead",
     "streams": "bench.streams",
     "raw_order": "bench.raw_order",
 }
