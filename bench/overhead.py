@@ -164,7 +164,7 @@ def per_call(args: argparse.Namespace) -> dict[str, Any]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     t = torch.ones(1)
-    n = args.calls
+    n: int = args.calls
 
     def time_calls() -> float:
         t0 = time.perf_counter_ns()
