@@ -257,8 +257,9 @@ class _Ring:
         return _stat(self._lib, self._handle, self.name)
 
     def close(self) -> None:
-        if self._handle:
-            self._lib.rw_ring__free(self._handle)
+        handle = getattr(self, "_handle", None)  # absent when __init__ failed early
+        if handle:
+            self._lib.rw_ring__free(handle)
             self._handle = ctypes.c_void_p()
 
     def _require_open(self) -> None:
