@@ -160,16 +160,21 @@ static void *worker_main(void *arg)
 	return NULL;
 }
 
-static void at_exit(void)
+static void worker__stop(void)
 {
-	if (!inj.started)
-		return;
-	inj.api.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
 	pthread_mutex_lock(&inj.lock);
 	inj.stopping = 1; /* the worker drains the queue before it stops */
 	pthread_cond_signal(&inj.cond);
 	pthread_mutex_unlock(&inj.lock);
 	pthread_join(inj.worker, NULL);
+}
+
+static void at_exit(void)
+{
+	if (!inj.started)
+		return;
+	inj.api.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+	worker__stop();
 	emit_beat();
 	inj.started = 0;
 }
@@ -272,14 +277,21 @@ static int injector__start(void)
 					   .names = &inj.names, .stats = &inj.stats };
 	if (pthread_create(&inj.worker, NULL, worker_main, NULL))
 		return -EAGAIN;
-	inj.started = 1;
-	atexit(at_exit);
-	if (inj.api.register_callbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
-	    inj.api.enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) {
-		rw_warn__stderr("CUPTI refused activity tracing (another profiler?); kernels "
-				"untraced");
+	CUptiResult res = inj.api.register_callbacks(buffer_requested, buffer_completed);
+	if (res == CUPTI_SUCCESS)
+		res = inj.api.enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+	if (res != CUPTI_SUCCESS) {
+		char msg[160];
+
+		snprintf(msg, sizeof(msg), "CUPTI refused activity tracing (CUptiResult %d: no "
+			 "driver, or another profiler such as Kineto); kernels untraced", (int)res);
+		rw_warn__stderr(msg);
+		worker__stop();
+		rw_ring__unlink(name); /* nothing was written: leave no stale ring behind */
 		return -EBUSY;
 	}
+	inj.started = 1;
+	atexit(at_exit);
 	return 0;
 }
 
