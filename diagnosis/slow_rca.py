@@ -56,17 +56,26 @@ class SlowConfig:
     other_ratio: float = 1.1
 
 
+CLASSES = ("", "gemm", "attn", "elementwise", "optimizer", "other")
+
+
+def _classify(name: str) -> int:
+    low = name.lower()
+    if low.startswith("nccl"):
+        return 0
+    return CLASSES.index(next((v for k, v in KERNEL_CLASS if k in low), "other"))
+
+
 def _kclass(names: Array) -> Array:
-    out = np.full(names.size, "", dtype=object)
-    uniq, inv = np.unique(names.astype(str), return_inverse=True)
-    cls = []
-    for u in uniq.tolist():
-        low = u.lower()
-        c = "" if low.startswith("nccl") else next((v for k, v in KERNEL_CLASS if k in low),
-                                                   "other")
-        cls.append(c)
-    if uniq.size:
-        out = np.asarray(cls, dtype=object)[inv]
+    """Kernel class code per row (index into CLASSES; 0 = NCCL, excluded): one dict lookup per
+    row — np.unique on an object column sorts Python strings and is 30x slower."""
+    cache: dict[str, int] = {}
+    out = np.empty(names.size, dtype=np.int8)
+    for i, n in enumerate(names.tolist()):
+        c = cache.get(n)
+        if c is None:
+            c = cache[n] = _classify(str(n))
+        out[i] = c
     return out
 
 
@@ -79,14 +88,23 @@ class _Ctx:
     stage_of: Array  # pp stage per rank
 
 
+def _q25(x: Array) -> Array:
+    """Lower quartile along axis 1 ignoring nan (nearest-rank; nan where a row has none):
+    a sort instead of np.nanpercentile, which loops in Python over rows."""
+    srt = np.sort(x, axis=1)  # nan sorts last
+    n = np.sum(~np.isnan(x), axis=1)
+    idx = np.maximum((n - 1) // 4, 0)
+    out = srt[np.arange(x.shape[0]), np.minimum(idx, max(x.shape[1] - 1, 0))]
+    return np.where(n > 0, out, np.nan)
+
+
 def _ref(m: Array, stage_of: Array) -> Array:
     """Lower quartile over ranks of the same PP stage, per step: [n_steps, world]."""
     out = np.full_like(m, np.nan)
     for s in np.unique(stage_of).tolist():
         cols = np.flatnonzero(stage_of == s)
-        with np.errstate(all="ignore"):
-            q = np.nanpercentile(m[:, cols], 25, axis=1) if cols.size else np.nan
-        out[:, cols] = np.asarray(q)[:, None]
+        if cols.size:
+            out[:, cols] = _q25(m[:, cols])[:, None]
     return out
 
 
@@ -187,21 +205,24 @@ def _compute(ctx: _Ctx) -> list[Suspicion]:
     st = ctx.w.get("stages")
     if not k or not st:
         return []
-    cls = _kclass(col(k, "kernel"))
-    keep = cls != ""
+    lo = int(ints(st, "t_start")[np.isin(ints(st, "step"), ctx.steps)].min())
+    recent = np.flatnonzero(ints(k, "t_start") >= lo)
+    cls = _kclass(col(k, "kernel")[recent])
+    keep = recent[cls != 0]
+    c = cls[cls != 0]
     t, r = ints(k, "t_start")[keep], ints(k, "rank")[keep]
     step = assign_steps(t, r, ints(st, "rank"), ints(st, "step"), ints(st, "t_start"))
     inwin = np.isin(step, ctx.steps)
     dur = ints(k, "duration")[keep][inwin]
-    step, r, c = step[inwin], r[inwin], cls[keep][inwin]
+    step, r, c = step[inwin], r[inwin], c[inwin]
     if step.size == 0:
         return []
     _, m = step_matrix(step, r, dur, ctx.w.grid.world)
     flag, exc, ratio = _flag(ctx, m, ctx.cfg.min_ratio)
     out = []
     ref = _ref(m, ctx.stage_of)
-    by_class = {name: step_matrix(step[c == name], r[c == name], dur[c == name],
-                                  ctx.w.grid.world)[1] for name in np.unique(c).tolist()}
+    by_class = {CLASSES[q]: step_matrix(step[c == q], r[c == q], dur[c == q],
+                                        ctx.w.grid.world)[1] for q in np.unique(c).tolist()}
     for x in np.flatnonzero(flag).tolist():
         stage = "compute"
         meds = {}
@@ -313,7 +334,7 @@ def _network(ctx: _Ctx) -> list[Suspicion]:
     steps, m = step_matrix(step[sel][first], ci[first], mn, cu.size)
     m = _align(ctx, steps, m)
     with np.errstate(all="ignore"):
-        ref = np.nanpercentile(m, 25, axis=1)[:, None]
+        ref = _q25(m)[:, None]
         exc = np.nan_to_num(np.nanmean(np.maximum(m - ref, 0), axis=0))
         ratio = np.nan_to_num(np.nanmean(m, axis=0) / np.nanmean(ref), nan=1.0)
     flag = (ratio >= ctx.cfg.net_ratio) & (exc >= ctx.cfg.net_abs_ns)

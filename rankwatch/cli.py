@@ -14,7 +14,8 @@ from rankwatch import __version__
 from rankwatch.settings import Settings, SettingsError
 
 #: Command modules under rankwatch/commands/, in the order `--help` lists them.
-COMMANDS = ("stack", "db", "sql", "worker", "publish", "simulate", "bench", "agent", "import_")
+COMMANDS = ("stack", "db", "sql", "worker", "publish", "simulate", "bench", "agent", "import_",
+            "eval", "tail")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from typing import Any
 import faust
 from aiohttp import web
 
+from diagnosis.agents import attach as attach_diagnosis
 from ingest.records import DERIVED
 from rankwatch.settings import Settings
 from streams.app import AppConfig, StreamsApp
@@ -65,6 +66,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     deriver = DerivedRunner(db, publish, derived)
     sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows))
     sapp.derived = deriver
+    sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics)  # type: ignore[attr-defined]
     for kind in DERIVED:
         topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",
                                       key_serializer="raw")

@@ -1,0 +1,275 @@
+"""The diagnosis agents: the I/O shell around the pure trigger and root-cause code.
+
+Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worker.py):
+
+- trigger agent on `rw.progress` and `rw.iterations` (the derived feeds, streams/derived.py):
+  one `JobWatch` per job over its sampled ranks (≤ 10). Progress rows become the trigger
+  modules' inputs (`progress_as_ops`): a window in which a (rank, comm) completed calls is
+  progress at its end; calls in flight are in flight since `window_end − oldest_inflight_age`;
+  `last_beat_ts` is a beat. Iteration rows are the step series. The trigger clock is the job's
+  event-time watermark (newest progress `window_end`): the feed closes a window every second
+  for every (rank, comm) — a stopped rank still gets rows while its host beats — so silence is
+  measured in event time and a lagging feed cannot look like a hang. Triggers go to
+  `rw.triggers` (`TriggerRecord` JSON, keyed by job).
+  Mycroft's throughput/interval straggler test needs ≥ 3 completions per rank and window, which
+  one progress row per window does not give: on this feed it does not fire (step-time triggers
+  and the root-cause sweep cover slowdowns).
+- root-cause agent on `rw.triggers`: `Analyst` (diagnosis/analyst.py) reads the job's window
+  from ClickHouse (`read_window`: all ranks, raw tables) and runs the engine in a worker thread;
+  every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
+  (sql/003_diagnoses.sql). A timer re-checks open incidents and sweeps jobs (`Analyst.tick`).
+  On start the incident book is restored from the `diagnoses` table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import faust
+import numpy as np
+import orjson
+from faust.streams import Stream
+from faust.types import StreamT
+
+from diagnosis.analyst import Analyst, AnalystConfig
+from diagnosis.columns import Columns, ints
+from diagnosis.model import Diagnosis, TriggerRecord
+from diagnosis.triggers.base import Trigger
+from diagnosis.triggers.watch import JobWatch
+from diagnosis.window import Window
+from ingest.batch import BatchError, decode_batch
+from ingest.records import JobTopology
+from ingest.topics import Topics
+from streams.db import ClickHouseError, Database
+
+log = logging.getLogger(__name__)
+SECOND = 1_000_000_000
+
+#: raw kind -> (time column, columns read for root cause)
+WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ops": ("t_start", ("rank", "comm_id", "op_seq", "op", "bytes", "peer", "t_enqueue", "t_start",
+                        "t_end", "step")),
+    "flows": ("t_start", ("rank", "comm_id", "op_seq", "channel", "peer", "nic", "bytes",
+                          "t_start", "t_end")),
+    "chunks": ("ts", ("rank", "comm_id", "op_seq", "channel", "ts", "total_chunks", "gpu_ready",
+                      "rdma_transmitted", "rdma_done")),
+    "stages": ("t_start", ("rank", "step", "t_start", "data_next_wait", "model_fwd_loss",
+                           "model_backward", "callbacks", "optim_step", "step_other")),
+    "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
+    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq")),
+}
+TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts"}
+KERNEL_WINDOW_S = 40.0
+
+
+def progress_as_ops(p: Columns) -> tuple[Columns, Columns]:
+    """Progress rows → (ops-like rows, beats rows) for the trigger modules (module docstring)."""
+    we = ints(p, "window_end")
+    done = ints(p, "completed_ops") > 0
+    infl = ints(p, "inflight_ops") > 0
+    rank = ints(p, "rank")
+    n_done, n_in = int(done.sum()), int(infl.sum())
+    start_in = we[infl] - ints(p, "oldest_inflight_age_ns")[infl]
+    ops = {"rank": np.concatenate([rank[done], rank[infl]]),
+           "bytes": np.zeros(n_done + n_in, dtype=np.int64),
+           "t_enqueue": np.concatenate([we[done], start_in]),
+           "t_start": np.concatenate([we[done] - 1, start_in]),
+           "t_end": np.concatenate([we[done], np.zeros(n_in, dtype=np.int64)])}
+    beat = ints(p, "last_beat_ts") > 0
+    beats = {"rank": rank[beat], "ts": ints(p, "last_beat_ts")[beat]}
+    return ops, beats
+
+
+def iterations_as_steps(it: Columns) -> Columns:
+    return {k: ints(it, k) for k in ("rank", "step", "step_ns", "t_end")}
+
+
+def read_topology(db: Database, job_id: str) -> JobTopology | None:
+    r = db.query("SELECT argMax(topology, ts) FROM jobs WHERE job_id = {j:String}",
+                 parameters={"j": job_id})
+    rows = r.result_rows
+    if not rows or not rows[0][0]:
+        return None
+    return JobTopology.model_validate_json(rows[0][0])
+
+
+def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int) -> Window:
+    """All ranks' raw rows of one job in [start_ns, now_ns] (plus ops still in flight)."""
+    tables: dict[str, Columns] = {}
+    for kind, (tcol, cols) in WINDOW_COLUMNS.items():
+        # aliases must not shadow the columns the WHERE clause compares
+        sel = ", ".join(f"toUnixTimestamp64Nano({c}) AS {c}__ns" if c in TIME_COLUMNS else c
+                        for c in cols)
+        lo = max(start_ns, now_ns - int(KERNEL_WINDOW_S * SECOND)) if kind == "kernels" \
+            else start_ns
+        where = (f"job_id = {{j:String}} AND {tcol} >= fromUnixTimestamp64Nano({{lo:Int64}}, "
+                 f"'UTC') AND {tcol} <= fromUnixTimestamp64Nano({{hi:Int64}}, 'UTC')")
+        if kind == "ops":
+            where = (f"({where}) OR (job_id = {{j:String}} AND toUnixTimestamp64Nano(t_end) = 0"
+                     " AND t_start >= fromUnixTimestamp64Nano({lo2:Int64}, 'UTC'))")
+        res = db.query_columns(f"SELECT {sel} FROM {kind} WHERE {where}",
+                               {"j": topo.job_id, "lo": lo, "hi": now_ns,
+                                "lo2": start_ns - 3600 * SECOND})
+        if res and len(next(iter(res.values()))):
+            tables[kind] = {k.removesuffix("__ns"): np.asarray(v) for k, v in res.items()}
+    return Window(topo, tables, start_ns, now_ns)
+
+
+def diagnosis_row(d: Diagnosis) -> bytes:
+    return orjson.dumps({
+        "job_id": d.job_id, "incident_id": d.incident_id, "version": d.version, "id": d.id,
+        "status": d.status, "kind": d.kind, "culprit_ranks": d.culprit_ranks,
+        "culprit_hosts": d.culprit_hosts, "stage": d.stage or "", "component": d.component or "",
+        "confidence": d.confidence, "labels": d.labels, "rules": d.rules,
+        "onset_ns": d.onset_ns or 0, "detected_ns": d.detected_ns, "summary": d.summary,
+        "json": d.model_dump_json()})
+
+
+class DiagnosisAgents:
+    """Trigger and root-cause agents on one Faust app (see the module docstring)."""
+
+    def __init__(self, app: faust.App, db: Database, topics: Topics, *,
+                 clock: Callable[[], int] = time.time_ns, tick_s: float = 1.0,
+                 config: AnalystConfig | None = None) -> None:
+        self.app, self.db, self.clock = app, db, clock
+        self.watches: dict[str, JobWatch] = {}
+        self.watermark: dict[str, int] = {}  # per job: newest progress window_end (event time)
+        self.topos: dict[str, JobTopology] = {}
+        self.analyst = Analyst(self._read, config or AnalystConfig())
+        self.lock = asyncio.Lock()
+        self.restored = False
+        self.published: list[Diagnosis] = []
+        def topic(name: str) -> Any:
+            return app.topic(name, value_serializer="raw", key_serializer="raw")
+
+        self.t_progress = topic(topics.progress)
+        self.t_iterations = topic(topics.iterations)
+        self.t_triggers = topic(topics.triggers)
+        self.t_diagnoses = topic(topics.diagnoses)
+        app.agent(self.t_progress, name="rankwatch.diagnosis.progress")(self._on_progress)
+        app.agent(self.t_iterations, name="rankwatch.diagnosis.iterations")(self._on_iterations)
+        app.agent(self.t_triggers, name="rankwatch.diagnosis.root_cause")(self._on_triggers)
+        app.timer(tick_s)(self._tick)
+
+    # -- I/O helpers -------------------------------------------------------------------------
+
+    def _read(self, job_id: str, start_ns: int, now_ns: int) -> Window | None:
+        topo = self.topos.get(job_id) or read_topology(self.db, job_id)
+        if topo is None:
+            return None
+        self.topos[job_id] = topo
+        return read_window(self.db, topo, start_ns, now_ns)
+
+    async def _watch(self, job_id: str) -> JobWatch | None:
+        w = self.watches.get(job_id)
+        if w is None:
+            topo = await asyncio.to_thread(read_topology, self.db, job_id)
+            if topo is None:
+                return None
+            self.topos[job_id] = topo
+            w = self.watches[job_id] = JobWatch(topo)
+        return w
+
+    async def _publish_triggers(self, triggers: list[Trigger]) -> None:
+        for t in triggers:
+            rec = TriggerRecord(job_id=t.job_id, ts=t.ts, kind=t.kind, ranks=list(t.ranks),
+                                evidence=orjson.loads(orjson.dumps(dict(t.evidence),
+                                                                   default=str)))
+            log.info("trigger %s %s ranks=%s", t.job_id, t.kind, list(t.ranks)[:8])
+            await self.t_triggers.send(key=t.job_id.encode(), value=rec.model_dump_json().encode())
+
+    async def _publish(self, diags: list[Diagnosis]) -> None:
+        for d in diags:
+            log.info("diagnosis %s", d.summary)
+            fut = await self.t_diagnoses.send(key=d.job_id.encode(), value=d.to_json())
+            await fut
+            await self.db.acommand("INSERT INTO diagnoses FORMAT JSONEachRow\n"
+                                   + diagnosis_row(d).decode())
+            self.published.append(d)
+
+    async def _restore(self) -> None:
+        if self.restored:
+            return
+        self.restored = True
+        try:
+            r = await self.db.aquery("SELECT json FROM diagnoses FINAL WHERE status != 'resolved'"
+                                     " AND detected_ns > toUnixTimestamp64Nano(now64(9)) - "
+                                     "86400000000000")
+            self.analyst.book.restore(Diagnosis.model_validate_json(row[0])
+                                      for row in r.result_rows)
+        except ClickHouseError as e:  # the table may not exist in an old database
+            log.warning("cannot restore incidents: %s", e.message)
+
+    # -- agents ------------------------------------------------------------------------------
+
+    async def _on_progress(self, stream: StreamT[Any]) -> None:
+        async for events in cast(Stream[bytes], stream).take_events(64, 0.2):
+            for e in events:
+                try:
+                    b = decode_batch(e.message.value or b"")
+                except BatchError as err:
+                    log.warning("bad progress batch: %s", err)
+                    continue
+                w = await self._watch(b.job_id)
+                if w is None:
+                    continue
+                ops, beats = progress_as_ops(b.cols)
+                we = ints(b.cols, "window_end")
+                now = max(self.watermark.get(b.job_id, 0), int(we.max()) if we.size else 0)
+                self.watermark[b.job_id] = now
+                await self._publish_triggers(w.observe(now, ops=ops, beats=beats))
+
+    async def _on_iterations(self, stream: StreamT[Any]) -> None:
+        async for events in cast(Stream[bytes], stream).take_events(64, 0.2):
+            for e in events:
+                try:
+                    b = decode_batch(e.message.value or b"")
+                except BatchError as err:
+                    log.warning("bad iterations batch: %s", err)
+                    continue
+                w = await self._watch(b.job_id)
+                if w is None:
+                    continue
+                steps = iterations_as_steps(b.cols)
+                now = self.watermark.get(b.job_id) or int(steps["t_end"].max(initial=0))
+                await self._publish_triggers(w.observe(now, steps=steps))
+
+    async def _on_triggers(self, stream: StreamT[Any]) -> None:
+        async for events in cast(Stream[bytes], stream).take_events(16, 0.2):
+            await self._restore()
+            for e in events:
+                try:
+                    rec = TriggerRecord.model_validate_json(e.message.value or b"")
+                except ValueError as err:
+                    log.warning("bad trigger: %s", err)
+                    continue
+                t = Trigger(rec.job_id, rec.ts, rec.kind, tuple(rec.ranks), rec.evidence)
+                try:
+                    async with self.lock:
+                        diags = await asyncio.to_thread(self.analyst.on_trigger, t,
+                                                        self.clock())
+                    await self._publish(diags)
+                except Exception:  # a bad window must not stop the worker; next trigger/tick
+                    log.exception("root cause failed for %s %s", t.job_id, t.kind)
+
+    async def _tick(self) -> None:
+        try:
+            now = self.clock()
+            await self._restore()
+            self.analyst.jobs |= set(self.watches)
+            if self.lock.locked():
+                return
+            async with self.lock:
+                diags = await asyncio.to_thread(self.analyst.tick, now)
+            await self._publish(diags)
+        except Exception:  # never crash the worker from the diagnosis timer
+            log.exception("diagnosis tick failed")
+
+
+def attach(app: faust.App, db: Database, topics: Topics) -> DiagnosisAgents:
+    """Add the diagnosis agents to the worker's app (the hook rankwatch worker calls)."""
+    return DiagnosisAgents(app, db, topics)
