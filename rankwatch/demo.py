@@ -1,21 +1,30 @@
-"""`make demo`: start a private local stack, publish op records from a separate process, print them
-back with `rankwatch sql`, stop everything.
+"""`make demo`: what rankwatch is for, in about two minutes.
 
-The stack lives in a temporary home on free loopback ports, so the demo never touches a stack you
-run yourself. Everything it starts is stopped on exit, also on error or Ctrl-C.
+1. Start a private local stack (Kafka broker + worker with the diagnosis agents) in a temporary
+   home on free loopback ports — it never touches a stack you run yourself.
+2. Simulate a 256-rank job (tp8 · pp4 · dp8) in real time from a separate process, with one
+   injected fault: rank 141 hangs in the backward pass of microbatch 2 after 12 s.
+3. Follow rw.diagnoses and print each diagnosis as it arrives, with the SQL an operator would run
+   next (and run the first query through the worker's SQL endpoint).
+4. Stop everything, also on error or Ctrl-C.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from rankwatch import stack
 from rankwatch.settings import Settings
+
+FAULT = "hang rank=141 stage=bwd mb=2 at=12s"
+JOB = ["--tp", "8", "--pp", "4", "--dp", "8", "--steps", "40", "--job-id", "demo-256"]
 
 
 def _free_port() -> int:
@@ -24,41 +33,66 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rankwatch(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rankwatch.cli", *args],
-                          env=stack.child_env(settings), text=True, capture_output=True,
-                          timeout=120)
+def _sql(settings: Settings, query: str) -> str:
+    req = urllib.request.Request(stack.sql_endpoint(settings) + "/?default_format=PrettyCompact",
+                                 data=query.encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return str(r.read().decode())
 
 
 def main() -> int:
+    from confluent_kafka import Consumer
+
+    from diagnosis.model import Diagnosis
+    from rankwatch.commands.tail import render
+
     with tempfile.TemporaryDirectory(prefix="rankwatch-demo-") as home:
         settings = Settings.load(home=Path(home), kafka_port=_free_port(),
-                                 kafka_controller_port=_free_port(), sql_port=_free_port())
-        print("== starting the local stack (Kafka broker + worker with embedded ClickHouse)")
+                                 kafka_controller_port=_free_port(), sql_port=_free_port(),
+                                 topic_prefix="demo")
+        print("== starting the local stack (broker + worker)")
+        stack.up(settings, progress=lambda m: print("   " + m))
+        sim = None
+        consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "demo",
+                             "auto.offset.reset": "earliest"})
+        consumer.subscribe([settings.topics.diagnoses])
         try:
-            stack.up(settings)
-            print("\n== publishing 64 op records of job 'demo' from a separate process")
-            pub = _rankwatch(settings, "publish", "--job", "demo", "--ranks", "8",
-                             "--records", "64")
-            print(pub.stdout.strip() or pub.stderr.strip())
-            if pub.returncode:
-                return pub.returncode
-            query = ("SELECT rank, op_seq, op, t_start, "
-                     "round(dateDiff('microsecond', t_start, t_end) / 1000, 1) AS ms "
-                     "FROM ops WHERE job_id = 'demo' ORDER BY op_seq, rank LIMIT 16")
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                n = _rankwatch(settings, "sql", "SELECT count() FROM ops", "--format", "TSV")
-                if n.returncode == 0 and n.stdout.strip() == "64":
+            print(f"== simulating a 256-rank job in real time; injected fault: {FAULT!r}")
+            sim = subprocess.Popen(
+                [sys.executable, "-m", "rankwatch.cli", "simulate", *JOB, "--fault", FAULT,
+                 "--speed", "realtime", "--out", "kafka", "--json"],
+                env=stack.child_env(settings), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True)
+            t0 = time.time()
+            seen = 0
+            while time.time() - t0 < 150:
+                m = consumer.poll(0.5)
+                if m is not None and not m.error():
+                    d = Diagnosis.model_validate_json(m.value() or b"{}")
+                    seen += 1
+                    print(f"\n== diagnosis after {time.time() - t0:.1f} s of the job")
+                    print(render(d))
+                    if seen == 1 and d.sql:
+                        print("\n== the operator's next query (rankwatch sql):")
+                        print("   " + d.sql[0])
+                        print(_sql(settings, d.sql[0]))
+                if seen and sim.poll() is not None:
                     break
-                time.sleep(0.3)
-            print(f"\n== rankwatch sql \"{query}\"")
-            out = _rankwatch(settings, "sql", query, "--format", "PrettyCompact")
-            print(out.stdout or out.stderr)
-            return out.returncode
+            out, _ = sim.communicate(timeout=120)
+            truth = json.loads(out)["truth"] if out.strip() else []
+            for t in truth:
+                print(f"== ground truth: rank {t['ranks']} stage {t['stage']} "
+                      f"component {t['component']}")
+            if not seen:
+                print("== no diagnosis arrived (see the worker log)", file=sys.stderr)
+                return 1
         finally:
-            print("== stopping")
-            stack.down(settings)
+            if sim is not None and sim.poll() is None:
+                sim.kill()
+            consumer.close()
+            print("== stopping the stack")
+            stack.down(settings, progress=lambda m: print("   " + m))
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from rankwatch.settings import Settings
 
 #: bench name -> module under bench/ with `main(argv) -> int`
 BENCHES = {
+    "rca": "bench.rca",
     "ingest": "bench.ingest",
     "simulate": "bench.simulate",
     "kde": "bench.kde",

@@ -89,7 +89,10 @@ def table(summary: dict[str, Any], scores: list[ScenarioScore], mode: str) -> st
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     names = _names(args.scenarios, not args.in_process)
-    say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
+    def say(m: str) -> None:
+        if not args.json:
+            print(m, file=sys.stderr)
+
     if args.in_process:
         def prog(s: ScenarioScore, _: Any) -> None:
             say(f"  {s.scenario}: {s.wall_s:.1f} s, incidents {s.incidents}")
@@ -145,7 +148,7 @@ def real_pipeline(names: list[str], say: Any) -> list[ScenarioScore]:
                 while time.time() < deadline:
                     m = consumer.poll(0.5)
                     if m is not None and not m.error():
-                        got.append(Diagnosis.model_validate_json(m.value()))
+                        got.append(Diagnosis.model_validate_json(m.value() or b"{}"))
                 mine = [d for d in got if d.job_id == sc.config.job_id]
                 s = score_scenario(name, sc.tags, truth, mine)
                 s.wall_s = time.time() - t0

@@ -1,0 +1,140 @@
+"""The combined diagnosis: engine on simulator records, incident state, the pure-wait property
+at the combined level (adding waiting to a victim never moves blame to it), schema v1."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diagnosis import engine
+from diagnosis.incidents import IncidentBook
+from diagnosis.model import Diagnosis, json_schemas
+from diagnosis.triggers.base import Trigger
+from diagnosis.triggers.watch import JobWatch, steps_from_stages
+from diagnosis.window import Window
+from ingest.sim.config import JobConfig
+from ingest.sim.simulation import Simulation, collect
+
+
+@functools.cache
+def window(fault: str, steps: int = 12) -> tuple[Window, int]:
+    cfg = JobConfig(job_id="t", tp=2, pp=4, dp=2, steps=steps, hang_tail_s=6.0)
+    d = collect(Simulation(cfg, [fault]).batches())
+    topo = d.pop("jobs")["topology"][0]
+    now = int(max(d["beats"]["ts"].max(), d["ops"]["t_enqueue"].max()))
+    return Window(topo, d, 0, now), now
+
+
+def diagnose(w: Window, now: int, kind: str = "hang") -> Diagnosis | None:
+    t = Trigger(w.topo.job_id, now, kind, ())  # type: ignore[arg-type]
+    c = engine.diagnose(w, t, now)
+    if c is None:
+        return None
+    return engine.to_diagnosis(c, w, t, incident_id="t:hang:x", version=1, status="open",
+                               detected_ns=now)
+
+
+@pytest.mark.parametrize(("fault", "ranks", "stage", "component"), [
+    ("hang rank=13 stage=bwd mb=3 at=3s", [13], "bwd mb=3 pp=3", "gpu_compute"),
+    ("hang rank=4 stage=optim at=3s", [4], "optim", "gpu_compute"),
+    ("death rank=6 at=3s", [6], "process", "host_software"),
+])
+def test_hang_names_rank_stage_component(fault: str, ranks: list[int], stage: str,
+                                         component: str) -> None:
+    w, now = window(fault)
+    d = diagnose(w, now)
+    assert d is not None and d.kind == "hang"
+    assert (d.culprit_ranks, d.stage, d.component) == (ranks, stage, component)
+    assert d.culprit_hosts == [w.topo.hosts[ranks[0]]] and d.sql and d.rules
+
+
+def test_gpu_slowdown_names_the_rank_and_compute() -> None:
+    w, now = window("gpu_slow rank=9 factor=1.6 at=2s", steps=16)
+    d = diagnose(w, now, "straggler")
+    assert d is not None and d.kind in ("slowdown", "jitter")
+    assert (d.culprit_ranks, d.stage, d.component) == ([9], "compute", "gpu_compute")
+
+
+def test_no_fault_no_diagnosis() -> None:
+    w, now = window("gpu_slow rank=9 factor=1.01 at=2s expect=no", steps=16)
+    assert diagnose(w, now, "straggler") is None
+
+
+@settings(max_examples=12, deadline=None)
+@given(victim=st.integers(0, 15), wait_ms=st.integers(1, 400), frac=st.floats(0.1, 1.0))
+def test_pure_waiting_on_a_victim_never_moves_blame(victim: int, wait_ms: int,
+                                                    frac: float) -> None:
+    """A victim that arrives earlier at its collectives and waits longer (t_enqueue and t_start
+    earlier by the same amount, nothing else changed) is never blamed; the culprit stays."""
+    w, now = window("gpu_slow rank=9 factor=1.6 at=2s", steps=16)
+    base = diagnose(w, now, "straggler")
+    assert base is not None and base.culprit_ranks == [9]
+    if victim == 9:
+        return
+    ops = dict(w.get("ops"))
+    rng = np.random.default_rng(victim * 1000 + wait_ms)
+    mine = (ops["rank"] == victim) & (ops["t_end"] > 0) & (rng.random(ops["rank"].size) < frac)
+    shift = np.where(mine, wait_ms * 1_000_000, 0)
+    ops["t_start"] = ops["t_start"] - shift
+    ops["t_enqueue"] = ops["t_enqueue"] - shift
+    w2 = Window(w.topo, {**w.tables, "ops": ops}, w.start_ns, w.now_ns)
+    d = diagnose(w2, now, "straggler")
+    assert d is not None and victim not in d.culprit_ranks and d.culprit_ranks == [9]
+
+
+def _d(ranks: list[int], stage: str, version: int = 1) -> Diagnosis:
+    w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
+    d = diagnose(w, now)
+    assert d is not None
+    return d.model_copy(update={"culprit_ranks": ranks, "stage": stage, "version": version})
+
+
+def test_incident_open_update_resolve_and_restore() -> None:
+    book = IncidentBook(clear_after=2)
+    first = book.conclude(_d([13], "bwd mb=3 pp=3"))
+    assert first is not None and first.status == "open" and first.version == 1
+    assert book.conclude(_d([13], "bwd mb=3 pp=3")) is None  # not re-announced
+    upd = book.conclude(_d([13], "process"))
+    assert upd is not None and (upd.status, upd.version) == ("updated", 2)
+    assert upd.incident_id == first.incident_id
+    assert book.clear("t", "hang", 1) is None
+    res = book.clear("t", "hang", 2)
+    assert res is not None and (res.status, res.version) == ("resolved", 3)
+    again = IncidentBook()
+    again.restore([first, upd])
+    assert again.is_open("t", "hang")
+    again2 = IncidentBook()
+    again2.restore([first, upd, res])
+    assert not again2.is_open("t", "hang")
+
+
+def test_schema_round_trip() -> None:
+    d = _d([13], "bwd mb=3 pp=3")
+    assert Diagnosis.model_validate_json(d.to_json()) == d
+    schema = json.loads(json_schemas())
+    assert schema["Diagnosis"]["properties"]["v"]["const"] == 1
+
+
+def test_watch_fires_heartbeat_on_a_hang_and_nothing_before() -> None:
+    cfg = JobConfig(job_id="t", tp=2, pp=4, dp=2, steps=12, hang_tail_s=6.0)
+    sim = Simulation(cfg, ["hang rank=13 stage=bwd mb=3 at=4s"])
+    d = collect(sim.batches())
+    watch = JobWatch(d["jobs"]["topology"][0])
+    ops, beats = d["ops"], d["beats"]
+    steps = steps_from_stages(d["stages"])
+    fired: list[Trigger] = []
+    onset = sim.truth[0].start_ns
+    for t in range(cfg.epoch_ns + 10**9, int(beats["ts"].max()), 250_000_000):
+        def part(c: dict[str, np.ndarray], tc: str) -> dict[str, np.ndarray]:
+            sel = (c[tc] <= t) & (c[tc] > t - 250_000_000)
+            return {k: v[sel] for k, v in c.items()}
+        fired += watch.observe(t, ops=part(ops, "t_enqueue"), beats=part(beats, "ts"),
+                               steps=part(steps, "t_end"))
+    hang = [f for f in fired if f.kind in ("hang", "failure")]
+    assert hang and min(f.ts for f in hang) > onset
+    assert min(f.ts for f in hang) - onset < 5 * 10**9
