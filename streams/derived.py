@@ -65,12 +65,15 @@ class ObservingStore(ClickHouseStore):
     async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
                     sources: Sequence[tuple[int, int]]) -> int:
         n = await super().write(kind, batches, token, sources=sources)
-        column = TIME_COLUMN[kind]
-        for b in batches:
-            t = b.cols[column]
-            known = t[t > 0]
-            if len(known):
-                self.windows.observe(b.job_id, int(known.min()), int(known.max()))
+        try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
+            column = TIME_COLUMN[kind]
+            for b in batches:
+                t = b.cols[column]
+                known = t[t > 0]
+                if len(known):
+                    self.windows.observe(b.job_id, int(known.min()), int(known.max()))
+        except Exception:
+            log.exception("derived windows: observing a %s write failed", kind)
         return n
 
 

@@ -73,10 +73,13 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     restored: list[bool] = []
 
     async def derive() -> None:
-        if not restored:
-            await deriver.restore()
-            restored.append(True)
-        await deriver.tick()
+        try:  # the derived path never takes the worker (and the raw ingest) down
+            if not restored:
+                await deriver.restore()
+                restored.append(True)
+            await deriver.tick()
+        except Exception:
+            log.exception("derived streams tick failed; retrying at the next tick")
 
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}

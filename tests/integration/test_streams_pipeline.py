@@ -125,6 +125,9 @@ def test_restart_loses_and_duplicates_nothing_and_late_batches_land(
     half = len(rest) // 2
     publish(p, rest[:half])
     time.sleep(3)
+    if stack.worker_daemon(p.settings).pid() is None:
+        log = p.settings.home / "logs" / "worker.log"
+        pytest.fail(f"the worker died; its log ends:\n{log.read_text()[-4000:]}")
     p.kill_worker()
     publish(p, rest[half:])
     p.start_worker()
