@@ -129,12 +129,14 @@ def test_watch_fires_heartbeat_on_a_hang_and_nothing_before() -> None:
     steps = steps_from_stages(d["stages"])
     fired: list[Trigger] = []
     onset = sim.truth[0].start_ns
+
+    def part(c: dict[str, np.ndarray], tc: str, t: int) -> dict[str, np.ndarray]:
+        sel = (c[tc] <= t) & (c[tc] > t - 250_000_000)
+        return {k: v[sel] for k, v in c.items()}
+
     for t in range(cfg.epoch_ns + 10**9, int(beats["ts"].max()), 250_000_000):
-        def part(c: dict[str, np.ndarray], tc: str) -> dict[str, np.ndarray]:
-            sel = (c[tc] <= t) & (c[tc] > t - 250_000_000)
-            return {k: v[sel] for k, v in c.items()}
-        fired += watch.observe(t, ops=part(ops, "t_enqueue"), beats=part(beats, "ts"),
-                               steps=part(steps, "t_end"))
+        fired += watch.observe(t, ops=part(ops, "t_enqueue", t), beats=part(beats, "ts", t),
+                               steps=part(steps, "t_end", t))
     hang = [f for f in fired if f.kind in ("hang", "failure")]
     assert hang and min(f.ts for f in hang) > onset
     assert min(f.ts for f in hang) - onset < 5 * 10**9
