@@ -9,6 +9,7 @@ does not say), and the per-(step, rank) matrix of any per-rank quantity.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,7 +27,7 @@ KINDS = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")
 @dataclass
 class Window:
     topo: JobTopology
-    tables: dict[str, Columns] = field(default_factory=dict)
+    tables: Mapping[str, Columns] = field(default_factory=dict)
     start_ns: int = 0
     now_ns: int = 0
 

@@ -21,7 +21,7 @@ from rankwatch.settings import Settings
 
 
 @pytest.fixture
-def pipeline(kafka, settings_factory) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
+def pipeline(kafka, settings_factory) -> Iterator[Settings]:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"d{uuid.uuid4().hex[:10]}", kafka_partitions=2)
     try:
