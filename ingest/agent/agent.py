@@ -2,20 +2,23 @@
 
 Loop (one thread; `run` until stopped):
 
-1. discover rings ``<ring_dir>/<job>/rank-<r>.ring`` (new ones, replaced ones by inode);
-2. bulk-read each ring (numpy, no per-record Python), join op starts to ends (decode.OpJoin),
-   append the rows to the (job, kind) buffer;
-3. every `beat_s`, one `beats` row per live rank and communicator — live means its process
-   exists (a hung rank still beats, a dead one stops: the difference hang diagnosis needs) —
-   with its last op_seq and the drop counter of its ring; publish the job topology when a
-   sidecar changed;
+1. discover the native rings ``/dev/shm/rankwatch.<job>.<rank>.<source>`` (`ingest.ring`; the
+   Python tracer's ``py``, the NCCL plugin's ``nccl``, the CUPTI injector's ``cupti``), and
+   re-open one that was re-created;
+2. drain each ring in bulk (one ctypes call into a numpy array, `split_kinds`, no per-record
+   Python), join op starts to ends (decode.OpJoin), append the columns to the (job, kind) buffer;
+3. every `beat_s`, for each Python-tracer ring one `beats` row per communicator — only while
+   its producer is alive (a hung rank still beats, a dead one stops: the difference hang
+   diagnosis needs) — with the last op_seq and the ring's drop counter (the NCCL plugin writes
+   its own beats); publish the job topology when a rank's sidecar changed;
 4. flush a buffer as one encoded batch when it holds `max_rows` rows or is `linger_s` old;
 5. publish through `BatchPublisher` (idempotent, zstd, linger). A batch the client will not take
    now, or whose delivery failed (broker down past ``message.timeout.ms``), goes to the bounded
    spill and is retried first on later loops; the spill drops oldest-first and counts.
 
-A ring whose process is gone is drained, its open ops published in flight, and its files removed.
-`stats()` reports lag and drop counters; `run` writes them to ``<ring_dir>/agent.json``.
+A ring whose producer is dead is drained (skipping slots it reserved but never committed), its
+open ops are published in flight, and the ring is unlinked. `stats()` reports lag and drop
+counters; `run` writes them to ``<sidecar_dir>/agent.json``.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ingest import ring
 from ingest.agent import decode
 from ingest.agent.spill import Pending, Spill
 from ingest.agent.topology import build, read_sidecar
 from ingest.batch import encode_batch, encode_topology
-from ingest.torch.spool import SpoolReader
 
 
 class Publisher(Protocol):
@@ -48,8 +51,10 @@ class Publisher(Protocol):
 
 @dataclass(frozen=True)
 class AgentConfig:
-    ring_dir: Path
+    sidecar_dir: Path  # the tracers' sidecars (ingest.torch.comms); agent.json goes here too
     job: str | None = None  # only this job's rings
+    prefix: str = ring.DEFAULT_PREFIX
+    shm_dir: str = "/dev/shm"
     poll_s: float = 0.05
     linger_s: float = 0.25
     max_rows: int = 65_536
@@ -62,16 +67,16 @@ class AgentConfig:
 
 @dataclass
 class RankRing:
+    name: str
     job: str
     rank: int
-    path: Path
-    reader: SpoolReader
+    source: str
+    reader: ring.RingReader
+    created_ns: int
     join: decode.OpJoin
-    inode: int
-    comm_ids: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    names: decode.Names = field(default_factory=decode.Names)
     sidecar: dict[str, Any] | None = None
     sidecar_mtime: float = -1.0
-    alive: bool = True
 
 
 @dataclass
@@ -81,121 +86,143 @@ class Counters:
     delivered_records: int = 0
     failed_batches: int = 0
     retried_batches: int = 0
+    unattributed: int = 0  # records of rings without a rank
     latency_s_max: float = 0.0
     latency_s_last: float = 0.0
+
+
+#: kind in the ring -> (contract kind, columns builder)
+_SIMPLE: dict[str, tuple[str, Callable[..., decode.Cols]]] = {
+    "kernel": ("kernels", decode.kernel_columns),
+    "flow": ("flows", decode.flow_columns),
+    "chunk": ("chunks", decode.chunk_columns),
+    "wr": ("wr", decode.wr_columns),
+    "beat": ("beats", decode.beat_columns),
+}
 
 
 class Agent:
     def __init__(self, cfg: AgentConfig, publisher: Publisher) -> None:
         self.cfg = cfg
         self.pub = publisher
-        self.rings: dict[Path, RankRing] = {}
+        self.rings: dict[str, RankRing] = {}
         self.buffers: dict[tuple[str, str], tuple[list[decode.Cols], int, float]] = {}
         self.spill = Spill(cfg.spill_bytes)
         self.counters = Counters()
         self.seq = 0
+        self._dtypes = ring.record_dtypes()
         self._next_beat = 0.0
         self._topo_stamp: dict[str, tuple[float, ...]] = {}
 
     # -- rings ---------------------------------------------------------------------------------
 
     def discover(self) -> None:
-        pattern = f"{self.cfg.job}/rank-*.ring" if self.cfg.job else "*/rank-*.ring"
-        for path in self.cfg.ring_dir.glob(pattern):
+        for name in ring.list_rings(self.cfg.prefix, self.cfg.shm_dir):
+            known = self.rings.get(name)
             try:
-                inode = path.stat().st_ino
-                rank = int(path.stem.split("-", 1)[1])
+                reader = ring.RingReader(name)
+                st = reader.stat()
             except (OSError, ValueError):
+                continue  # not a ring (yet), or foreign: try again next time
+            if known is not None and known.created_ns == st.created_ns:
+                reader.close()
                 continue
-            known = self.rings.get(path)
-            if known is not None and known.inode == inode:
+            if self.cfg.job and st.job_id != self.cfg.job:
+                reader.close()
                 continue
             if known is not None:
-                self._retire(known)
-            try:
-                reader = SpoolReader(path)
-            except (OSError, ValueError):
-                continue
-            join = decode.OpJoin(rank, int(self.cfg.inflight_s * 1e9))
-            self.rings[path] = RankRing(path.parent.name, rank, path, reader, join, inode)
+                self._retire(known, unlink=False)  # re-created by a new producer
+            self.rings[name] = RankRing(name, st.job_id or "default", st.rank, st.source, reader,
+                                        st.created_ns, decode.OpJoin(int(self.cfg.inflight_s
+                                                                         * 1e9)))
 
-    def _refresh_sidecar(self, ring: RankRing) -> None:
-        side = ring.path.with_suffix(".json")
+    def _sidecar(self, r: RankRing) -> Path:
+        return self.cfg.sidecar_dir / r.job / f"rank-{r.rank}.json"
+
+    def _refresh_sidecar(self, r: RankRing) -> None:
+        side = self._sidecar(r)
         try:
             mtime = side.stat().st_mtime
         except OSError:
             return
-        if mtime == ring.sidecar_mtime:
-            return
-        doc = read_sidecar(side)
-        if doc is not None:
-            ring.sidecar, ring.sidecar_mtime = doc, mtime
-            ring.comm_ids = np.array([c["comm_id"] for c in doc["comms"]], dtype=object)
+        if mtime != r.sidecar_mtime:
+            doc = read_sidecar(side)
+            if doc is not None:
+                r.sidecar, r.sidecar_mtime = doc, mtime
 
     def drain(self, now_ns: int) -> int:
-        """Read every ring once; returns the number of slots read."""
+        """Drain every ring once; returns the number of records read."""
         total = 0
-        for ring in list(self.rings.values()):
-            rows = ring.reader.read()
-            total += len(rows)
-            if len(rows) or ring.join.open.size:
-                self._refresh_sidecar(ring)
-                self._add(ring, ring.join.feed(rows, now_ns))
-            if len(rows):
-                self._append(ring.job, "stages", decode.stage_columns(rows, ring.rank))
+        for r in list(self.rings.values()):
+            total += self._drain_one(r, now_ns, skip_torn=False)
         self.counters.read += total
         return total
 
-    def _add(self, ring: RankRing, op_rows: np.ndarray) -> None:
-        if len(op_rows):
-            self._append(ring.job, "ops", decode.op_columns(op_rows, ring.rank, ring.comm_ids))
+    def _drain_one(self, r: RankRing, now_ns: int, skip_torn: bool) -> int:
+        raw = r.reader.drain(skip_torn=skip_torn)
+        if not len(raw) and not r.join.open.size:
+            return 0
+        if r.rank < 0:
+            self.counters.unattributed += len(raw)
+            return len(raw)
+        parts = ring.split_kinds(raw, self._dtypes)
+        r.names.update(parts["name"])
+        self._add_ops(r, r.join.feed(parts["op"], now_ns))
+        self._append(r.job, "stages", decode.stage_columns(parts["stage"], r.rank))
+        for kind, (contract, build_cols) in _SIMPLE.items():
+            if len(parts[kind]):
+                self._append(r.job, contract, build_cols(parts[kind], r.rank, r.names))
+        return len(raw)
 
-    def _retire(self, ring: RankRing) -> None:
-        """The process is gone: drain, publish its open ops in flight, remove its files."""
-        self._refresh_sidecar(ring)
-        self._add(ring, ring.join.feed(ring.reader.read(), time.time_ns()))
-        self._add(ring, ring.join.close())
-        ring.reader.close()
-        self.rings.pop(ring.path, None)
-        if self.cfg.remove_dead:
-            for p in (ring.path, ring.path.with_suffix(".json")):
-                p.unlink(missing_ok=True)
+    def _add_ops(self, r: RankRing, rows: np.ndarray) -> None:
+        if len(rows):
+            self._append(r.job, "ops", decode.op_columns(rows, r.rank, r.names))
+
+    def _retire(self, r: RankRing, unlink: bool = True) -> None:
+        """The producer is gone: drain, publish its open ops in flight, unlink the ring."""
+        self._drain_one(r, time.time_ns(), skip_torn=True)
+        self._add_ops(r, r.join.close())
+        r.reader.close()
+        self.rings.pop(r.name, None)
+        if unlink and self.cfg.remove_dead:
+            ring.load_library().rw_ring__unlink(r.name.encode())
+            if not any(o.job == r.job and o.rank == r.rank for o in self.rings.values()):
+                self._sidecar(r).unlink(missing_ok=True)
 
     # -- beats and topology --------------------------------------------------------------------
 
     def beat(self, now_ns: int) -> None:
         by_job: dict[str, list[tuple[int, str, int, int]]] = {}
-        for ring in list(self.rings.values()):
-            pid = ring.reader.pid
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                self._retire(ring)
+        for r in list(self.rings.values()):
+            st = r.reader.stat()
+            if st.producer == "dead":
+                self._retire(r)
                 continue
-            except PermissionError:
-                pass
-            rows = by_job.setdefault(ring.job, [])
-            dropped = ring.reader.dropped
-            seqs = ring.join.last_seq
-            if not seqs or not len(ring.comm_ids):
-                rows.append((ring.rank, "", -1, dropped))
-            for ci, seq in seqs.items():
-                if ci < len(ring.comm_ids):
-                    rows.append((ring.rank, str(ring.comm_ids[ci]), seq, dropped))
+            if r.source != "py" or r.rank < 0:
+                continue  # the NCCL plugin beats itself
+            rows = by_job.setdefault(r.job, [])
+            seqs = r.join.last_seq
+            if not seqs:
+                rows.append((r.rank, "", -1, st.drops))
+                continue
+            hashes = np.array(list(seqs), dtype=np.int64)
+            for comm, seq in zip(r.names.lookup(hashes).tolist(), seqs.values(), strict=True):
+                rows.append((r.rank, comm, seq, st.drops))
         for job, rows in by_job.items():
             if rows:
-                r, c, s, d = zip(*rows, strict=True)
+                rk, c, sq, d = zip(*rows, strict=True)
                 self._append(job, "beats", {
-                    "rank": np.array(r, np.int64), "ts": np.full(len(r), now_ns, np.int64),
-                    "comm_id": np.array(c, object), "last_op_seq": np.array(s, np.int64),
+                    "rank": np.array(rk, np.int64), "ts": np.full(len(rk), now_ns, np.int64),
+                    "comm_id": np.array(c, object), "last_op_seq": np.array(sq, np.int64),
                     "dropped": np.array(d, np.int64)})
         self._topologies(now_ns)
 
     def _topologies(self, now_ns: int) -> None:
         jobs: dict[str, list[RankRing]] = {}
-        for ring in self.rings.values():
-            self._refresh_sidecar(ring)
-            jobs.setdefault(ring.job, []).append(ring)
+        for r in self.rings.values():
+            if r.source == "py" and r.rank >= 0:
+                self._refresh_sidecar(r)
+                jobs.setdefault(r.job, []).append(r)
         for job, rings in jobs.items():
             stamp = tuple(sorted(r.sidecar_mtime for r in rings))
             if self._topo_stamp.get(job) == stamp or not any(r.rank == 0 for r in rings):
@@ -230,7 +257,14 @@ class Agent:
 
     def _flush_buffer(self, job: str, kind: str) -> None:
         parts, rows, t0 = self.buffers.pop((job, kind))
-        cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        cols: dict[str, Any] = {}
+        for k in parts[0]:
+            v = np.concatenate([p[k] for p in parts])
+            if v.dtype == object:  # dictionary-encode without a Python loop over rows
+                uniq, codes = np.unique(v, return_inverse=True)
+                cols[k] = (codes.reshape(-1), uniq.tolist())
+            else:
+                cols[k] = v
         self.seq += 1
         data = encode_batch(kind, job, cols, producer=self.cfg.producer, seq=self.seq,
                             validate=False)
@@ -294,12 +328,14 @@ class Agent:
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
+        stats = [r.reader.stat() for r in self.rings.values()]
         oldest = min((t0 for _, _, t0 in self.buffers.values()), default=None)
         buffered_age = time.monotonic() - oldest if oldest is not None else 0.0
         return {
             "rings": len(self.rings), "read": c.read,
-            "ring_backlog": sum(r.reader.backlog for r in self.rings.values()),
-            "tracer_dropped": sum(r.reader.dropped for r in self.rings.values()),
+            "ring_backlog": sum(st.pending for st in stats),
+            "tracer_dropped": sum(st.drops for st in stats),
+            "torn": sum(st.torn for st in stats), "unattributed": c.unattributed,
             "delivered_batches": c.delivered_batches, "delivered_records": c.delivered_records,
             "failed_batches": c.failed_batches, "retried_batches": c.retried_batches,
             "spill_batches": len(self.spill), "spill_bytes": self.spill.bytes,
@@ -311,9 +347,9 @@ class Agent:
         }
 
     def write_stats(self) -> None:
-        path = self.cfg.ring_dir / "agent.json"
+        path = self.cfg.sidecar_dir / "agent.json"
         try:
-            self.cfg.ring_dir.mkdir(parents=True, exist_ok=True)
+            self.cfg.sidecar_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.stats()))
             os.replace(tmp, path)

@@ -1,110 +1,175 @@
-"""Ring slots → record columns, per rank, vectorized (no per-record Python).
+"""Native ring records → record-contract columns, per ring, vectorized (no per-record Python).
 
-The tracer writes an op as two events, OP_START when it is issued and OP_END when it completes
-(ingest/torch/events.py). `OpJoin` keeps one rank's unfinished starts as arrays and joins each
-read's ends to them with a sorted search:
+A drained block is split by kind (`ingest.ring.split_kinds`); each kind becomes the columns of its
+contract kind. Names (communicators, kernels, NICs) arrive once per producer as name records and
+are kept per ring (`Names`); a hash whose name never arrived is shown as ``0x<hash>``.
 
-- a start whose end arrived becomes one `ops` row with its `t_end`;
+Ops are written twice by every producer — a start record (``t_end = 0``) and an end record
+(``RW_F_END``). `OpJoin` keeps one ring's open starts and joins ends to them on
+(comm_hash, op_seq):
+
+- an end becomes one `ops` row: the start's fields, overridden by the end's non-zero ones (the
+  NCCL plugin knows t_start only at the end), with the end's `t_end`;
 - a start still open `inflight_ns` after it began is published once with ``t_end = 0`` (an op in
   flight: what hang diagnosis looks for) and kept; when it completes later a second row with the
   real `t_end` follows. Readers take, per (job, rank, comm_id, op_seq), the row with the largest
   `t_end` — the completed one supersedes the in-flight one;
-- `close()` (the rank's process is gone) publishes what is still open with ``t_end = 0``.
-
-Stages need no join: one STAGE event is one `stages` row.
+- `close()` (the producer is gone) publishes what is still open with ``t_end = 0``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ingest.torch.events import OP_END, OP_NAMES, OP_START, STAGE
+from ingest import ring
 
 Cols = dict[str, np.ndarray]
-_OPS = np.array(OP_NAMES, dtype=object)
-_START_FIELDS = ("comm", "op_seq", "op", "bytes", "peer", "t_enqueue", "t_start", "step")
-_STAGE_FIELDS = ("step", "t_start", "data_next_wait", "model_fwd_loss", "model_backward",
-                 "callbacks", "optim_step", "step_other", "device_ns")
+_FUNCS = np.array(ring.FUNCS, dtype=object)
+#: op fields kept for open starts (int64 views of the record fields)
+OP_KEEP = ("comm_hash", "op_seq", "bytes", "t_enqueue", "t_start", "t_end", "stream", "step",
+           "peer", "func")
 
 
-def _key(comm: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    return (comm.astype(np.int64) << 40) | seq.astype(np.int64)
+def _i64(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.int64) if a.dtype != np.uint64 else a.view(np.int64)
+
+
+def op_table(recs: Any) -> np.ndarray:
+    """Op records as an int64 matrix [n, len(OP_KEEP)]."""
+    return np.column_stack([_i64(np.asarray(recs[f])) for f in OP_KEEP]) if len(recs) else (
+        np.empty((0, len(OP_KEEP)), np.int64))
+
+
+class Names:
+    """hash → text for one producer (names arrive once, possibly across drains)."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, str] = {}
+
+    def update(self, name_records: Any) -> None:
+        if len(name_records):
+            self.known.update(ring.decode_names(name_records))
+
+    def lookup(self, hashes: np.ndarray) -> np.ndarray:
+        """Text per hash (object array), one dict lookup per distinct hash."""
+        uniq, inv = np.unique(hashes.view(np.uint64), return_inverse=True)
+        text = np.array([self.known.get(int(h)) or f"0x{int(h):x}" for h in uniq], dtype=object)
+        return text[inv.reshape(-1)] if len(hashes) else np.empty(0, object)
 
 
 @dataclass
 class OpJoin:
-    """One rank's open ops and the last op_seq seen per communicator index."""
+    """One ring's open op starts; `last_seq` is the last op_seq seen per comm_hash."""
 
-    rank: int
     inflight_ns: int = 2_000_000_000
-    open: np.ndarray = field(default_factory=lambda: np.empty((0, 8), np.int64))
+    open: np.ndarray = field(default_factory=lambda: np.empty((0, len(OP_KEEP)), np.int64))
     shown: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
     last_seq: dict[int, int] = field(default_factory=dict)
 
-    def feed(self, rows: np.ndarray, now_ns: int) -> np.ndarray:
-        """Add a read's slots; returns op rows [n, 9] (the 8 start fields + t_end) to publish."""
-        kind = rows[:, 0]
-        starts = rows[kind == OP_START][:, 2:10]
-        ends = rows[kind == OP_END][:, 2:5]
+    def feed(self, ops: Any, now_ns: int) -> np.ndarray:
+        """Add a drain's op records; returns rows (OP_KEEP columns) to publish."""
+        table = op_table(ops)
+        is_end = (np.asarray(ops["flags"]) & ring.F_END) != 0 if len(ops) else np.zeros(0, bool)
+        starts, ends = table[~is_end], table[is_end]
         if len(starts):
-            comm, seq = starts[:, 0], starts[:, 1]
-            order = np.lexsort((seq, comm))
-            c, s = comm[order], seq[order]
+            order = np.lexsort((starts[:, 1], starts[:, 0]))
+            c, s = starts[order, 0], starts[order, 1]
             last = np.r_[c[1:] != c[:-1], True]
             for ci, si in zip(c[last].tolist(), s[last].tolist(), strict=True):
                 self.last_seq[ci] = max(si, self.last_seq.get(ci, -1))
         pend = np.concatenate([self.open, starts])
         shown = np.concatenate([self.shown, np.zeros(len(starts), bool)])
-        t_end = np.zeros(len(pend), np.int64)
+        matched = np.zeros(len(pend), bool)
+        done_rows = ends.copy()
         if len(ends) and len(pend):
-            ek = _key(ends[:, 0], ends[:, 1])
-            order = np.argsort(ek, kind="stable")
-            ek_sorted = ek[order]
-            pk = _key(pend[:, 0], pend[:, 1])
-            pos = np.minimum(np.searchsorted(ek_sorted, pk), len(ek_sorted) - 1)
-            hit = ek_sorted[pos] == pk
-            t_end[hit] = ends[order[pos[hit]], 2]
-        done = t_end > 0
-        late = ~done & ~shown & (pend[:, 6] < now_ns - self.inflight_ns)
-        out = np.concatenate([
-            np.column_stack([pend[done], t_end[done]]),
-            np.column_stack([pend[late], np.zeros(int(late.sum()), np.int64)]),
-        ])
-        keep = ~done
-        self.open, self.shown = pend[keep], (shown | late)[keep]
-        return out
+            keys = np.concatenate([pend[:, :2], ends[:, :2]])
+            _, ids = np.unique(keys, axis=0, return_inverse=True)
+            ids = ids.reshape(-1)
+            pid, eid = ids[: len(pend)], ids[len(pend):]
+            order = np.argsort(eid, kind="stable")
+            pos = np.minimum(np.searchsorted(eid[order], pid), len(eid) - 1)
+            matched = eid[order][pos] == pid
+            # an end keeps its positive fields (the NCCL plugin's t_start) and takes the rest
+            # from its start (the Python tracer's ends carry only comm, op_seq and t_end)
+            e_idx = order[pos[matched]]
+            fill = done_rows[e_idx]
+            done_rows[e_idx] = np.where(fill > 0, fill, pend[matched])
+            done_rows[e_idx, 5] = ends[e_idx, 5]
+        late = ~matched & ~shown & (pend[:, 4] < now_ns - self.inflight_ns)
+        late_rows = pend[late].copy()
+        late_rows[:, 5] = 0
+        self.open, self.shown = pend[~matched], (shown | late)[~matched]
+        return np.concatenate([done_rows, late_rows])
 
     def close(self) -> np.ndarray:
-        """Every op still open and not yet shown, as in-flight rows (the process ended)."""
-        rows = self.open[~self.shown]
+        """Every op still open and not yet shown, as in-flight rows (the producer ended)."""
+        rows: np.ndarray = self.open[~self.shown].copy()
+        rows[:, 5] = 0
         self.shown[:] = True
-        return np.column_stack([rows, np.zeros(len(rows), np.int64)])
+        return rows
 
 
-def op_columns(rows: np.ndarray, rank: int, comm_ids: np.ndarray) -> Cols:
-    """Op rows from `OpJoin` as `ops` record columns; `comm_ids[index]` names communicators."""
-    comm = rows[:, 0]
-    if len(comm) and int(comm.max()) >= len(comm_ids):
-        raise ValueError(f"rank {rank}: communicator index {int(comm.max())} not in its sidecar")
-    codes = rows[:, 2]
-    if len(codes) and (codes.min() < 0 or codes.max() >= len(_OPS)):
-        raise ValueError(f"rank {rank}: op code out of range")
+def op_columns(rows: np.ndarray, rank: int, names: Names) -> Cols:
+    """Op rows from `OpJoin` as `ops` columns; rows of an unknown function ("other") are left
+    out (the contract has no name for them)."""
+    func = rows[:, 9]
+    rows = rows[(func > 0) & (func < len(_FUNCS))]
+    c = {f: rows[:, i] for i, f in enumerate(OP_KEEP)}
     return {
-        "rank": np.full(len(rows), rank, np.int64), "comm_id": comm_ids[comm],
-        "op_seq": rows[:, 1], "op": _OPS[codes], "bytes": rows[:, 3], "peer": rows[:, 4],
-        "t_enqueue": rows[:, 5], "t_start": rows[:, 6], "t_end": rows[:, 8],
-        "step": rows[:, 7],
+        "rank": np.full(len(rows), rank, np.int64), "comm_id": names.lookup(c["comm_hash"]),
+        "op_seq": c["op_seq"], "op": _FUNCS[c["func"]], "bytes": c["bytes"],
+        "peer": c["peer"], "stream": c["stream"], "t_enqueue": c["t_enqueue"],
+        "t_start": c["t_start"], "t_end": np.maximum(c["t_end"], 0), "step": c["step"],
     }
 
 
-def stage_columns(rows: np.ndarray, rank: int) -> Cols:
-    """STAGE slots of one read as `stages` record columns."""
-    st = rows[rows[:, 0] == STAGE][:, 2:11]
-    cols: Cols = {name: st[:, i] for i, name in enumerate(_STAGE_FIELDS)}
-    cols["rank"] = np.full(len(st), rank, np.int64)
-    return cols
+def _cols(recs: Any, rank: int, fields: dict[str, str]) -> Cols:
+    out: Cols = {"rank": np.full(len(recs), rank, np.int64)}
+    for name, src in fields.items():
+        out[name] = _i64(np.asarray(recs[src]))
+    return out
+
+
+def stage_columns(recs: Any, rank: int) -> Cols:
+    return _cols(recs, rank, {f: f for f in (
+        "step", "t_start", "data_next_wait", "model_fwd_loss", "model_backward", "callbacks",
+        "optim_step", "step_other", "device_ns")})
+
+
+def kernel_columns(recs: Any, rank: int, names: Names) -> Cols:
+    out = _cols(recs, rank, {"stream": "stream", "t_start": "t_start", "duration": "duration"})
+    out["kernel"] = names.lookup(_i64(np.asarray(recs["name_hash"])))
+    return out
+
+
+def flow_columns(recs: Any, rank: int, names: Names) -> Cols:
+    out = _cols(recs, rank, {"op_seq": "op_seq", "channel": "channel", "peer": "peer",
+                             "bytes": "bytes", "t_start": "t_start", "t_end": "t_end"})
+    out["comm_id"] = names.lookup(_i64(np.asarray(recs["comm_hash"])))
+    return out
+
+
+def chunk_columns(recs: Any, rank: int, names: Names) -> Cols:
+    out = _cols(recs, rank, {"op_seq": "op_seq", "channel": "channel", "ts": "ts",
+                             "total_chunks": "total_chunks", "gpu_ready": "gpu_ready",
+                             "rdma_transmitted": "rdma_transmitted", "rdma_done": "rdma_done"})
+    out["comm_id"] = names.lookup(_i64(np.asarray(recs["comm_hash"])))
+    return out
+
+
+def wr_columns(recs: Any, rank: int, names: Names) -> Cols:
+    out = _cols(recs, rank, {"ts": "ts", "inflight": "inflight", "bytes_done": "bytes_done"})
+    out["nic"] = names.lookup(_i64(np.asarray(recs["nic_hash"])))
+    return out
+
+
+def beat_columns(recs: Any, rank: int, names: Names) -> Cols:
+    out = _cols(recs, rank, {"ts": "ts", "last_op_seq": "last_op_seq", "dropped": "dropped"})
+    out["comm_id"] = names.lookup(_i64(np.asarray(recs["comm_hash"])))
+    return out
 
 
 def n_rows(cols: Cols) -> int:

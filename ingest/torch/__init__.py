@@ -28,14 +28,14 @@ _session: Any = None
 
 
 def enable(job_id: str | None = None, ring_dir: str | None = None, *, slots: int | None = None,
-           cuda_sample: float | None = None) -> None:
+           cuda_sample: float | None = None, prefix: str | None = None) -> None:
     """Start tracing this process (idempotent). See `ingest.torch.session` for the settings."""
     global _session
     if _session is not None:
         return
     from ingest.torch.session import Session, config
 
-    session = Session(config(job_id, ring_dir, slots, cuda_sample), stages)
+    session = Session(config(job_id, ring_dir, slots, cuda_sample, prefix), stages)
     session.install()
     _session = session
 

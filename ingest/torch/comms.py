@@ -58,6 +58,12 @@ class CommTable:
         self.write()
         return idx
 
+    def forget(self) -> None:
+        """Drop the references to process groups (their ids may be reused afterwards)."""
+        self._by_group.clear()
+        self._kinds.clear()
+        self._keep.clear()
+
     def write(self) -> None:
         doc = {"job_id": self.job_id, "rank": self.rank, "world_size": self.world_size,
                "host": socket.gethostname(), "pid": os.getpid(), "parallel": self.parallel,

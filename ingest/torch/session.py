@@ -2,19 +2,23 @@
 
 `enable()` patches ``torch.distributed.init_process_group``, ``new_group`` and
 ``destroy_process_group`` (and DDP, ddp.py); once the default group exists (now, or when the
-script initializes it) the rank opens its ring ``<ring_dir>/<job_id>/rank-<rank>.ring`` with the
-sidecar ``rank-<rank>.json`` beside it, registers the world group and every group created after,
-and installs the collective wrappers (collectives.py).
+script initializes it) the rank opens its native ring ``/rankwatch.<job_id>.<rank>.py``
+(sink.py), writes its sidecar ``<ring_dir>/<job_id>/rank-<rank>.json`` (comms.py), registers
+the world group and every group created after, and installs the collective wrappers
+(collectives.py).
 
 Configuration, read when `enable()` runs (never at import), explicit arguments first:
 ``RANKWATCH_JOB`` (default: torchrun's ``TORCHELASTIC_RUN_ID``, else ``default``),
-``RANKWATCH_RING_DIR`` (default ``/dev/shm/rankwatch``), ``RANKWATCH_RING_SLOTS`` (power of two,
-default 65536), ``RANKWATCH_CUDA_SAMPLE`` (fraction of steps with CUDA events, default 0).
+``RANKWATCH_RING_DIR`` (sidecars, default ``/dev/shm/rankwatch``), ``RANKWATCH_RING_SLOTS``
+(records, power of two,
+default 65536), ``RANKWATCH_CUDA_SAMPLE`` (fraction of steps with CUDA events, default 0),
+``RANKWATCH_RING_PREFIX`` (shared-memory name prefix, default ``/rankwatch``).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -23,7 +27,7 @@ from typing import Any
 
 from ingest.torch import collectives, ddp
 from ingest.torch.comms import CommTable
-from ingest.torch.spool import SpoolWriter
+from ingest.torch.sink import RingSink
 from ingest.torch.stages import StageClock
 from ingest.torch.tracer import Tracer
 
@@ -37,10 +41,12 @@ class Config:
     ring_dir: Path
     slots: int
     cuda_sample: float
+    prefix: str = "/rankwatch"
 
 
 def config(job_id: str | None = None, ring_dir: str | Path | None = None,
-           slots: int | None = None, cuda_sample: float | None = None) -> Config:
+           slots: int | None = None, cuda_sample: float | None = None,
+           prefix: str | None = None) -> Config:
     env = os.environ
     job = job_id or env.get("RANKWATCH_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
     if not _JOB_RE.match(job):
@@ -50,7 +56,9 @@ def config(job_id: str | None = None, ring_dir: str | Path | None = None,
     if n < 64 or n & (n - 1):
         raise ValueError(f"RANKWATCH_RING_SLOTS={raw_slots!r}: expected a power of two >= 64")
     q = cuda_sample if cuda_sample is not None else float(env.get("RANKWATCH_CUDA_SAMPLE", "0"))
-    return Config(job, Path(ring_dir or env.get("RANKWATCH_RING_DIR") or DEFAULT_RING_DIR), n, q)
+    prefix = prefix or env.get("RANKWATCH_RING_PREFIX", "/rankwatch")
+    return Config(job, Path(ring_dir or env.get("RANKWATCH_RING_DIR") or DEFAULT_RING_DIR), n, q,
+                  prefix)
 
 
 class Session:
@@ -72,6 +80,15 @@ class Session:
                            ("new_group", self._after_new_group)):
             self._patched[name] = orig = getattr(dist, name)
             setattr(dist, name, _after(orig, hook))
+        self._patched["destroy_process_group"] = orig_destroy = dist.destroy_process_group
+
+        @functools.wraps(orig_destroy)
+        def destroy_process_group(group: Any = None) -> Any:
+            if group is None or group is dist.group.WORLD:
+                self.detach()  # drop every group reference before torch tears them down
+            return orig_destroy(group)
+
+        dist.destroy_process_group = destroy_process_group
         ddp.install(self._patched)
         if dist.is_initialized():
             self._attach()
@@ -80,14 +97,27 @@ class Session:
     def uninstall(self) -> None:
         import torch.distributed as dist
 
-        self.flush()
-        collectives.uninstall(dist, self.originals)
+        self.detach()
         ddp.uninstall(self._patched)
-        for name in ("init_process_group", "new_group"):
+        for name in ("init_process_group", "new_group", "destroy_process_group"):
             if name in self._patched:
                 setattr(dist, name, self._patched.pop(name))
+
+    def detach(self) -> None:
+        """Stop tracing the current default group (destroyed, or tracing disabled): restore the
+        collectives, close the ring, forget every process group (holding one past
+        destroy_process_group makes torch abort at exit). A later init_process_group attaches
+        again."""
+        import torch.distributed as dist
+
+        self.flush()
+        collectives.uninstall(dist, self.originals)
+        self.originals = {}
+        self._group_cache.clear()
         if self.tracer is not None:
-            self.tracer.writer.close()
+            self.tracer.polled.clear()
+            self.tracer.comms.forget()
+            self.tracer.sink.close()
         self.clock.tracer = self.tracer = None
 
     def flush(self) -> None:
@@ -123,9 +153,9 @@ class Session:
         rank, world = dist.get_rank(), dist.get_world_size()
         base = self.cfg.ring_dir / self.cfg.job_id
         base.mkdir(parents=True, exist_ok=True)
-        writer = SpoolWriter(base / f"rank-{rank}.ring", self.cfg.slots)
+        sink = RingSink(self.cfg.job_id, rank, self.cfg.slots, self.cfg.prefix)
         comms = CommTable(base / f"rank-{rank}.json", self.cfg.job_id, rank, world)
-        tracer = Tracer(writer, comms, rank)
+        tracer = Tracer(sink, comms, rank)
         tracer.group_of = self._group_of
         self.tracer = tracer
         self.group_index(None)
@@ -151,13 +181,12 @@ class Session:
         idx = self.tracer.comms.index(real, comm_id, members)
         if idx == len(self.tracer.nccl):
             self.tracer.nccl.append(dist.get_backend(real) == "nccl")
+            self.tracer.sink.comm(comm_id)
         self._group_cache[id(group)] = idx
         return idx
 
 
 def _after(orig: Any, hook: Any) -> Any:
-    import functools
-
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         result = orig(*args, **kwargs)

@@ -9,7 +9,7 @@
             with stages.callbacks():   log(loss)                   # callbacks
             with stages.optim():       opt.step()                  # optim.step
 
-At the end of the step the rank writes one STAGE event: the five ordered spans (CPU wall time,
+At the end of the step the rank writes one stage record: the five ordered spans (CPU wall time,
 ``perf_counter_ns``: rank-local and monotonic, no synchronized clocks) and ``step.other``, the
 residual ``max(0, wall - Σ spans)``, so the vector sums to the step's wall time whenever the spans
 do not overlap (StageFrontier's closure; a nested ordered span makes Σ exceed the wall and shows
@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ingest.torch.events import STAGE, STAGES
+from ingest.torch.events import STAGES
 
 _perf = time.perf_counter_ns
 
@@ -96,8 +96,8 @@ class _Step:
         tracer = o.tracer
         if tracer is not None:
             device = o.cuda_poll() if o.events_armed else -1
-            tracer.write((STAGE, tracer.rank, o.step_index, self.t0, a[0], a[1], a[2], a[3],
-                          a[4], other if other > 0 else 0, device))
+            tracer.sink.stage(o.step_index, self.t0, a[0], a[1], a[2], a[3], a[4],
+                              other if other > 0 else 0, device)
             if tracer.outstanding:
                 tracer.harvest()
         o.step_index += 1

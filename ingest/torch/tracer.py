@@ -7,14 +7,14 @@ Threading contract — the ring has ONE producer, the training thread:
   watchdog) through ``Future.add_done_callback``. A callback does one thing: store
   ``time.time_ns()`` into its preallocated slot of `ends` (a list item store, atomic under the
   GIL). No lock, no ring write, no allocation beyond the int;
-- the training thread *harvests* finished slots into OP_END events at its next intercepted call,
-  stage boundary or `Work.wait()`. Timestamps are the completion times, however late the harvest.
+- the training thread *harvests* finished slots into op end records at its next intercepted call
+  or stage boundary. Timestamps are the completion times, however late the harvest.
 
 Work without a future (gloo's point-to-point) is polled with ``Work.is_completed()`` at each
 harvest: its end is the time the training thread first saw it done (its next intercepted call or
 stage boundary after the work finished).
 
-Nothing here blocks, locks or raises into training: a full ring drops and counts (spool.py), and
+Nothing here blocks, locks or raises into training: a full ring drops and counts (native ring), and
 more than `PENDING` outstanding async ops leave the excess untracked (counted in `untracked`).
 """
 
@@ -25,17 +25,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ingest.torch.comms import CommTable
-from ingest.torch.events import OP_END, OP_START
-from ingest.torch.spool import SpoolWriter
+from ingest.torch.sink import RingSink
 
 PENDING = 4096
 _now = time.time_ns
 
 
 class Tracer:
-    def __init__(self, writer: SpoolWriter, comms: CommTable, rank: int) -> None:
-        self.writer = writer
-        self.write = writer.write
+    def __init__(self, sink: RingSink, comms: CommTable, rank: int) -> None:
+        self.sink = sink
+        self._op_start, self._op_end = sink.op_start, sink.op_end
         self.comms = comms
         self.rank = rank
         self.step = -1
@@ -61,18 +60,17 @@ class Tracer:
     # -- training thread only ------------------------------------------------------------------
 
     def start(self, comm: int, opcode: int, nbytes: int, peer: int) -> int:
-        """Write OP_START for the next op on `comm`; returns its op_seq."""
+        """Write the start record of the next op on `comm`; returns its op_seq."""
         if self.outstanding:
             self.harvest()
         seqs = self.comms.seq
         seq = seqs[comm]
         seqs[comm] = seq + 1
-        t = _now()
-        self.write((OP_START, self.rank, comm, seq, opcode, nbytes, peer, t, t, self.step))
+        self._op_start(comm, seq, opcode, nbytes, peer, _now(), self.step)
         return seq
 
     def end_now(self, comm: int, seq: int) -> None:
-        self.write((OP_END, self.rank, comm, seq, _now()))
+        self._op_end(comm, seq, _now())
 
     def track(self, comm: int, seq: int) -> int:
         """A slot whose callback records the completion time of (comm, seq); -1 if none free."""
@@ -87,7 +85,7 @@ class Tracer:
         return slot
 
     def harvest(self) -> None:
-        """Turn every finished slot into an OP_END event."""
+        """Turn every finished slot into an op end record."""
         ends, keep = self.ends, []
         if self.polled:
             for slot, work in list(self.polled.items()):
@@ -97,7 +95,7 @@ class Tracer:
         for slot in self.outstanding:
             t = ends[slot]
             if t:
-                self.write((OP_END, self.rank, self.slot_comm[slot], self.slot_seq[slot], t))
+                self._op_end(self.slot_comm[slot], self.slot_seq[slot], t)
                 self._free.append(slot)
             else:
                 keep.append(slot)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ingest.agent.agent import Agent, AgentConfig
 from ingest.publish import BatchPublisher
+from ingest.ring import DEFAULT_PREFIX
 from ingest.torch.session import DEFAULT_RING_DIR
 from rankwatch.settings import Settings
 
@@ -19,15 +20,19 @@ from rankwatch.settings import Settings
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("agent", help="per-host agent: tracer rings -> Kafka record batches",
                        description=__doc__)
-    p.add_argument("--ring-dir", default=DEFAULT_RING_DIR,
-                   help=f"where the tracers' rings live (default {DEFAULT_RING_DIR})")
+    p.add_argument("--sidecar-dir", default=DEFAULT_RING_DIR,
+                   help="where the tracers write their rank sidecars (RANKWATCH_RING_DIR of "
+                        f"the training job; default {DEFAULT_RING_DIR})")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX,
+                   help=f"shared-memory name prefix of the rings (default {DEFAULT_PREFIX})")
     p.add_argument("--job", help="only this job's rings (default: every job)")
     p.add_argument("--linger", type=float, default=0.25, help="seconds a batch may wait")
     p.add_argument("--beat", type=float, default=1.0, help="heartbeat interval, seconds")
     p.add_argument("--inflight", type=float, default=2.0,
                    help="publish an op still running after this many seconds as in flight")
     p.add_argument("--spill-mb", type=int, default=64, help="bounded spill during outages")
-    p.add_argument("--keep-dead", action="store_true", help="keep rings of exited processes")
+    p.add_argument("--keep-dead", action="store_true",
+                   help="keep rings of exited processes (default: unlink once drained)")
     p.add_argument("--duration", type=float, default=0, help="stop after N seconds (0: never)")
     p.add_argument("--exit-when-idle", type=float, default=0,
                    help="stop once rings existed and none is left for N seconds")
@@ -40,7 +45,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if getattr(args, name) <= 0:
             print(f"rankwatch agent: --{name} must be > 0", file=sys.stderr)
             return 2
-    cfg = AgentConfig(ring_dir=Path(args.ring_dir), job=args.job, linger_s=args.linger,
+    cfg = AgentConfig(sidecar_dir=Path(args.sidecar_dir), job=args.job, prefix=args.prefix,
+                      linger_s=args.linger,
                       beat_s=args.beat, inflight_s=args.inflight,
                       spill_bytes=args.spill_mb << 20, remove_dead=not args.keep_dead)
     pub = BatchPublisher(settings.bootstrap, settings.topics, block_s=0.0, config={
@@ -70,7 +76,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                 return True
         return stopping or now >= t_end
 
-    print(f"rankwatch agent: {cfg.ring_dir} -> {settings.bootstrap} "
+    print(f"rankwatch agent: {cfg.prefix}.* rings -> {settings.bootstrap} "
           f"({settings.topics.ops}, …)", file=sys.stderr, flush=True)
     agent.run(stop)
     stats = agent.stats()

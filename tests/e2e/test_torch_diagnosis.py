@@ -34,6 +34,7 @@ from diagnosis import engine
 from diagnosis.columns import Columns
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
+from ingest import ring
 from ingest.records import JobTopology
 from ingest.torch.provision import pythonpath_with_torch, torch_site
 from rankwatch import stack
@@ -67,13 +68,15 @@ TIME_COL = {"ops": "t_start", "stages": "t_start", "beats": "ts"}
 class Rig:
     def __init__(self, settings: Settings, ring_dir: Path) -> None:
         self.settings, self.ring_dir = settings, ring_dir
+        self.prefix = f"/rwe{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.env = pythonpath_with_torch({
             **os.environ, "PYTHONPATH": str(ROOT),
             "RANKWATCH_HOME": str(settings.home),
             "RANKWATCH_KAFKA_BOOTSTRAP": settings.bootstrap,
             "RANKWATCH_TOPIC_PREFIX": settings.topic_prefix,
-            "RANKWATCH_RING_DIR": str(ring_dir), "OMP_NUM_THREADS": "1"})
+            "RANKWATCH_RING_DIR": str(ring_dir), "OMP_NUM_THREADS": "1",
+            "RANKWATCH_RING_PREFIX": self.prefix})
 
     def sql(self, query: str) -> str:
         for attempt in range(5):  # the worker's endpoint may reset while it is starting
@@ -102,11 +105,11 @@ class Rig:
 
     def agent(self, job: str) -> None:
         tracer_only = ("RANKWATCH_JOB", "RANKWATCH_RING_DIR", "RANKWATCH_PP", "RANKWATCH_DP",
-                       "RANKWATCH_MICROBATCHES")
+                       "RANKWATCH_MICROBATCHES", "RANKWATCH_RING_PREFIX")
         saved = {k: self.env.pop(k) for k in tracer_only if k in self.env}
-        self.start(sys.executable, "-m", "rankwatch.cli", "agent", "--ring-dir",
-                   str(self.ring_dir), "--job", job, "--inflight", "1", "--beat", "0.5",
-                   "--linger", "0.1", log=f"agent-{job}.log")
+        self.start(sys.executable, "-m", "rankwatch.cli", "agent", "--sidecar-dir",
+                   str(self.ring_dir), "--prefix", self.prefix, "--job", job, "--inflight",
+                   "1", "--beat", "0.5", "--linger", "0.1", log=f"agent-{job}.log")
         self.env.update(saved)
 
     def train(self, job: str, *args: str) -> None:
@@ -146,6 +149,8 @@ class Rig:
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+        for name in ring.list_rings(self.prefix):
+            ring.load_library().rw_ring__unlink(name.encode())
 
 
 @pytest.fixture

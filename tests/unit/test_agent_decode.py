@@ -1,57 +1,93 @@
-"""Ring slots to record columns: op start/end join, in-flight publication, stages."""
+"""Native ring records to record columns: op start/end join, in-flight publication, names."""
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
-from ingest.agent.decode import OpJoin, op_columns, stage_columns
+import numpy as np
+import pytest
+
+from ingest import ring
+from ingest.agent.decode import Names, OpJoin, kernel_columns, op_columns, stage_columns
 from ingest.batch import decode_batch, encode_batch
-from ingest.torch.events import OP_CODE, OP_END, OP_START, SLOT_WORDS, STAGE
+from ingest.torch.sink import fnv1a64
+
+try:
+    DT = ring.record_dtypes()
+except ring.RingLibraryMissing as e:  # pragma: no cover - `make build` builds it
+    pytest.skip(str(e), allow_module_level=True)
 
 S = 1_000_000_000
+WORLD = fnv1a64("world")
 
 
-def slots(*rows: tuple[int, ...]) -> np.ndarray:
-    out = np.zeros((len(rows), SLOT_WORDS), np.int64)
+def ops(*rows: dict[str, Any]) -> np.ndarray:
+    out = np.zeros(len(rows), DT["op"])
+    out["kind"] = ring.KINDS["op"]
+    out["peer"] = -1
+    out["step"] = -1
     for i, r in enumerate(rows):
-        out[i, : len(r)] = r
+        for k, v in r.items():
+            out[k][i] = v
     return out
 
 
-def start(comm: int, seq: int, t: int, op: str = "AllReduce", peer: int = -1) -> tuple[int, ...]:
-    return (OP_START, 3, comm, seq, OP_CODE[op], 1024, peer, t, t, 7)
+def start(seq: int, t: int, func: int = 1, comm: int = WORLD, peer: int = -1) -> dict[str, Any]:
+    return {"comm_hash": comm, "op_seq": seq, "t_enqueue": t, "t_start": t, "func": func,
+            "bytes": 64, "peer": peer, "step": 3}
 
 
-def test_join_completes_across_reads_and_shows_late_ops_once() -> None:
-    j = OpJoin(rank=3, inflight_ns=2 * S)
-    out = j.feed(slots(start(0, 0, 10 * S), start(1, 0, 10 * S, "Send", 5)), now_ns=10 * S)
-    assert len(out) == 0 and j.last_seq == {0: 0, 1: 0}
-    out = j.feed(slots((OP_END, 3, 0, 0, 11 * S)), now_ns=11 * S)
-    assert out[:, 8].tolist() == [11 * S] and out[:, 1].tolist() == [0]
-    late = j.feed(slots(), now_ns=13 * S)  # the Send is 3 s old: shown in flight, kept open
-    assert late[:, 8].tolist() == [0] and late[:, 0].tolist() == [1]
-    assert len(j.feed(slots(), now_ns=14 * S)) == 0  # shown once
-    done = j.feed(slots((OP_END, 3, 1, 0, 15 * S)), now_ns=15 * S)
-    assert done[:, 8].tolist() == [15 * S] and len(j.open) == 0
+def end(seq: int, t: int, comm: int = WORLD, **more: Any) -> dict[str, Any]:
+    return {"comm_hash": comm, "op_seq": seq, "t_end": t, "flags": ring.F_END, **more}
+
+
+def names(**known: str) -> Names:
+    n = Names()
+    n.known = {fnv1a64(v): v for v in known.values()}
+    return n
+
+
+def test_join_completes_across_drains_and_shows_late_ops_once() -> None:
+    j = OpJoin(inflight_ns=2 * S)
+    send = fnv1a64("pp")
+    assert len(j.feed(ops(start(0, 10 * S), start(0, 10 * S, 7, send, 5)), 10 * S)) == 0
+    out = j.feed(ops(end(0, 11 * S)), 11 * S)
+    assert out[:, 5].tolist() == [11 * S] and out[:, 1].tolist() == [0]
+    assert out[:, 8].tolist() == [-1] and out[:, 7].tolist() == [3]  # peer and step of start
+    late = j.feed(ops(), 13 * S)  # the Send is 3 s old: shown in flight once, kept open
+    assert late[:, 5].tolist() == [0] and late[:, 9].tolist() == [7]
+    assert len(j.feed(ops(), 14 * S)) == 0
+    done = j.feed(ops(end(0, 15 * S, send)), 15 * S)
+    assert done[:, 5].tolist() == [15 * S] and done[:, 8].tolist() == [5] and not len(j.open)
+
+
+def test_end_fields_win_when_set() -> None:
+    """The NCCL plugin knows t_start only at the end; the end record's value is kept."""
+    j = OpJoin()
+    j.feed(ops({**start(4, S), "t_start": 0}), S)
+    out = j.feed(ops(end(4, 3 * S, t_start=2 * S, func=1)), 3 * S)
+    assert out[:, 4].tolist() == [2 * S] and out[:, 3].tolist() == [S]
 
 
 def test_close_publishes_open_ops_in_flight() -> None:
-    j = OpJoin(rank=0)
-    j.feed(slots(start(0, 4, S)), now_ns=S)
-    rows = j.close()
-    assert rows[:, 1].tolist() == [4] and rows[:, 8].tolist() == [0]
-    assert len(j.close()) == 0
+    j = OpJoin()
+    j.feed(ops(start(4, S)), S)
+    assert j.close()[:, 5].tolist() == [0] and len(j.close()) == 0
 
 
 def test_columns_encode_to_valid_batches() -> None:
-    j = OpJoin(rank=3)
-    rows = j.feed(slots(start(0, 0, S), start(1, 0, S, "Recv", 1), (OP_END, 3, 0, 0, 2 * S),
-                        (OP_END, 3, 1, 0, 3 * S)), now_ns=3 * S)
-    cols = op_columns(rows, 3, np.array(["world", "pg1"], object))
+    j = OpJoin()
+    rows = j.feed(ops(start(0, S), start(0, S, 8, fnv1a64("pg1"), 1), end(0, 2 * S),
+                      end(0, 3 * S, fnv1a64("pg1"))), 3 * S)
+    cols = op_columns(rows, 3, names(a="world", b="pg1"))
     batch = decode_batch(encode_batch("ops", "j", cols))
     assert sorted(batch.cols["op"].tolist()) == ["AllReduce", "Recv"]
     assert set(batch.cols["comm_id"].tolist()) == {"world", "pg1"}
-    st = stage_columns(slots((STAGE, 3, 5, S, 1, 2, 3, 4, 5, 6, -1)), 3)
-    b = decode_batch(encode_batch("stages", "j", st))
-    assert b.cols["step"].tolist() == [5] and b.cols["step_other"].tolist() == [6]
-    assert b.cols["device_ns"].tolist() == [-1]
+    st = np.zeros(1, DT["stage"])
+    st["step"], st["t_start"], st["step_other"], st["device_ns"] = 5, S, 6, -1
+    b = decode_batch(encode_batch("stages", "j", stage_columns(st, 3)))
+    assert b.cols["step"].tolist() == [5] and b.cols["device_ns"].tolist() == [-1]
+    k = np.zeros(2, DT["kernel"])
+    k["name_hash"] = [fnv1a64("sgemm"), 12345]
+    kc = kernel_columns(k, 0, names(a="sgemm"))
+    assert kc["kernel"].tolist() == ["sgemm", "0x3039"]  # unknown hash shown as hex

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ingest import ring
 from ingest.torch import provision
-from ingest.torch.events import OP_CODE, OP_END, OP_START, STAGE
-from ingest.torch.spool import SpoolReader
+from ingest.torch.events import OP_CODE
+from ingest.torch.sink import FUNC, fnv1a64
 
 _reason = provision.ensure_importable()
 if _reason:
@@ -37,10 +39,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def world1(tmp_path: Path) -> Iterator[Path]:
+def prefix() -> Iterator[str]:
+    p = f"/rwt{uuid.uuid4().hex[:8]}"
+    yield p
+    for name in ring.list_rings(p):
+        ring.load_library().rw_ring__unlink(name.encode())
+
+
+@pytest.fixture
+def world1(tmp_path: Path, prefix: str) -> Iterator[Path]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}",
                             rank=0, world_size=1)
-    rwt.enable(job_id="t1", ring_dir=str(tmp_path))
+    rwt.enable(job_id="t1", ring_dir=str(tmp_path), prefix=prefix)
     try:
         yield tmp_path / "t1"
     finally:
@@ -48,11 +58,23 @@ def world1(tmp_path: Path) -> Iterator[Path]:
         dist.destroy_process_group()
 
 
-def drain(d: Path, rank: int = 0) -> np.ndarray:
-    return SpoolReader(d / f"rank-{rank}.ring").read()
+class Drained:
+    """One drain of a rank's py ring: op starts, op ends, stage records (structured arrays)."""
+
+    def __init__(self, prefix: str, job: str, rank: int = 0) -> None:
+        with ring.RingReader(ring.ring_name(job, rank, "py", prefix)) as r:
+            parts = ring.split_kinds(r.drain())
+        ops = parts["op"]
+        end = (ops["flags"] & ring.F_END) != 0
+        self.starts, self.ends, self.stages = ops[~end], ops[end], parts["stage"]
+        self.names = ring.decode_names(parts["name"])
 
 
-def test_sync_and_async_collectives_are_recorded(world1: Path) -> None:
+def func(op: str) -> int:
+    return FUNC[OP_CODE[op]]
+
+
+def test_sync_and_async_collectives_are_recorded(world1: Path, prefix: str) -> None:
     t = torch.ones(8)
     dist.all_reduce(t)
     work = dist.all_reduce(t, async_op=True)
@@ -61,30 +83,32 @@ def test_sync_and_async_collectives_are_recorded(world1: Path) -> None:
     dist.broadcast(t, src=0)
     dist.barrier()
     rwt.stages.step().__enter__().__exit__()  # a stage boundary harvests completions
-    rows = drain(world1)
-    starts, ends = rows[rows[:, 0] == OP_START], rows[rows[:, 0] == OP_END]
-    assert starts[:, 3].tolist() == [0, 1, 2, 3]  # op_seq on the world communicator
-    assert starts[:, 4].tolist() == [OP_CODE[o] for o in
-                                      ("AllReduce", "AllReduce", "Broadcast", "Barrier")]
-    assert starts[:2, 5].tolist() == [32, 32]
-    assert sorted(ends[:, 3].tolist()) == [0, 1, 2, 3]
-    by_seq = dict(zip(ends[:, 3].tolist(), ends[:, 4].tolist(), strict=True))
-    assert all(by_seq[s] >= t0 for s, t0 in zip(starts[:, 3], starts[:, 8], strict=True))
+    d = Drained(prefix, "t1")
+    assert d.starts["op_seq"].tolist() == [0, 1, 2, 3]  # op_seq on the world communicator
+    assert d.starts["func"].tolist() == [func(o) for o in
+                                         ("AllReduce", "AllReduce", "Broadcast", "Barrier")]
+    assert d.starts["bytes"][:2].tolist() == [32, 32]
+    assert d.names == {fnv1a64("world"): "world"}
+    assert set(d.starts["comm_hash"].tolist()) == {fnv1a64("world")}
+    assert sorted(d.ends["op_seq"].tolist()) == [0, 1, 2, 3]
+    by_seq = dict(zip(d.ends["op_seq"].tolist(), d.ends["t_end"].tolist(), strict=True))
+    assert all(by_seq[s] >= t0 for s, t0 in
+               zip(d.starts["op_seq"].tolist(), d.starts["t_start"].tolist(), strict=True))
     side = json.loads((world1 / "rank-0.json").read_text())
     assert side["comms"] == [{"comm_id": "world", "kind": "world", "members": [0]}]
 
 
-def test_new_group_is_a_named_communicator(world1: Path) -> None:
+def test_new_group_is_a_named_communicator(world1: Path, prefix: str) -> None:
     g = dist.new_group([0])
     rwt.name_group(g, "tp")
     dist.all_reduce(torch.ones(1), group=g)
     side = json.loads((world1 / "rank-0.json").read_text())
     assert side["comms"][1]["kind"] == "tp" and side["comms"][1]["comm_id"].startswith("pg")
-    rows = drain(world1)
-    assert rows[rows[:, 0] == OP_START][-1, 2] == 1  # the group's index
+    d = Drained(prefix, "t1")
+    assert d.names[int(d.starts["comm_hash"][-1])] == side["comms"][1]["comm_id"]
 
 
-def test_stage_vector_closes_to_the_step_time(world1: Path) -> None:
+def test_stage_vector_closes_to_the_step_time(world1: Path, prefix: str) -> None:
     s = rwt.stages
     for step in range(3):
         t0 = time.perf_counter_ns()
@@ -101,23 +125,24 @@ def test_stage_vector_closes_to_the_step_time(world1: Path) -> None:
                 pass
             time.sleep(0.005)  # not in any span: step.other
         wall = time.perf_counter_ns() - t0
-    rows = drain(world1)
-    st = rows[rows[:, 0] == STAGE]
-    assert st[:, 2].tolist() == [10, 11, 12]
-    d = st[:, 4:10]
+    got = Drained(prefix, "t1")
+    st = got.stages
+    assert st["step"].tolist() == [10, 11, 12]
+    d = np.column_stack([st[f].astype(np.int64) for f in (
+        "data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
+        "step_other")])
     assert (d[:, 0] >= 20e6).all() and (d[:, 1] >= 10e6).all() and (d[:, 5] >= 5e6).all()
     assert abs(int(d[-1].sum()) - wall) < 2e6  # residual closure: the six sum to the step
-    ops = rows[rows[:, 0] == OP_START]
-    assert ops[:, 9].tolist() == [10, 11, 12]  # ops know their step
-    assert (st[:, 10] == -1).all()  # no CUDA: device time unsampled
+    assert got.starts["step"].tolist() == [10, 11, 12]  # ops know their step
+    assert (st["device_ns"] == -1).all()  # no CUDA: device time unsampled
 
 
-def test_disable_restores_torch_distributed(world1: Path) -> None:
-    rwt.disable()
-    n = len(drain(world1))
+def test_disable_restores_torch_distributed(world1: Path, prefix: str) -> None:
     dist.all_reduce(torch.ones(1))
-    assert len(drain(world1)) == 0 and n >= 0
-    rwt.enable(job_id="t1", ring_dir=str(world1.parent))
+    rwt.disable()
+    dist.all_reduce(torch.ones(1))
+    assert len(Drained(prefix, "t1").starts) == 1
+    rwt.enable(job_id="t1", ring_dir=str(world1.parent), prefix=prefix)
 
 
 def _torchrun(args: list[str], env: dict[str, str], tmp: Path) -> subprocess.CompletedProcess[str]:
@@ -129,7 +154,7 @@ def _torchrun(args: list[str], env: dict[str, str], tmp: Path) -> subprocess.Com
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["module", "sitecustomize"])
-def test_torchrun_without_code_changes(tmp_path: Path, how: str) -> None:
+def test_torchrun_without_code_changes(tmp_path: Path, how: str, prefix: str) -> None:
     """Both launch styles trace a plain script: p2p isend/irecv and a collective."""
     script = tmp_path / "plain.py"
     script.write_text(
@@ -141,7 +166,8 @@ def test_torchrun_without_code_changes(tmp_path: Path, how: str) -> None:
         "w.wait()\n"
         "dist.all_reduce(t)\n"
         "dist.destroy_process_group()\n")
-    env: dict[str, Any] = {"RANKWATCH_RING_DIR": str(tmp_path / "rings"), "RANKWATCH_JOB": "p2p"}
+    env: dict[str, Any] = {"RANKWATCH_RING_DIR": str(tmp_path / "rings"), "RANKWATCH_JOB": "p2p",
+                           "RANKWATCH_RING_PREFIX": prefix}
     if how == "module":
         args = ["-m", "ingest.torch.run", str(script)]
         env["PYTHONPATH"] = str(ROOT)
@@ -153,8 +179,7 @@ def test_torchrun_without_code_changes(tmp_path: Path, how: str) -> None:
     done = _torchrun(args, env, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for rank, op in ((0, "Send"), (1, "Recv")):
-        rows = drain(tmp_path / "rings" / "p2p", rank)
-        starts, ends = rows[rows[:, 0] == OP_START], rows[rows[:, 0] == OP_END]
-        assert starts[:, 4].tolist() == [OP_CODE[op], OP_CODE["AllReduce"]]
-        assert starts[0, 6] == 1 - rank  # the peer
-        assert sorted(ends[:, 3].tolist()) == [0, 1]  # p2p completion seen, all-reduce too
+        d = Drained(prefix, "p2p", rank)
+        assert d.starts["func"].tolist() == [func(op), func("AllReduce")]
+        assert d.starts["peer"][0] == 1 - rank
+        assert sorted(d.ends["op_seq"].tolist()) == [0, 1]  # p2p completion seen, and the AR
