@@ -45,10 +45,17 @@ from tests.conftest import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-if torch_site() is None:
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_ready(pytestconfig: pytest.Config) -> None:
+    """torch for the training processes, installed on first use (progress on the terminal)."""
     from ingest.torch import provision
 
-    pytest.skip(f"no CPU torch: {provision.last_error}", allow_module_level=True)
+    with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        site = torch_site()
+    if site is None:
+        pytest.skip(f"no CPU torch: {provision.last_error}")
 
 QUERIES = {
     "ops": "SELECT rank, comm_id, op_seq, any(op) AS op, any(bytes) AS bytes, any(peer) AS peer,"

@@ -20,20 +20,22 @@ from typing import Any
 import numpy as np
 import pytest
 
+import ingest.torch as rwt
 from ingest import ring
 from ingest.torch import provision
 from ingest.torch.events import OP_CODE
 from ingest.torch.sink import FUNC, fnv1a64
+from tests.conftest import free_ports
 
-_reason = provision.ensure_importable()
-if _reason:
-    pytest.skip(f"no CPU torch: {_reason}", allow_module_level=True)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import ingest.torch as rwt  # noqa: E402
-from tests.conftest import free_ports  # noqa: E402
+@pytest.fixture(scope="module", autouse=True)
+def torch_ready(pytestconfig: pytest.Config) -> None:
+    """torch importable, installed on first use with the progress on the terminal."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        reason = provision.ensure_importable()
+    if reason:
+        pytest.skip(f"no CPU torch: {reason}")
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,6 +50,8 @@ def prefix() -> Iterator[str]:
 
 @pytest.fixture
 def world1(tmp_path: Path, prefix: str) -> Iterator[Path]:
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}",
                             rank=0, world_size=1)
     rwt.enable(job_id="t1", ring_dir=str(tmp_path), prefix=prefix)
@@ -75,6 +79,9 @@ def func(op: str) -> int:
 
 
 def test_sync_and_async_collectives_are_recorded(world1: Path, prefix: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     t = torch.ones(8)
     dist.all_reduce(t)
     work = dist.all_reduce(t, async_op=True)
@@ -99,6 +106,9 @@ def test_sync_and_async_collectives_are_recorded(world1: Path, prefix: str) -> N
 
 
 def test_new_group_is_a_named_communicator(world1: Path, prefix: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     g = dist.new_group([0])
     rwt.name_group(g, "tp")
     dist.all_reduce(torch.ones(1), group=g)
@@ -109,6 +119,9 @@ def test_new_group_is_a_named_communicator(world1: Path, prefix: str) -> None:
 
 
 def test_stage_vector_closes_to_the_step_time(world1: Path, prefix: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     s = rwt.stages
     for step in range(3):
         t0 = time.perf_counter_ns()
@@ -138,6 +151,9 @@ def test_stage_vector_closes_to_the_step_time(world1: Path, prefix: str) -> None
 
 
 def test_disable_restores_torch_distributed(world1: Path, prefix: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     dist.all_reduce(torch.ones(1))
     rwt.disable()
     dist.all_reduce(torch.ones(1))
