@@ -11,6 +11,7 @@ from rankwatch.settings import Settings
 BENCHES = {
     "rca": "bench.rca",
     "ingest": "bench.ingest",
+    "pipeline": "bench.pipeline",
     "simulate": "bench.simulate",
     "kde": "bench.kde",
     "overhead": "bench.overhead",
