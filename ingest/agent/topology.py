@@ -5,9 +5,9 @@ registers the same torch group). Parallel sizes come from RANKWATCH_TP/PP/DP/…
 set them and they multiply to the world size; otherwise the job is described as pure data
 parallel (dp = world_size, schedule "none"), which is what the records alone can show.
 
-Hosts: a host agent knows the ranks on its host. It publishes the topology only if rank 0 is
-local, naming the other ranks' host "unknown" — enough on one host; a multi-host job needs the
-hosts gathered (not done yet, see the agent README).
+Hosts: rank 0's sidecar carries every rank's host once the tracer gathered them through the
+job's c10d store (comms.HostGather, a few steps in); until then a host agent knows only its own
+ranks and names the others "unknown". Only the agent that hosts rank 0 publishes the topology.
 """
 
 from __future__ import annotations
@@ -39,8 +39,13 @@ def build(job_id: str, sidecars: list[dict[str, Any]], now_ns: int | None = None
     comms: dict[str, Communicator] = {}
     parallel: dict[str, int] = {}
     for s in sidecars:
+        gathered = s.get("hosts") or []
+        if len(gathered) == world:
+            hosts = [str(h) or "unknown" for h in gathered]
+            break
+    for s in sidecars:
         rank = int(s["rank"])
-        if 0 <= rank < world:
+        if 0 <= rank < world and hosts[rank] == "unknown":
             hosts[rank] = str(s.get("host") or "unknown")
         parallel = parallel or dict(s.get("parallel") or {})
         for c in s["comms"]:

@@ -35,6 +35,7 @@ class CommTable:
         self._kinds: dict[int, str] = {}
         self._keep: list[object] = []  # groups stay alive while indexed by id()
         self.parallel = _parallel_from_env()
+        self.hosts: list[str] = []  # every rank's host, once rank 0 has gathered them
 
     def set_kind(self, group: object, kind: CommKind) -> None:
         self._kinds[id(group)] = kind
@@ -67,10 +68,38 @@ class CommTable:
     def write(self) -> None:
         doc = {"job_id": self.job_id, "rank": self.rank, "world_size": self.world_size,
                "host": socket.gethostname(), "pid": os.getpid(), "parallel": self.parallel,
-               "comms": self.comms}
+               "comms": self.comms, "hosts": self.hosts}
         tmp = self.sidecar.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.sidecar)
+
+
+class HostGather:
+    """Every rank's host name for the topology record, through the job's c10d store.
+
+    Each rank sets ``rankwatch/host/<rank>`` when tracing attaches (one store write). Rank 0
+    looks, without waiting (``Store.check``), at a few early step boundaries whether all are
+    there; once they are it reads them into its sidecar and stops looking. No collective, no
+    blocking: if the store cannot do it the hosts stay "unknown" beyond the local ones.
+    """
+
+    POLL_STEPS = frozenset({1, 3, 10, 30, 100, 300})
+
+    def __init__(self, store: Any, table: CommTable) -> None:
+        self.store, self.table = store, table
+        self.keys = [f"rankwatch/host/{r}" for r in range(table.world_size)]
+        store.set(self.keys[table.rank], socket.gethostname())
+
+    def poll(self) -> bool:
+        """True when done (gathered, or given up)."""
+        try:
+            if not self.store.check(self.keys):
+                return False
+            self.table.hosts = [self.store.get(k).decode() for k in self.keys]
+            self.table.write()
+        except Exception:  # a store without check/get: keep what we have
+            pass
+        return True
 
 
 def _parallel_from_env() -> dict[str, int]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.torch import collectives, ddp
-from ingest.torch.comms import CommTable
+from ingest.torch.comms import CommTable, HostGather
 from ingest.torch.sink import RingSink
 from ingest.torch.stages import StageClock
 from ingest.torch.tracer import Tracer
@@ -157,6 +157,12 @@ class Session:
         comms = CommTable(base / f"rank-{rank}.json", self.cfg.job_id, rank, world)
         tracer = Tracer(sink, comms, rank)
         tracer.group_of = self._group_of
+        try:
+            gather = HostGather(dist.distributed_c10d._get_default_store(), comms)
+            if rank == 0:
+                tracer.hosts = gather
+        except Exception as e:  # no store (custom init): hosts of other nodes stay unknown
+            print(f"rankwatch: not gathering host names: {e}", flush=True)
         self.tracer = tracer
         self.group_index(None)
         self.originals = collectives.install(tracer, dist)

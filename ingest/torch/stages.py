@@ -100,6 +100,9 @@ class _Step:
                               other if other > 0 else 0, device)
             if tracer.outstanding:
                 tracer.harvest()
+            gather = tracer.hosts
+            if gather is not None and o.step_index in gather.POLL_STEPS and gather.poll():
+                tracer.hosts = None
         o.step_index += 1
 
 

@@ -48,6 +48,7 @@ class Tracer:
         self.group_of: Callable[[Any], int] = lambda g: 0  # set by collectives.install
         self.nccl: list[bool] = []  # per communicator: issue sync collectives async + wait
         self.polled: dict[int, Any] = {}  # slot -> Work without a future (gloo p2p)
+        self.hosts: Any = None  # rank 0: comms.HostGather until the hosts are in
 
     def _make_cb(self, slot: int) -> Callable[[Any], None]:
         ends = self.ends
