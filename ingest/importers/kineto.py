@@ -39,6 +39,48 @@ _NAME_OP = {"AllReduce": "AllReduce", "AllGather": "AllGather", "ReduceScatter":
             "Recv": "Recv", "AllToAll": "AllToAll"}
 
 
+def event_line(text: str, index: int) -> int:
+    """The line where traceEvents[index] starts (error path only: one pass over the text)."""
+    start = text.find('"traceEvents"')
+    i = text.find("[", start) if start >= 0 else -1
+    if i < 0:
+        return 0
+    depth, n, in_str, esc = 0, -1, False, False
+    for j in range(i + 1, len(text)):
+        ch = text[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            if depth == 0:
+                n += 1
+                if n == index:
+                    return text.count("\n", 0, j) + 1
+            depth += 1
+        elif ch in "}]":
+            if depth == 0:
+                return 0
+            depth -= 1
+    return 0
+
+
+class _Events:
+    """The trace's text, kept to name the line of a bad event."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path, self.text = path, text
+
+    def error(self, index: int, reason: str) -> TraceError:
+        return TraceError(self.path, event_line(self.text, index),
+                          f"traceEvents[{index}]: {reason}")
+
+
 def _load(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
@@ -50,11 +92,13 @@ def _load(path: Path) -> dict[str, Any]:
         raise TraceError(path, e.lineno, f"not valid JSON (truncated?): {e.msg}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise TraceError(path, 1, "not a Kineto trace: no traceEvents array")
+    doc["__text__"] = text
     return doc
 
 
 def parse(path: Path, rank: int | None = None) -> Collected:
     doc = _load(path)
+    where = _Events(path, doc.pop("__text__"))
     info = doc.get("distributedInfo") or {}
     r = info.get("rank", rank if rank is not None else rank_from_name(path))
     if not isinstance(r, int) or r < 0:
@@ -66,13 +110,13 @@ def parse(path: Path, rank: int | None = None) -> Collected:
     kernels: list[tuple[int, dict[str, Any]]] = []
     for i, ev in enumerate(doc["traceEvents"]):
         if not isinstance(ev, dict):
-            raise TraceError(path, 0, f"traceEvents[{i}] is not an object")
+            raise where.error(i, "not an object")
         if ev.get("ph") != "X" or ev.get("cat") not in ("kernel", "cuda_runtime"):
             continue
         ts, dur = ev.get("ts"), ev.get("dur", 0)
         if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)) or dur < 0:
-            raise TraceError(path, 0, f"traceEvents[{i}] ({ev.get('name')!r}): ts/dur must be "
-                             f"numbers, got ts={ts!r} dur={dur!r}")
+            raise where.error(i, f"({ev.get('name')!r}) ts/dur must be numbers >= 0, got "
+                              f"ts={ts!r} dur={dur!r}")
         t_ns = base + round(ts * 1000)
         args = ev.get("args") or {}
         if ev["cat"] == "cuda_runtime":
@@ -86,12 +130,12 @@ def parse(path: Path, rank: int | None = None) -> Collected:
         args = ev.get("args") or {}
         name = str(ev.get("name") or "")
         if not name:
-            raise TraceError(path, 0, f"traceEvents[{i}]: kernel without a name")
+            raise where.error(i, "kernel without a name")
         t0 = base + round(ev["ts"] * 1000)
         dur_ns = round(ev.get("dur", 0) * 1000)
         stream = args.get("stream", 0)
         if not isinstance(stream, int) or stream < 0:
-            raise TraceError(path, 0, f"traceEvents[{i}] ({name}): bad args.stream {stream!r}")
+            raise where.error(i, f"({name}) args.stream {stream!r} is not a stream id")
         out.add("kernels", rank=r, stream=stream, kernel=name[:256], t_start=t0,
                 duration=dur_ns)
         m = _NCCL.match(name)

@@ -59,6 +59,22 @@ def test_kineto_truncated_names_the_line(tmp_path: Path) -> None:
     assert str(p) in str(e.value) and e.value.line > 1
 
 
+def test_kineto_bad_event_names_its_line(tmp_path: Path) -> None:
+    trace = kineto_trace(0)
+    events = trace["traceEvents"]
+    assert isinstance(events, list)
+    events[2]["dur"] = "soon"  # the old-style NCCL kernel
+    p = tmp_path / "rank0.json"
+    text = json.dumps(trace, indent=1)
+    p.write_text(text)
+    with pytest.raises(TraceError) as e:
+        collect("kineto", [p])
+    line = text.splitlines()[e.value.line - 1]
+    assert e.value.line > 1 and line.strip() == "{", (e.value, line)
+    assert '"ncclKernel_AllReduce' in "".join(text.splitlines()[e.value.line: e.value.line + 8])
+    assert "traceEvents[2]" in str(e.value) and str(p) in str(e.value)
+
+
 def fr_dump(rank: int, hung: bool) -> dict[str, object]:
     def entry(i: int, name: str, state: str) -> dict[str, object]:
         t = BASE + i * 1_000_000
@@ -134,3 +150,19 @@ def test_megatrace_bad_line_publishes_nothing(tmp_path: Path) -> None:
     with pytest.raises(TraceError) as e:
         collect("megatrace", [good, bad])
     assert e.value.path == str(bad) and e.value.line == 5
+
+
+def test_cli_reports_file_and_line_and_publishes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rankwatch.cli import main
+
+    good, bad = tmp_path / "rank0.log", tmp_path / "rank1.log"
+    good.write_text(NCCL_LOG)
+    bad.write_text(NCCL_LOG.rsplit("count", 1)[0])
+    # the broker address is unreachable on purpose: a publish attempt would fail loudly
+    assert main(["--kafka-port", "9", "import", "megatrace", str(good), str(bad),
+                 "--job", "j"]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:5:" in err and "nothing was published" in err
+    assert main(["import", "megatrace", str(good), "--job", "j", "--dry-run"]) == 0
+    assert "would publish 3 ops" in capsys.readouterr().out

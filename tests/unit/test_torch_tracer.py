@@ -205,3 +205,37 @@ def test_torchrun_without_code_changes(tmp_path: Path, how: str, prefix: str) ->
         assert d.starts["func"].tolist()[:2] == [func(op), func("AllReduce")]
         assert d.starts["peer"][0] == 1 - rank
         assert sorted(d.ends["op_seq"].tolist())[:2] == [0, 1]  # p2p completion seen, the AR
+
+
+class FakeEvent:
+    """torch.cuda.Event's surface: record, query, elapsed_time (ms)."""
+
+    def __init__(self, ready: bool) -> None:
+        self.ready, self.recorded = ready, 0
+
+    def record(self) -> None:
+        self.recorded += 1
+
+    def query(self) -> bool:
+        return self.ready
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 2.5
+
+
+def test_sampled_cuda_event_channel(world1: Path, prefix: str) -> None:
+    """Every 2nd step brackets fwd_loss with events; a ready pair gives device_ns, a pair not
+    ready yet gives -1 (never a synchronize)."""
+    s = rwt.stages
+    begin, end = FakeEvent(True), FakeEvent(True)
+    s._events, s.sample_every = (begin, end), 2
+    try:
+        for step in range(4):
+            end.ready = step != 2
+            with s.step(step), s.fwd_loss():
+                pass
+    finally:
+        s._events, s.sample_every = None, 0
+    st = Drained(prefix, "t1").stages
+    assert st["device_ns"].tolist() == [2_500_000, -1, -1, -1]
+    assert begin.recorded == end.recorded == 2
