@@ -11,10 +11,10 @@ Loop (one thread; `run` until stopped):
    its producer is alive (a hung rank still beats, a dead one stops: the difference hang
    diagnosis needs) — with the last op_seq and the ring's drop counter (the NCCL plugin writes
    its own beats); publish the job topology when a rank's sidecar changed;
-4. flush a buffer as one encoded batch when it holds `max_rows` rows or is `linger_s` old;
-5. publish through `BatchPublisher` (idempotent, zstd, linger). A batch the client will not take
-   now, or whose delivery failed (broker down past ``message.timeout.ms``), goes to the bounded
-   spill and is retried first on later loops; the spill drops oldest-first and counts.
+4. hand the columns to the outbox (outbox.py): one encoded batch per (job, kind) when it holds
+   `max_rows` rows or is `linger_s` old, published through `BatchPublisher` (idempotent, zstd,
+   linger), with a bounded spill for what the broker does not take (outage), retried first,
+   dropped oldest-first and counted.
 
 A ring whose producer is dead is drained (skipping slots it reserved but never committed), its
 open ops are published in flight, and the ring is unlinked. `stats()` reports lag and drop
@@ -30,23 +30,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ingest import ring
 from ingest.agent import decode
-from ingest.agent.spill import Pending, Spill
+from ingest.agent.outbox import Outbox, Publisher
+from ingest.agent.spill import Pending
 from ingest.agent.topology import build, read_sidecar
-from ingest.batch import encode_batch, encode_topology
-
-
-class Publisher(Protocol):
-    def publish(self, kind: str, data: bytes, key: bytes | str | None = None,
-                topic: str | None = None,
-                on_delivery: Callable[..., None] | None = None) -> bool: ...
-
-    def flush(self, timeout: float = 30.0) -> int: ...
+from ingest.batch import encode_topology
 
 
 @dataclass(frozen=True)
@@ -82,13 +75,7 @@ class RankRing:
 @dataclass
 class Counters:
     read: int = 0
-    delivered_batches: int = 0
-    delivered_records: int = 0
-    failed_batches: int = 0
-    retried_batches: int = 0
     unattributed: int = 0  # records of rings without a rank
-    latency_s_max: float = 0.0
-    latency_s_last: float = 0.0
 
 
 #: kind in the ring -> (contract kind, columns builder)
@@ -104,12 +91,11 @@ _SIMPLE: dict[str, tuple[str, Callable[..., decode.Cols]]] = {
 class Agent:
     def __init__(self, cfg: AgentConfig, publisher: Publisher) -> None:
         self.cfg = cfg
-        self.pub = publisher
         self.rings: dict[str, RankRing] = {}
-        self.buffers: dict[tuple[str, str], tuple[list[decode.Cols], int, float]] = {}
-        self.spill = Spill(cfg.spill_bytes)
+        self.out = Outbox(publisher, cfg.producer, linger_s=cfg.linger_s,
+                          max_rows=cfg.max_rows, spill_bytes=cfg.spill_bytes)
+        self._append = self.out.append
         self.counters = Counters()
-        self.seq = 0
         self._dtypes = ring.record_dtypes()
         self._next_beat = 0.0
         self._topo_stamp: dict[str, tuple[float, ...]] = {}
@@ -234,68 +220,8 @@ class Agent:
                 print(f"rankwatch agent: job {job}: no topology: {e}", flush=True)
                 continue
             self._topo_stamp[job] = stamp
-            self._send(Pending("jobs", job.encode(), encode_topology(topo, producer=
-                               self.cfg.producer), 1, time.monotonic()))
-
-    # -- batching and publishing ---------------------------------------------------------------
-
-    def _append(self, job: str, kind: str, cols: decode.Cols) -> None:
-        n = decode.n_rows(cols)
-        if not n:
-            return
-        parts, rows, t0 = self.buffers.get((job, kind), ([], 0, time.monotonic()))
-        parts.append(cols)
-        self.buffers[(job, kind)] = (parts, rows + n, t0)
-        if rows + n >= self.cfg.max_rows:
-            self._flush_buffer(job, kind)
-
-    def flush_buffers(self, force: bool = False) -> None:
-        now = time.monotonic()
-        for (job, kind), (_, _, t0) in list(self.buffers.items()):
-            if force or now - t0 >= self.cfg.linger_s:
-                self._flush_buffer(job, kind)
-
-    def _flush_buffer(self, job: str, kind: str) -> None:
-        parts, rows, t0 = self.buffers.pop((job, kind))
-        cols: dict[str, Any] = {}
-        for k in parts[0]:
-            v = np.concatenate([p[k] for p in parts])
-            if v.dtype == object:  # dictionary-encode without a Python loop over rows
-                uniq, codes = np.unique(v, return_inverse=True)
-                cols[k] = (codes.reshape(-1), uniq.tolist())
-            else:
-                cols[k] = v
-        self.seq += 1
-        data = encode_batch(kind, job, cols, producer=self.cfg.producer, seq=self.seq,
-                            validate=False)
-        key = f"{job}:{self.cfg.producer}:{self.seq}".encode()
-        self._send(Pending(kind, key, data, rows, t0))
-
-    def _send(self, item: Pending) -> None:
-        if len(self.spill) or not self._try(item):
-            self.spill.push(item)
-
-    def _try(self, item: Pending) -> bool:
-        def delivered(err: Any, _msg: Any) -> None:
-            c = self.counters
-            if err is not None:
-                c.failed_batches += 1
-                self.spill.push(item)
-                return
-            c.delivered_batches += 1
-            c.delivered_records += item.records
-            c.latency_s_last = time.monotonic() - item.t_read
-            c.latency_s_max = max(c.latency_s_max, c.latency_s_last)
-
-        return self.pub.publish(item.kind, item.data, key=item.key, on_delivery=delivered)
-
-    def pump_spill(self) -> None:
-        """Retry spilled batches, oldest first, until the client refuses one."""
-        while (item := self.spill.pop()) is not None:
-            self.counters.retried_batches += 1
-            if not self._try(item):
-                self.spill.unpop(item)
-                return
+            self.out.send(Pending("jobs", job.encode(), encode_topology(
+                topo, producer=self.cfg.producer), 1, time.monotonic()))
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -307,9 +233,9 @@ class Agent:
         if time.monotonic() >= self._next_beat:
             self._next_beat = time.monotonic() + self.cfg.beat_s
             self.beat(now_ns)
-        self.pump_spill()
-        self.flush_buffers()
-        self.pub.flush(0)  # serve delivery callbacks
+        self.out.pump()
+        self.out.flush()
+        self.out.poll(0)  # serve delivery callbacks
         return n
 
     def run(self, stop: Callable[[], bool], stats_every_s: float = 1.0) -> None:
@@ -321,29 +247,21 @@ class Agent:
                 next_stats = time.monotonic() + stats_every_s
                 self.write_stats()
         self.step()
-        self.flush_buffers(force=True)
-        self.pump_spill()
-        self.pub.flush(10)
+        self.out.flush(force=True)
+        self.out.pump()
+        self.out.poll(10)
         self.write_stats()
 
     def stats(self) -> dict[str, Any]:
+        """Ring-side counters (read, backlog, drops, torn) and the outbox's (outbox.py)."""
         c = self.counters
         stats = [r.reader.stat() for r in self.rings.values()]
-        oldest = min((t0 for _, _, t0 in self.buffers.values()), default=None)
-        buffered_age = time.monotonic() - oldest if oldest is not None else 0.0
         return {
             "rings": len(self.rings), "read": c.read,
             "ring_backlog": sum(st.pending for st in stats),
             "tracer_dropped": sum(st.drops for st in stats),
             "torn": sum(st.torn for st in stats), "unattributed": c.unattributed,
-            "delivered_batches": c.delivered_batches, "delivered_records": c.delivered_records,
-            "failed_batches": c.failed_batches, "retried_batches": c.retried_batches,
-            "spill_batches": len(self.spill), "spill_bytes": self.spill.bytes,
-            "spill_dropped_batches": self.spill.dropped_batches,
-            "spill_dropped_records": self.spill.dropped_records,
-            "lag_s": round(max(buffered_age, self.spill.oldest_age()), 3),
-            "publish_latency_s_last": round(c.latency_s_last, 3),
-            "publish_latency_s_max": round(c.latency_s_max, 3),
+            **self.out.stats(),
         }
 
     def write_stats(self) -> None:

@@ -88,7 +88,7 @@ def test_agent_publishes_ops_stages_beats_and_topology(tmp_path: Path, prefix: s
     pub = FakePublisher()
     agent = Agent(config(tmp_path, prefix), pub)
     agent.step()
-    agent.flush_buffers(force=True)
+    agent.out.flush(force=True)
     pub.flush()
     ops = kinds(pub, "ops")
     assert sorted(r for c in ops for r in c["rank"].tolist()) == [0, 1]
@@ -131,7 +131,7 @@ def test_failed_delivery_is_retried(tmp_path: Path, prefix: str) -> None:
     s.stage(0, time.time_ns(), 1, 2, 3, 4, 5, 6, -1)
     agent.step()
     pub.flush()
-    assert agent.stats()["failed_batches"] >= 1 and len(agent.spill) >= 1
+    assert agent.stats()["failed_batches"] >= 1 and len(agent.out.spill) >= 1
     pub.failing = False
     agent.step()
     pub.flush()
@@ -149,7 +149,7 @@ def test_dead_producer_ring_is_drained_and_unlinked(tmp_path: Path, prefix: str)
     pub = FakePublisher()
     agent = Agent(config(tmp_path, prefix), pub)
     agent.step()
-    agent.flush_buffers(force=True)
+    agent.out.flush(force=True)
     pub.flush()
     assert [c["t_end"].tolist() for c in kinds(pub, "ops")] == [[0]]  # in flight when it died
     assert ring.list_rings(prefix) == [] and not (tmp_path / "job1" / "rank-0.json").exists()
