@@ -3,7 +3,7 @@
 Run it traced under torchrun (CPU, gloo) with the host agent beside it::
 
     rankwatch agent --job demo &                      # drains the rings, publishes to Kafka
-    RANKWATCH_JOB=demo torchrun --nproc-per-node 4 -m ingest.torch.run examples/train.py \
+    RANKWATCH_JOB_ID=demo torchrun --nproc-per-node 4 -m ingest.torch.run examples/train.py \
         --mode ddp --steps 50
 
 Faults for demonstrations and the end-to-end test:

@@ -7,7 +7,7 @@ Enable it in code::
     with rwt.stages.step():
         with rwt.stages.data(): ...
 
-or without code changes under torchrun (both read RANKWATCH_JOB, RANKWATCH_RING_DIR, …)::
+or without code changes under torchrun (both read RANKWATCH_JOB_ID, RANKWATCH_RING_DIR, …)::
 
     torchrun --nproc-per-node 4 -m ingest.torch.run train.py ARGS
     PYTHONPATH=$(python -m ingest.torch.autoload) RANKWATCH_TRACE=1 torchrun … train.py ARGS

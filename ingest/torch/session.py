@@ -8,7 +8,9 @@ the world group and every group created after, and installs the collective wrapp
 (collectives.py).
 
 Configuration, read when `enable()` runs (never at import), explicit arguments first:
-``RANKWATCH_JOB`` (default: torchrun's ``TORCHELASTIC_RUN_ID``, else ``default``),
+``RANKWATCH_JOB_ID`` — the variable the NCCL plugin reads too, so one setting names the job for
+every ring of a rank (``RANKWATCH_JOB`` is accepted; default: torchrun's ``TORCHELASTIC_RUN_ID``,
+else ``default``),
 ``RANKWATCH_RING_DIR`` (sidecars, default ``/dev/shm/rankwatch``), ``RANKWATCH_RING_SLOTS``
 (records, power of two,
 default 65536), ``RANKWATCH_CUDA_SAMPLE`` (fraction of steps with CUDA events, default 0),
@@ -48,7 +50,8 @@ def config(job_id: str | None = None, ring_dir: str | Path | None = None,
            slots: int | None = None, cuda_sample: float | None = None,
            prefix: str | None = None) -> Config:
     env = os.environ
-    job = job_id or env.get("RANKWATCH_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
+    job = (job_id or env.get("RANKWATCH_JOB_ID") or env.get("RANKWATCH_JOB")
+           or env.get("TORCHELASTIC_RUN_ID") or "default")
     if not _JOB_RE.match(job):
         raise ValueError(f"job id {job!r}: expected 1-128 of [A-Za-z0-9_.:-]")
     raw_slots = slots if slots is not None else env.get("RANKWATCH_RING_SLOTS", "65536")
