@@ -153,3 +153,52 @@ def test_dead_producer_ring_is_drained_and_unlinked(tmp_path: Path, prefix: str)
     pub.flush()
     assert [c["t_end"].tolist() for c in kinds(pub, "ops")] == [[0]]  # in flight when it died
     assert ring.list_rings(prefix) == [] and not (tmp_path / "job1" / "rank-0.json").exists()
+
+
+def test_every_native_kind_becomes_valid_batches(tmp_path: Path, prefix: str) -> None:
+    """A ring as the NCCL plugin / CUPTI injector write it: names, ops with the start time known
+    only at the end, flows, chunk snapshots, work requests, beats and kernels."""
+    from ingest.torch.sink import fnv1a64
+
+    w = ring.RingWriter(ring.ring_name("job1", 3, "nccl", prefix), capacity=1024, rank=3,
+                        job_id="job1", source="nccl")
+    comm, nic, kern = fnv1a64("0xabc"), fnv1a64("mlx5_0:1"), fnv1a64("ncclDevKernel_AllReduce")
+    t = time.time_ns()
+    for text, h, ns in (("0xabc", comm, 1), ("mlx5_0:1", nic, 3),
+                        ("ncclDevKernel_AllReduce", kern, 2)):
+        n = w.records("name", 1)
+        n["hash"], n["ns"], n["nparts"], n["len"], n["total_len"] = h, ns, 1, len(text), len(text)
+        n["text"] = text.encode()
+        w.write(n)
+    op = w.records("op", 2)
+    op["comm_hash"], op["op_seq"], op["func"], op["bytes"] = comm, 7, 1, 1 << 20
+    op["t_enqueue"], op["peer"], op["root"], op["step"] = t, -1, -1, -1
+    op["flags"][1], op["t_start"][1], op["t_end"][1] = ring.F_END, t + 10, t + 99
+    w.write(op)
+    rec: dict[str, dict[str, int]] = {
+        "flow": {"comm_hash": comm, "op_seq": 7, "bytes": 4096, "t_start": t, "t_end": t + 50,
+                 "peer": 4, "channel": 1},
+        "chunk": {"comm_hash": comm, "op_seq": 7, "channel": 1, "peer": 4, "total_chunks": 8,
+                  "gpu_ready": 8, "rdma_transmitted": 6, "rdma_done": 5, "ts": t},
+        "wr": {"nic_hash": nic, "inflight": 3, "bytes_done": 1 << 30, "ts": t},
+        "beat": {"comm_hash": comm, "last_op_seq": 7, "dropped": 0, "ts": t},
+        "kernel": {"name_hash": kern, "t_start": t, "duration": 1234, "stream": 7},
+    }
+    for kind, fields in rec.items():
+        r = w.records(kind, 1)
+        for k, v in fields.items():
+            r[k] = v
+        w.write(r)
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix), pub)
+    agent.step()
+    agent.out.flush(force=True)
+    pub.flush()
+    got = {k: kinds(pub, k)[0] for k in ("ops", "flows", "chunks", "wr", "beats", "kernels")}
+    assert got["ops"]["t_start"].tolist() == [t + 10] and got["ops"]["t_end"].tolist() == [t + 99]
+    assert got["ops"]["comm_id"].tolist() == ["0xabc"] and got["ops"]["rank"].tolist() == [3]
+    assert got["flows"]["peer"].tolist() == [4] and got["chunks"]["rdma_done"].tolist() == [5]
+    assert got["wr"]["nic"].tolist() == ["mlx5_0:1"]
+    assert got["beats"]["last_op_seq"].tolist() == [7]
+    assert got["kernels"]["kernel"].tolist() == ["ncclDevKernel_AllReduce"]
+    w.close()
