@@ -202,3 +202,14 @@ def test_every_native_kind_becomes_valid_batches(tmp_path: Path, prefix: str) ->
     assert got["beats"]["last_op_seq"].tolist() == [7]
     assert got["kernels"]["kernel"].tolist() == ["ncclDevKernel_AllReduce"]
     w.close()
+
+
+def test_full_ring_drops_and_counts_never_raises(tmp_path: Path, prefix: str) -> None:
+    s = RingSink("job1", 0, 64, prefix)
+    for step in range(100):  # nobody drains: 64 fit, 36 are dropped
+        s.stage(step, 1, 2, 3, 4, 5, 6, 7, -1)
+    assert s.dropped == 36
+    agent = Agent(config(tmp_path, prefix), FakePublisher())
+    agent.discover()
+    assert agent.stats()["tracer_dropped"] == 36 and agent.stats()["ring_backlog"] == 64
+    s.close()
