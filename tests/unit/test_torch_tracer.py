@@ -239,3 +239,22 @@ def test_sampled_cuda_event_channel(world1: Path, prefix: str) -> None:
     st = Drained(prefix, "t1").stages
     assert st["device_ns"].tolist() == [2_500_000, -1, -1, -1]
     assert begin.recorded == end.recorded == 2
+
+
+def test_sync_collective_on_an_nccl_group_completes_through_its_future(
+        world1: Path, prefix: str) -> None:
+    """NCCL's sync collectives return before the GPU finishes: the tracer issues them async,
+    waits, and takes the end from the future. The same path, forced on a gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    tr = rwt.active_tracer()
+    tr.nccl[0] = True
+    t = torch.ones(4)
+    assert dist.all_reduce(t) is None  # still a sync call for the caller
+    assert t.tolist() == [1.0] * 4
+    with rwt.stages.step():
+        pass
+    d = Drained(prefix, "t1")
+    assert d.starts["op_seq"].tolist() == [0] and d.ends["op_seq"].tolist() == [0]
+    assert int(d.ends["t_end"][0]) >= int(d.starts["t_start"][0])
