@@ -6,6 +6,7 @@ Sources, lowest to highest precedence: defaults, environment variables `RANKWATC
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from collections.abc import Mapping
@@ -98,12 +99,15 @@ class Settings(BaseModel):
             key = f"RANKWATCH_{name.upper()}"
             if key in env:
                 values[name] = env[key]
-        known = {f"RANKWATCH_{n.upper()}" for n in cls.model_fields}
-        unknown = sorted(k for k in env if k.startswith("RANKWATCH_") and k not in known
-                         and not k.startswith("RANKWATCH_TEST_"))
-        if unknown:
-            warnings.warn(f"ignoring unknown settings {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(known))}", stacklevel=2)
+        known = sorted(f"RANKWATCH_{n.upper()}" for n in cls.model_fields)
+        for key in env:
+            # other parts of rankwatch read their own RANKWATCH_* variables (the tracer's
+            # RANKWATCH_JOB_ID, the native settings): only a near miss of a setting is a typo
+            if key.startswith("RANKWATCH_") and key not in known:
+                near = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+                if near:
+                    warnings.warn(f"{key} is not a setting; did you mean {near[0]}?",
+                                  stacklevel=2)
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls.model_validate(values)

@@ -81,8 +81,18 @@ def test_an_override_error_names_the_option_not_a_variable():
 
 
 def test_a_misspelled_variable_is_reported_not_silently_ignored():
-    with pytest.warns(UserWarning, match="RANKWATCH_KAFKA_PROT"):
+    with pytest.warns(UserWarning, match="RANKWATCH_KAFKA_PROT is not a setting; did you mean "
+                      "RANKWATCH_KAFKA_PORT"):
         Settings.load(env={"RANKWATCH_KAFKA_PROT": "1"})
+
+
+def test_other_rankwatch_variables_are_not_mistaken_for_typos():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Settings.load(env={"RANKWATCH_JOB_ID": "j", "RANKWATCH_TRACE": "1",
+                           "RANKWATCH_NCCL_KERNEL_CH_WAIT": "0"})
 
 
 def test_unknown_override_is_rejected():
