@@ -40,7 +40,7 @@ from diagnosis.columns import Columns, ints
 from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch
-from diagnosis.window import Window
+from diagnosis.window import Window, latest_op_rows
 from ingest.batch import BatchError, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
@@ -116,6 +116,8 @@ def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int) -> 
                                 "lo2": start_ns - 3600 * SECOND})
         if res and len(next(iter(res.values()))):
             tables[kind] = {k.removesuffix("__ns"): np.asarray(v) for k, v in res.items()}
+    if "ops" in tables:
+        tables["ops"] = latest_op_rows(tables["ops"])
     return Window(topo, tables, start_ns, now_ns)
 
 

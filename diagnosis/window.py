@@ -15,13 +15,28 @@ from functools import cached_property
 
 import numpy as np
 
-from diagnosis.columns import Columns, codes, col, ints
+from diagnosis.columns import Columns, codes, col, group_key, ints, last_per_group
 from diagnosis.groups import Grid, grid_of
 from diagnosis.rules.pipeline_ops import PipelineSpec
 from ingest.records import JobTopology
 
 Array = np.ndarray
 KINDS = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")
+
+
+def latest_op_rows(ops: Columns) -> Columns:
+    """One row per op: where a tracer published an op twice — once in flight (`t_end = 0`) and
+    again when it completed (the host agent does, so a hang is visible while it lasts) — keep the
+    row with the largest `t_end`. Raw tables keep both rows; every rule assumes one per op."""
+    if not ops or "rank" not in ops or not len(ops["rank"]):
+        return ops
+    _, comm = codes(col(ops, "comm_id"))
+    group, _ = group_key(ints(ops, "rank"), comm, ints(ops, "op_seq"))
+    keep = last_per_group(group, ints(ops, "t_end"))
+    if len(keep) == len(group):
+        return ops
+    keep.sort()
+    return {k: np.asarray(v)[keep] for k, v in ops.items()}
 
 
 @dataclass

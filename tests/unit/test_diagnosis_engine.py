@@ -140,3 +140,15 @@ def test_watch_fires_heartbeat_on_a_hang_and_nothing_before() -> None:
     hang = [f for f in fired if f.kind in ("hang", "failure")]
     assert hang and min(f.ts for f in hang) > onset
     assert min(f.ts for f in hang) - onset < 5 * 10**9
+
+
+def test_an_op_published_in_flight_and_again_completed_counts_once() -> None:
+    from diagnosis.window import latest_op_rows
+
+    ops = {"rank": np.array([0, 1, 0, 1]), "comm_id": np.array(["dp", "dp", "dp", "tp"], object),
+           "op_seq": np.array([7, 7, 7, 7]), "t_end": np.array([0, 0, 950, 0])}
+    out = latest_op_rows(ops)
+    # rank 0's op 7 on dp: the completed row wins; rank 1's ops on dp and tp are distinct ops
+    assert sorted(zip(out["rank"].tolist(), out["comm_id"].tolist(), out["t_end"].tolist(),
+                      strict=True)) == [(0, "dp", 950), (1, "dp", 0), (1, "tp", 0)]
+    assert latest_op_rows({}) == {}
