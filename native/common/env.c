@@ -67,3 +67,20 @@ int rw_env__str(const char *name, const char *def, char *buf, size_t len, rw_war
 	memcpy(buf, val, n + 1);
 	return 1;
 }
+
+/*
+ * The job id every ring of a rank is named with. Same order as the Python tracer
+ * (ingest/torch/session.py), so one rank's rings agree: RANKWATCH_JOB_ID, RANKWATCH_JOB, torchrun's
+ * TORCHELASTIC_RUN_ID, then "default".
+ */
+void rw_env__job_id(char *buf, size_t len, rw_warn_fn warn)
+{
+	static const char *const names[] = { "RANKWATCH_JOB_ID", "RANKWATCH_JOB",
+					     "TORCHELASTIC_RUN_ID" };
+	size_t i;
+
+	for (i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+		if (rw_env__str(names[i], "default", buf, len, warn))
+			return;
+	snprintf(buf, len, "%s", "default");
+}

@@ -21,5 +21,6 @@ int rw_env__long(const char *name, long def, long min, long max, rw_warn_fn warn
 /* Copies the value of `name` into buf if it is 1..len-1 bytes of [A-Za-z0-9_.,:/+-*], else
  * def (warning when set but invalid). Returns 1 when the environment value was used. */
 int rw_env__str(const char *name, const char *def, char *buf, size_t len, rw_warn_fn warn);
+void rw_env__job_id(char *buf, size_t len, rw_warn_fn warn);
 
 #endif

@@ -249,7 +249,7 @@ static int injector__start(void)
 	rw_env__long("RANKWATCH_CUPTI_RING_CAPACITY", 65536, 1024, RW_RING_MAX_CAPACITY, NULL,
 		     &cap);
 	rw_env__str("RANKWATCH_RING_PREFIX", "/rankwatch", prefix, sizeof(prefix), NULL);
-	rw_env__str("RANKWATCH_JOB_ID", "job", job, sizeof(job), NULL);
+	rw_env__job_id(job, sizeof(job), NULL);
 	if (cap & (cap - 1)) {
 		rw_warn__stderr("RANKWATCH_CUPTI_RING_CAPACITY is not a power of two; using 65536");
 		cap = 65536;

@@ -72,7 +72,7 @@ static void settings__load(struct rw_settings *s)
 	rw_env__long("RANKWATCH_NCCL_KERNEL_CH_WAIT", -1, -1, 1, w, &s->kch_wait);
 	rw_env__long("RANK", -1, 0, 0x7fffffff, w, &s->rank);
 	rw_env__str("RANKWATCH_RING_PREFIX", "/rankwatch", s->prefix, sizeof(s->prefix), w);
-	rw_env__str("RANKWATCH_JOB_ID", "job", s->job_id, sizeof(s->job_id), w);
+	rw_env__job_id(s->job_id, sizeof(s->job_id), w);
 }
 
 static int pool__init(struct rw_pool *pool, size_t n, size_t stride, uint8_t tag)

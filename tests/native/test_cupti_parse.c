@@ -259,11 +259,14 @@ static void test_injector_entry_point(void)
 	setenv("RANK", "0", 1);
 	setenv("RANKWATCH_CUPTI_ALLOW", "*", 1);
 	setenv("RANKWATCH_CUPTI_LIB", "/nonexistent/libcupti.so", 1);
+	unsetenv("RANKWATCH_JOB_ID");
+	unsetenv("RANKWATCH_JOB");
+	unsetenv("TORCHELASTIC_RUN_ID"); /* so the ring would be named with the job id "default" */
 	lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 	*(void **)&init = dlsym(lib, "InitializeInjection");
 	CHECK_EQ(init(), 1); /* no libcupti here: warned, tracing off */
 	struct rw_ring *r;
-	CHECK_EQ(rw_ring__name(name, sizeof(name), getenv("RANKWATCH_RING_PREFIX"), "job", 0,
+	CHECK_EQ(rw_ring__name(name, sizeof(name), getenv("RANKWATCH_RING_PREFIX"), "default", 0,
 			       "cupti"), 0);
 	CHECK_EQ(rw_ring__attach(name, &r), -ENOENT); /* nothing was created */
 	dlclose(lib);
