@@ -42,20 +42,52 @@ def ints(cols: Columns, name: str, default: int | None = None) -> Array:
 
 
 def codes(values: Array) -> tuple[Array, Array]:
-    """(uniques, codes) of a column: values == uniques[codes]."""
+    """(uniques, codes) of a column: values == uniques[codes].
+
+    Same result as `np.unique(values.astype(str), return_inverse=True)` for string columns, but
+    factorized through a dict first (one hash per row) so only the few distinct values are
+    sorted: sorting ~10⁶ unicode strings dominated root cause at 4k+ ranks."""
     if values.size == 0:
         return np.asarray([], dtype=values.dtype), np.zeros(0, dtype=np.int64)
+    if values.dtype.kind in "OU":
+        rows = values.tolist()
+        try:
+            distinct = list(dict.fromkeys(rows))
+        except TypeError:  # unhashable objects: sort their str forms
+            distinct = []
+        if distinct:
+            uniq, remap = np.unique(np.asarray([str(k) for k in distinct], dtype=str),
+                                    return_inverse=True)
+            code_of = dict(zip(distinct, remap.reshape(-1).tolist(), strict=True))
+            return uniq, np.fromiter(map(code_of.__getitem__, rows), dtype=np.int64,
+                                     count=len(rows))
     uniq, inv = np.unique(values.astype(str) if values.dtype == object else values,
                           return_inverse=True)
     return uniq, inv.astype(np.int64)
 
 
 def group_key(*keys: Array) -> tuple[Array, Array]:
-    """Integer group id per row for a composite key; returns (group ids, first row of each)."""
+    """Integer group id per row for a composite key; returns (group ids, first row of each).
+
+    Group ids follow the lexicographic order of the key tuples (as `np.unique(axis=0)`); when the
+    keys' ranges fit, they are packed into one int64 and grouped with a 1-D `np.unique` (stable
+    sort: the first row of each group is its first occurrence) — ~10× faster than axis=0."""
     if not keys or keys[0].size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    stacked = np.stack([np.asarray(k, dtype=np.int64) for k in keys], axis=1)
-    _, first, inv = np.unique(stacked, axis=0, return_index=True, return_inverse=True)
+    cols = [np.asarray(k, dtype=np.int64) for k in keys]
+    lows = [int(c.min()) for c in cols]
+    spans = [int(c.max()) - lo + 1 for c, lo in zip(cols, lows, strict=True)]
+    total = 1
+    for n in spans:
+        total *= n
+    if total < 2**62:
+        packed = np.zeros(cols[0].size, dtype=np.int64)
+        for c, lo, n in zip(cols, lows, spans, strict=True):
+            packed = packed * n + (c - lo)
+        _, first, inv = np.unique(packed, return_index=True, return_inverse=True)
+    else:
+        stacked = np.stack(cols, axis=1)
+        _, first, inv = np.unique(stacked, axis=0, return_index=True, return_inverse=True)
     return inv.reshape(-1).astype(np.int64), first.astype(np.int64)
 
 

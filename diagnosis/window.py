@@ -60,7 +60,7 @@ class Window:
         ops = self.get("ops")
         if not ops:
             return np.zeros(0, dtype=object)
-        uniq, inv = codes(col(ops, "comm_id").astype(str))
+        uniq, inv = codes(col(ops, "comm_id"))
         kinds = np.asarray([self.grid.comm_kind.get(str(c), "") for c in uniq], dtype=object)
         return np.asarray(kinds[inv], dtype=object)
 

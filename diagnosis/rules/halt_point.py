@@ -33,6 +33,11 @@ Procedure over the ops of the job's window (mapping in pipeline_ops.py):
    "dp_allreduce" and the ranks are left to Mycroft's min-data (mycroft_hang.py). If no replica
    issued any op of step k, the job stopped between steps (optimizer, callbacks, first batch):
    stage "between_steps", no culprit — the ops cannot tell which.
+
+Cost: the comm_id → kind mask is computed once per call, and the per-rank pass reconstruction
+(`pass_times`) selects its rows through one `OpsIndex` of the table (rows sorted once by
+(rank, comm), a lookup is a binary search) instead of a full-table string mask per rank — the
+mask was ~70 % of a hang's root cause at 1k ranks.
 """
 
 from __future__ import annotations
@@ -43,21 +48,22 @@ from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.groups import Grid
 from diagnosis.rules.base import Component, Finding
 from diagnosis.rules.critical_path import build_1f1b_dag
-from diagnosis.rules.pipeline_ops import PipelineSpec, pass_times
+from diagnosis.rules.pipeline_ops import OpsIndex, PipelineSpec, pass_times
 
 Array = np.ndarray
 
 
 def _is_dp(ops: Columns, grid: Grid) -> Array:
     """Row mask of ops on `dp` communicators (one dictionary lookup per distinct comm_id)."""
-    uniq, inv = codes(col(ops, "comm_id").astype(str))
+    uniq, inv = codes(col(ops, "comm_id"))
     kind = np.asarray([grid.comm_kind.get(str(c), "") == "dp" for c in uniq], dtype=bool)
     return kind[inv] if inv.size else np.zeros(0, dtype=bool)
 
 
-def _dp_entered(ops: Columns, grid: Grid, spec: PipelineSpec, step: int) -> tuple[Array, Array]:
+def _dp_entered(ops: Columns, grid: Grid, spec: PipelineSpec, step: int,
+                is_dp: Array | None = None) -> tuple[Array, Array]:
     """Per rank: entered step `step`'s DP collectives; completed them."""
-    is_dp = _is_dp(ops, grid)
+    is_dp = _is_dp(ops, grid) if is_dp is None else is_dp
     rank, seq = ints(ops, "rank")[is_dp], ints(ops, "op_seq")[is_dp]
     stp = ints(ops, "step", -1)[is_dp]
     k = np.where(stp >= 0, stp, seq // spec.dp_ops_per_step + spec.step_base)
@@ -70,9 +76,9 @@ def _dp_entered(ops: Columns, grid: Grid, spec: PipelineSpec, step: int) -> tupl
     return entered, done
 
 
-def hung_step(ops: Columns, grid: Grid, spec: PipelineSpec) -> int:
+def hung_step(ops: Columns, grid: Grid, spec: PipelineSpec, is_dp: Array | None = None) -> int:
     """The first step whose DP collectives have not completed on every rank."""
-    is_dp = _is_dp(ops, grid)
+    is_dp = _is_dp(ops, grid) if is_dp is None else is_dp
     if not is_dp.any():
         return spec.step_base
     seq, stp = ints(ops, "op_seq")[is_dp], ints(ops, "step", -1)[is_dp]
@@ -88,13 +94,16 @@ def halt_point(ops: Columns, grid: Grid, spec: PipelineSpec, now_ns: int,
     """Halt point(s) of the hung step; see the module docstring."""
     visible = {k: np.asarray(v)[ints(ops, "t_enqueue") <= now_ns] for k, v in ops.items()}
     visible["t_end"] = np.where(visible["t_end"] > now_ns, 0, visible["t_end"])
-    k = hung_step(visible, grid, spec) if step is None else step
-    entered, done = _dp_entered(visible, grid, spec, k)
+    is_dp = _is_dp(visible, grid)
+    k = hung_step(visible, grid, spec, is_dp) if step is None else step
+    entered, done = _dp_entered(visible, grid, spec, k, is_dp)
     rg = grid.replica_grid()
     waiting = [d for d in range(grid.dp) if entered[rg[d]].all()]
     comms = (grid.comm_of("pp"), grid.comm_of("tp"))
-    out = [f for d in range(grid.dp) if d not in waiting
-           for f in [_replica_halt(visible, grid, spec, k, d, rg, comms, waiting)]
+    examined = [d for d in range(grid.dp) if d not in waiting]
+    index = OpsIndex(visible) if examined else None
+    out = [f for d in examined
+           for f in [_replica_halt(visible, grid, spec, k, d, rg, comms, waiting, index)]
            if f is not None]
     if out and len(waiting) == 0 and all(f.evidence["started"] is False for f in out):
         # no replica issued any op of step k: the job stopped between steps (optimizer,
@@ -111,7 +120,8 @@ def halt_point(ops: Columns, grid: Grid, spec: PipelineSpec, now_ns: int,
 
 
 def _replica_halt(ops: Columns, grid: Grid, spec: PipelineSpec, step: int, d: int,
-                  rg: Array, comms: tuple[Array, Array], waiting: list[int]) -> Finding | None:
+                  rg: Array, comms: tuple[Array, Array], waiting: list[int],
+                  index: OpsIndex | None = None) -> Finding | None:
     m_n, pp = spec.microbatches, spec.pp
     complete = np.ones((pp, grid.tp, 2, m_n), dtype=bool)
     ready = np.zeros((pp, 2, m_n), dtype=np.int64)
@@ -121,7 +131,8 @@ def _replica_halt(ops: Columns, grid: Grid, spec: PipelineSpec, step: int, d: in
             r = int(rg[d, s, t])
             if r < 0:
                 continue
-            pt = pass_times(ops, spec, s, r, str(comms[0][r]), str(comms[1][r]) or None, step)
+            pt = pass_times(ops, spec, s, r, str(comms[0][r]), str(comms[1][r]) or None, step,
+                            index)
             complete[s, t], calls[s, t] = pt.complete, pt.tp_calls
             ready[s] = np.maximum(ready[s], pt.ready)
     node_done = complete.all(axis=1).reshape(-1)  # [P·2·M] in DAG node order

@@ -70,7 +70,7 @@ def _groups(ops: Columns, now_ns: int) -> tuple[Array, Array, int]:
     t_end = ints(ops, "t_end")
     op = col(ops, "op", "AllReduce").astype(str)
     rows = np.flatnonzero((t_end > 0) & (t_end <= now_ns) & ~np.isin(op, ["Send", "Recv"]))
-    _, cc = codes(col(ops, "comm_id").astype(str)[rows])
+    _, cc = codes(col(ops, "comm_id")[rows])
     gid, _ = group_key(cc, ints(ops, "op_seq")[rows])
     return rows, gid, int(gid.max()) + 1 if gid.size else 0
 
@@ -214,7 +214,7 @@ def slow_flows(flows: Columns, now_ns: int, config: FlowConfig | None = None) ->
     """Table 3 flow rules: similar flow times (persistent outliers) and every flow completes."""
     cfg = config or FlowConfig()
     t_start, t_end = ints(flows, "t_start"), ints(flows, "t_end")
-    _, cc = codes(col(flows, "comm_id").astype(str))
+    _, cc = codes(col(flows, "comm_id"))
     gid, _ = group_key(cc, ints(flows, "op_seq"))
     if gid.size == 0:
         return []

@@ -75,15 +75,15 @@ def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
     """AcquireGroupLastLog for every communicator at once (rows after `now_ns` are ignored)."""
     enq = ints(ops, "t_enqueue")
     ok = np.flatnonzero(enq <= now_ns)
-    comm = col(ops, "comm_id").astype(str)[ok]
-    _, ccode = codes(comm)
+    uniq, ccode = codes(col(ops, "comm_id")[ok])
     key, _ = group_key(ints(ops, "rank")[ok], ccode)
-    rows = ok[last_per_group(key, ints(ops, "op_seq")[ok])] if ok.size else ok
+    last = last_per_group(key, ints(ops, "op_seq")[ok]) if ok.size else ok
+    rows = ok[last]
     t_end = ints(ops, "t_end")[rows]
     t_end = np.where(t_end > now_ns, 0, t_end)
     return LastLogs(
-        rank=ints(ops, "rank")[rows], comm_id=col(ops, "comm_id").astype(str)[rows],
-        op_seq=ints(ops, "op_seq")[rows], op=col(ops, "op", "AllReduce").astype(str)[rows],
+        rank=ints(ops, "rank")[rows], comm_id=uniq[ccode[last]].astype(str),
+        op_seq=ints(ops, "op_seq")[rows], op=col(ops, "op", "AllReduce")[rows].astype(str),
         peer=ints(ops, "peer", -1)[rows], t_enqueue=enq[rows], t_end=t_end,
         stuck=(t_end == 0) & (now_ns - enq[rows] > stuck_ns),
     )

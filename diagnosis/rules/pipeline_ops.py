@@ -41,7 +41,7 @@ from typing import Literal
 
 import numpy as np
 
-from diagnosis.columns import Columns, col, ints
+from diagnosis.columns import Columns, codes, col, ints
 
 Array = np.ndarray
 Pass = Literal["F", "B"]
@@ -94,9 +94,40 @@ class PassTimes:
     tp_wait: Array  # ns spent inside the pass's finished TP collectives (one host's clock)
 
 
-def _rows(ops: Columns, rank: int, comm: str,
-          *extra: str) -> tuple[Array, ...]:
-    sel = (ints(ops, "rank") == rank) & (col(ops, "comm_id").astype(str) == comm)
+class OpsIndex:
+    """Rows of an ops table grouped by (rank, comm_id), built once per table.
+
+    `pass_times` is called per rank; selecting a rank's rows with a mask over the whole table
+    converts the object comm_id column to str on every call (O(rows) each, the bulk of a halt
+    point at 1k+ ranks). The index sorts the rows once by (rank, comm code) with a stable
+    `np.lexsort`; a lookup is then two `searchsorted` calls and returns row indices in their
+    original order, so results are identical to the mask.
+    """
+
+    def __init__(self, ops: Columns) -> None:
+        self.uniq, code = codes(col(ops, "comm_id"))
+        rank = ints(ops, "rank")
+        self.order = np.lexsort((code, rank)).astype(np.int64)
+        self.n_codes = max(int(self.uniq.size), 1)
+        self.key = rank[self.order] * self.n_codes + code[self.order]
+
+    def rows(self, rank: int, comm: str) -> Array:
+        """Row indices (ascending) of `rank` on communicator `comm`."""
+        j = int(np.searchsorted(self.uniq, comm))
+        if j >= self.uniq.size or str(self.uniq[j]) != comm:
+            return np.zeros(0, dtype=np.int64)
+        k = rank * self.n_codes + j
+        lo, hi = np.searchsorted(self.key, [k, k + 1])
+        return self.order[int(lo):int(hi)]
+
+
+def _rows(ops: Columns, rank: int, comm: str, *extra: str,
+          index: OpsIndex | None = None) -> tuple[Array, ...]:
+    sel: Array
+    if index is not None:
+        sel = index.rows(rank, comm)
+    else:
+        sel = (ints(ops, "rank") == rank) & (col(ops, "comm_id").astype(str) == comm)
     if extra:
         return tuple(ints(ops, e)[sel] for e in extra)
     return (ints(ops, "op_seq")[sel], ints(ops, "t_enqueue")[sel], ints(ops, "t_end")[sel],
@@ -104,14 +135,17 @@ def _rows(ops: Columns, rank: int, comm: str,
 
 
 def pass_times(ops: Columns, spec: PipelineSpec, stage: int, rank: int, pp_comm: str,
-               tp_comm: str | None, step: int) -> PassTimes:
-    """Observed times of every pass of `step` on one rank (see the module docstring)."""
+               tp_comm: str | None, step: int, index: OpsIndex | None = None) -> PassTimes:
+    """Observed times of every pass of `step` on one rank (see the module docstring).
+
+    `index` (an `OpsIndex` of `ops`) makes the row selection O(log rows) when called for many
+    ranks of the same table; the result is the same without it."""
     m_n = spec.microbatches
     order = stage_order(spec.pp, m_n, stage)
     plan = pp_plan(spec.pp, m_n, stage)
     ready, end, calls = (np.zeros((2, m_n), dtype=np.int64) for _ in range(3))
     k = step - spec.step_base
-    seq, enq, t_end, stp = _rows(ops, rank, pp_comm)
+    seq, enq, t_end, stp = _rows(ops, rank, pp_comm, index=index)
     base = k * len(plan)
     in_step = np.where(stp >= 0, stp == step, (seq >= base) & (seq < base + len(plan)))
     pos = np.where(stp >= 0, seq % max(len(plan), 1), seq - base)
@@ -125,7 +159,7 @@ def pass_times(ops: Columns, spec: PipelineSpec, stage: int, rank: int, pp_comm:
     wait = np.zeros((2, m_n), dtype=np.int64)
     pass_wait = np.zeros(len(order), dtype=np.int64)
     if kk > 0 and tp_comm is not None:
-        tseq, tenq, tend, tstp = _rows(ops, rank, tp_comm)
+        tseq, tenq, tend, tstp = _rows(ops, rank, tp_comm, index=index)
         tbase = k * len(order) * kk
         idx = np.where(tstp >= 0, tseq % (len(order) * kk), tseq - tbase)
         ok = np.where(tstp >= 0, tstp == step, (idx >= 0) & (idx < len(order) * kk))
@@ -133,7 +167,7 @@ def pass_times(ops: Columns, spec: PipelineSpec, stage: int, rank: int, pp_comm:
         grid_end = np.zeros((len(order), kk), dtype=np.int64)
         grid_enq[idx[ok] // kk, idx[ok] % kk] = tenq[ok]
         grid_end[idx[ok] // kk, idx[ok] % kk] = tend[ok]
-        tstart = _rows(ops, rank, tp_comm, "t_start")[0]
+        tstart = _rows(ops, rank, tp_comm, "t_start", index=index)[0]
         inside = np.where(tend[ok] > 0, tend[ok] - tstart[ok], 0)
         np.add.at(pass_wait, idx[ok] // kk, inside)
         tp_first, tp_last_end = grid_enq[:, 0], grid_end[:, -1]
