@@ -9,6 +9,7 @@ rows.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -41,12 +42,32 @@ def ints(cols: Columns, name: str, default: int | None = None) -> Array:
     return col(cols, name, default).astype(np.int64, copy=False)
 
 
+_CODES_MEMO: dict[int, tuple[weakref.ref[Array], Array, Array]] = {}
+_MEMO_MIN_ROWS = 65_536
+
+
 def codes(values: Array) -> tuple[Array, Array]:
     """(uniques, codes) of a column: values == uniques[codes].
 
     Same result as `np.unique(values.astype(str), return_inverse=True)` for string columns, but
     factorized through a dict first (one hash per row) so only the few distinct values are
-    sorted: sorting ~10⁶ unicode strings dominated root cause at 4k+ ranks."""
+    sorted: sorting ~10⁶ unicode strings dominated root cause at 4k+ ranks. Large object
+    columns (a window's comm_id, op) are factorized once: the result is remembered for as long
+    as that array object lives (several rules code the same column) and returned read-only."""
+    if values.dtype == object and values.size >= _MEMO_MIN_ROWS:
+        hit = _CODES_MEMO.get(id(values))
+        if hit is not None and hit[0]() is values:
+            return hit[1], hit[2]
+        uniq, inv = _codes(values)
+        uniq.setflags(write=False)
+        inv.setflags(write=False)
+        key = id(values)
+        _CODES_MEMO[key] = (weakref.ref(values, lambda _r: _CODES_MEMO.pop(key, None)), uniq, inv)
+        return uniq, inv
+    return _codes(values)
+
+
+def _codes(values: Array) -> tuple[Array, Array]:
     if values.size == 0:
         return np.asarray([], dtype=values.dtype), np.zeros(0, dtype=np.int64)
     if values.dtype.kind in "OU":

@@ -53,9 +53,9 @@ from diagnosis.rules.pipeline_ops import OpsIndex, PipelineSpec, pass_times
 Array = np.ndarray
 
 
-def _is_dp(ops: Columns, grid: Grid) -> Array:
+def _is_dp(ops: Columns, grid: Grid, comm_codes: tuple[Array, Array] | None = None) -> Array:
     """Row mask of ops on `dp` communicators (one dictionary lookup per distinct comm_id)."""
-    uniq, inv = codes(col(ops, "comm_id"))
+    uniq, inv = codes(col(ops, "comm_id")) if comm_codes is None else comm_codes
     kind = np.asarray([grid.comm_kind.get(str(c), "") == "dp" for c in uniq], dtype=bool)
     return kind[inv] if inv.size else np.zeros(0, dtype=bool)
 
@@ -92,16 +92,24 @@ def hung_step(ops: Columns, grid: Grid, spec: PipelineSpec, is_dp: Array | None 
 def halt_point(ops: Columns, grid: Grid, spec: PipelineSpec, now_ns: int,
                step: int | None = None) -> list[Finding]:
     """Halt point(s) of the hung step; see the module docstring."""
-    visible = {k: np.asarray(v)[ints(ops, "t_enqueue") <= now_ns] for k, v in ops.items()}
+    seen = ints(ops, "t_enqueue") <= now_ns
+    uniq, inv = codes(col(ops, "comm_id"))  # the whole column's codes (factorized once)
+    if seen.all():  # the usual case (now = the window's end): no copy of the table
+        visible = {k: np.asarray(v) for k, v in ops.items()}
+        comm_codes = (uniq, inv)
+    else:
+        visible = {k: np.asarray(v)[seen] for k, v in ops.items()}
+        comm_codes = (uniq, inv[seen])
     visible["t_end"] = np.where(visible["t_end"] > now_ns, 0, visible["t_end"])
-    is_dp = _is_dp(visible, grid)
+    is_dp = _is_dp(visible, grid, comm_codes)
     k = hung_step(visible, grid, spec, is_dp) if step is None else step
     entered, done = _dp_entered(visible, grid, spec, k, is_dp)
     rg = grid.replica_grid()
     waiting = [d for d in range(grid.dp) if entered[rg[d]].all()]
     comms = (grid.comm_of("pp"), grid.comm_of("tp"))
     examined = [d for d in range(grid.dp) if d not in waiting]
-    index = OpsIndex(visible) if examined else None
+    # the per-rank pass reconstruction reads the examined replicas' rows only
+    index = OpsIndex(visible, comm_codes, rg[examined].reshape(-1)) if examined else None
     out = [f for d in examined
            for f in [_replica_halt(visible, grid, spec, k, d, rg, comms, waiting, index)]
            if f is not None]

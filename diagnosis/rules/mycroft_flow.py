@@ -70,7 +70,8 @@ def _groups(ops: Columns, now_ns: int) -> tuple[Array, Array, int]:
     t_end = ints(ops, "t_end")
     op = col(ops, "op", "AllReduce").astype(str)
     rows = np.flatnonzero((t_end > 0) & (t_end <= now_ns) & ~np.isin(op, ["Send", "Recv"]))
-    _, cc = codes(col(ops, "comm_id")[rows])
+    _, cc = codes(col(ops, "comm_id"))
+    cc = cc[rows]
     gid, _ = group_key(cc, ints(ops, "op_seq")[rows])
     return rows, gid, int(gid.max()) + 1 if gid.size else 0
 

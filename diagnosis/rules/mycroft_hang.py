@@ -75,7 +75,8 @@ def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
     """AcquireGroupLastLog for every communicator at once (rows after `now_ns` are ignored)."""
     enq = ints(ops, "t_enqueue")
     ok = np.flatnonzero(enq <= now_ns)
-    uniq, ccode = codes(col(ops, "comm_id")[ok])
+    uniq, ccode = codes(col(ops, "comm_id"))
+    ccode = ccode[ok]
     key, _ = group_key(ints(ops, "rank")[ok], ccode)
     last = last_per_group(key, ints(ops, "op_seq")[ok]) if ok.size else ok
     rows = ok[last]
@@ -83,20 +84,32 @@ def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
     t_end = np.where(t_end > now_ns, 0, t_end)
     return LastLogs(
         rank=ints(ops, "rank")[rows], comm_id=uniq[ccode[last]].astype(str),
-        op_seq=ints(ops, "op_seq")[rows], op=col(ops, "op", "AllReduce")[rows].astype(str),
+        op_seq=ints(ops, "op_seq")[rows], op=_op_names(ops, rows),
         peer=ints(ops, "peer", -1)[rows], t_enqueue=enq[rows], t_end=t_end,
         stuck=(t_end == 0) & (now_ns - enq[rows] > stuck_ns),
     )
 
 
+def _op_names(ops: Columns, rows: Array) -> Array:
+    """The op column's `rows` as str (the column is factorized once, then expanded)."""
+    uniq, code = codes(col(ops, "op", "AllReduce"))
+    return np.asarray(uniq.astype(str)[code[rows]])
+
+
+def _is_p2p(ops: Columns) -> Array:
+    """Row mask of Send/Recv ops (the string test runs on the distinct op names only)."""
+    uniq, code = codes(col(ops, "op", "AllReduce"))
+    return np.asarray(np.isin(uniq.astype(str), P2P)[code], dtype=bool)
+
+
 def posted_p2p(ops: Columns, now_ns: int) -> set[tuple[int, str, int, str]]:
     """(rank, comm_id, peer, op) of every Send/Recv in flight at `now_ns` — not only last logs:
     a rank may have posted a Send and then a Recv that both hang (a dead link both ways)."""
-    op = col(ops, "op", "AllReduce").astype(str)
     t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
-    sel = np.flatnonzero(np.isin(op, P2P) & (enq <= now_ns) & ((t_end == 0) | (t_end > now_ns)))
-    return set(zip(ints(ops, "rank")[sel].tolist(), col(ops, "comm_id").astype(str)[sel].tolist(),
-                   ints(ops, "peer", -1)[sel].tolist(), op[sel].tolist(), strict=True))
+    sel = np.flatnonzero(_is_p2p(ops) & (enq <= now_ns) & ((t_end == 0) | (t_end > now_ns)))
+    op = col(ops, "op", "AllReduce")[sel].astype(str)
+    return set(zip(ints(ops, "rank")[sel].tolist(), col(ops, "comm_id")[sel].astype(str).tolist(),
+                   ints(ops, "peer", -1)[sel].tolist(), op.tolist(), strict=True))
 
 
 def _edges(ll: LastLogs, grid: Grid,
@@ -233,11 +246,10 @@ def _min_data(ranks: list[int], ll: LastLogs, now_ns: int, grid: Grid,
     sel = np.flatnonzero(ll.stuck & np.isin(ll.rank, ranks))
     ops_key = {(str(ll.comm_id[i]), int(ll.op_seq[i])) for i in sel}
     # the stalled transfers of p2p pairs include in-flight Sends/Recvs that are not last logs
-    op = col(ops, "op", "AllReduce").astype(str)
     t_end = ints(ops, "t_end")
-    p2p = np.flatnonzero(np.isin(op, P2P) & np.isin(ints(ops, "rank"), ranks)
+    p2p = np.flatnonzero(_is_p2p(ops) & np.isin(ints(ops, "rank"), ranks)
                          & ((t_end == 0) | (t_end > now_ns)) & (ints(ops, "t_enqueue") <= now_ns))
-    ops_key |= set(zip(col(ops, "comm_id").astype(str)[p2p].tolist(),
+    ops_key |= set(zip(col(ops, "comm_id")[p2p].astype(str).tolist(),
                        ints(ops, "op_seq")[p2p].tolist(), strict=True))
     if chunks:
         c = col(chunks, "comm_id").astype(str)

@@ -104,10 +104,14 @@ class OpsIndex:
     original order, so results are identical to the mask.
     """
 
-    def __init__(self, ops: Columns) -> None:
-        self.uniq, code = codes(col(ops, "comm_id"))
+    def __init__(self, ops: Columns, comm_codes: tuple[Array, Array] | None = None,
+                 ranks: Array | None = None) -> None:
+        """`comm_codes`: (uniques, code per row) of the comm_id column, if already known;
+        `ranks`: index only these ranks' rows (lookups of other ranks find none)."""
+        self.uniq, code = codes(col(ops, "comm_id")) if comm_codes is None else comm_codes
         rank = ints(ops, "rank")
-        self.order = np.lexsort((code, rank)).astype(np.int64)
+        sub = np.arange(rank.size) if ranks is None else np.flatnonzero(np.isin(rank, ranks))
+        self.order = sub[np.lexsort((code[sub], rank[sub]))].astype(np.int64)
         self.n_codes = max(int(self.uniq.size), 1)
         self.key = rank[self.order] * self.n_codes + code[self.order]
 
