@@ -76,10 +76,12 @@ def _groups(ops: Columns, now_ns: int) -> tuple[Array, Array, int]:
     return rows, gid, int(gid.max()) + 1 if gid.size else 0
 
 
-def _persistent(flag: Array, rank: Array, comm: Array, cfg: FlowConfig) -> list[tuple[str, int,
-                                                                                     float, int]]:
-    """(comm_id, rank, late fraction, ops) for (comm, rank) pairs late persistently."""
-    _, cc = codes(comm)
+def _persistent(flag: Array, rank: Array, comm: Array, cfg: FlowConfig,
+                cc: Array | None = None) -> list[tuple[str, int, float, int]]:
+    """(comm_id, rank, late fraction, ops) for (comm, rank) pairs late persistently (`cc`: the
+    codes of `comm` when the caller has them)."""
+    if cc is None:
+        _, cc = codes(comm)
     key, first = group_key(cc, rank)
     n = np.bincount(key)
     late = np.bincount(key, weights=flag.astype(np.float64))
@@ -220,7 +222,8 @@ def slow_flows(flows: Columns, now_ns: int, config: FlowConfig | None = None) ->
     if gid.size == 0:
         return []
     ng = int(gid.max()) + 1
-    rank, nic = ints(flows, "rank"), col(flows, "nic", "").astype(str)
+    rank = ints(flows, "rank")
+    nic_names, nic = codes(col(flows, "nic", ""))
     done = (t_end > 0) & (t_end <= now_ns)
     dur = np.where(done, t_end - t_start, np.nan).astype(np.float64)
     med = _group_median(gid, dur, ng)
@@ -228,10 +231,13 @@ def slow_flows(flows: Columns, now_ns: int, config: FlowConfig | None = None) ->
     any_done = np.bincount(gid, weights=done.astype(np.float64), minlength=ng) > 0
     stuck = ~done & (now_ns - t_start > cfg.stuck_ns) & any_done[gid]
     out: list[Finding] = []
-    path = np.asarray([f"{n}|{c}|{p}" for n, c, p in zip(
-        nic.tolist(), ints(flows, "channel", 0).tolist(), ints(flows, "peer", -1).tolist(),
-        strict=True)], dtype=object)  # one (nic, channel, peer) path: a persistent flow
-    for c, r, frac, n in _persistent(slow, rank, path, cfg):
+    # one (nic, channel, peer) path: a persistent flow; its name is formatted once per path
+    chan, dest = ints(flows, "channel", 0), ints(flows, "peer", -1)
+    pkey, pfirst = group_key(nic, chan, dest)
+    names = np.asarray([f"{nic_names[nic[i]]}|{chan[i]}|{dest[i]}" for i in pfirst.tolist()],
+                       dtype=object)
+    _, pcode = codes(names)
+    for c, r, frac, n in _persistent(slow, rank, names[pkey], cfg, pcode[pkey]):
         nic_name, channel, peer = c.split("|")
         out.append(Finding(rule="mycroft.table3.slow_flow", culprit_ranks=(r,), kind="slowdown",
                            component="nic_rdma", score=frac, labels=("slow_flow",),
@@ -243,5 +249,5 @@ def slow_flows(flows: Columns, now_ns: int, config: FlowConfig | None = None) ->
                            kind="hang", component="nic_rdma", score=1.0,
                            labels=("flow_incomplete",), onset_ns=int(t_start[s].min()),
                            evidence={"peers": sorted(set(ints(flows, "peer")[s].tolist()))[:16],
-                                     "nics": sorted(set(nic[s].tolist()))[:8]}))
+                                     "nics": sorted(set(nic_names[nic[s]].tolist()))[:8]}))
     return sorted(out, key=lambda f: -f.score)
