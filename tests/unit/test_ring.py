@@ -238,3 +238,12 @@ def test_packer_writes_records_one_by_one(name: str) -> None:
     assert ops["ts"].tolist() == [100 + i for i in range(8)]
     assert (ops["peer"] == -1).all() and (ops["comm_hash"] == 0xC0FFEE).all()
     assert (ops["kind"] == ring.KINDS["op"]).all() and (ops["src"] == ring.SOURCES["py"]).all()
+
+
+def test_every_func_of_the_c_enum_is_an_op_name_of_the_contract() -> None:
+    from typing import get_args
+
+    from ingest.records import OpName
+    from ingest.ring import FUNCS
+
+    assert FUNCS[0] == "" and set(FUNCS[1:]) <= set(get_args(OpName))
