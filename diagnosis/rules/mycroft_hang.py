@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diagnosis.columns import Columns, codes, col, group_key, ints, last_per_group
+from diagnosis.columns import Columns, codes, col, ints, last_per_group
 from diagnosis.groups import Grid
 from diagnosis.rules.base import Finding
 from diagnosis.rules.mycroft_state import chunk_states, state_findings
@@ -77,7 +77,10 @@ def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
     ok = np.flatnonzero(enq <= now_ns)
     uniq, ccode = codes(col(ops, "comm_id"))
     ccode = ccode[ok]
-    key, _ = group_key(ints(ops, "rank")[ok], ccode)
+    # one packed (rank, comm) key and one stable sort — the same rows, in the same order, as
+    # group_key + last_per_group
+    rank = ints(ops, "rank")[ok]
+    key = (rank - (int(rank.min()) if ok.size else 0)) * max(int(uniq.size), 1) + ccode
     last = last_per_group(key, ints(ops, "op_seq")[ok]) if ok.size else ok
     rows = ok[last]
     t_end = ints(ops, "t_end")[rows]
@@ -114,25 +117,45 @@ def posted_p2p(ops: Columns, now_ns: int) -> set[tuple[int, str, int, str]]:
 
 def _edges(ll: LastLogs, grid: Grid,
            posted: set[tuple[int, str, int, str]]) -> dict[int, set[int]]:
-    """Waits-for edges from every stuck (rank, comm) last log (loops over stuck groups only)."""
+    """Waits-for edges from every stuck (rank, comm) last log (loops over stuck groups only).
+
+    The last logs are grouped by communicator once (stable sort) and, per stuck communicator,
+    the "member never reached op k" test is one [stuck rows × members] comparison instead of a
+    Python loop per (stuck rank, member); edges are inserted in the same order as that loop."""
     edges: dict[int, set[int]] = {}
     stuck = np.flatnonzero(ll.stuck)
-    for c in np.unique(ll.comm_id[stuck]).tolist():
-        in_c = ll.comm_id == c
-        seq_of = dict(zip(ll.rank[in_c].tolist(), ll.op_seq[in_c].tolist(), strict=True))
-        members = grid.comm_members.get(c, np.unique(ll.rank[in_c])).tolist()
-        for i in stuck[ll.comm_id[stuck] == c].tolist():
+    if stuck.size == 0:
+        return edges
+    cuniq, cinv = np.unique(ll.comm_id, return_inverse=True)
+    cinv = cinv.reshape(-1)
+    by_comm = np.argsort(cinv, kind="stable")
+    bounds = np.searchsorted(cinv[by_comm], np.arange(cuniq.size + 1))
+    is_p2p = np.isin(ll.op, P2P)
+    for j in np.unique(cinv[stuck]).tolist():
+        c = str(cuniq[j])
+        rows_c = by_comm[bounds[j]:bounds[j + 1]]  # ascending row order
+        rc, qc = ll.rank[rows_c], ll.op_seq[rows_c]
+        members = np.asarray(grid.comm_members.get(c, np.unique(rc)), dtype=np.int64)
+        o = np.argsort(rc, kind="stable")
+        pos = np.searchsorted(rc[o], members, side="right") - 1  # last row per rank (dict)
+        found = (pos >= 0) & (rc[o][np.maximum(pos, 0)] == members)
+        seq_m = np.where(found, qc[o][np.maximum(pos, 0)], -1)
+        mine = rows_c[ll.stuck[rows_c]]
+        coll = mine[~is_p2p[mine]]
+        late = ((seq_m[None, :] < ll.op_seq[coll][:, None])
+                & (members[None, :] != ll.rank[coll][:, None]))
+        late_of = {int(i): late[n] for n in np.flatnonzero(late.any(axis=1)).tolist()
+                   for i in [coll[n]]}
+        for i in mine.tolist():
             a = int(ll.rank[i])
-            if ll.op[i] in P2P:
+            if is_p2p[i]:
                 b = int(ll.peer[i])
                 match = "Send" if ll.op[i] == "Recv" else "Recv"
                 if b >= 0 and (b, c, a, match) not in posted:  # b never posted its side
                     edges.setdefault(a, set()).add(b)
                 continue
-            k = int(ll.op_seq[i])
-            late = [int(b) for b in members if b != a and seq_of.get(b, -1) < k]
-            if late:
-                edges.setdefault(a, set()).update(late)
+            if i in late_of:
+                edges.setdefault(a, set()).update(members[late_of[i]].tolist())
     return edges
 
 
