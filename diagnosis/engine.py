@@ -92,7 +92,7 @@ def to_diagnosis(c: Conclusion, w: Window, trigger: Trigger, *, incident_id: str
     for f in c.findings[:8]:
         data = {k: v for k, v in f.evidence.items() if _small(v)}
         ranks = list(f.culprit_ranks)[:16]
-        evidence.append(Evidence(rule=f.rule, summary=f"{f.rule}: ranks {ranks}, stage "
+        evidence.append(Evidence(rule=f.rule, summary=f"ranks {ranks}, stage "
                                  f"{f.stage}, component {f.component}, score {f.score:.3g}",
                                  data=data))
     sql = operator_sql(w.topo.job_id, c, w.start_ns)
