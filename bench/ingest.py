@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,12 +28,6 @@ from rankwatch import stack
 from rankwatch.settings import Settings
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def sql(settings: Settings, query: str) -> str:
     req = urllib.request.Request(f"http://{settings.bind_host}:{settings.sql_port}/",
                                  data=query.encode(), method="POST")
@@ -43,8 +36,7 @@ def sql(settings: Settings, query: str) -> str:
 
 
 def run(records: int, batch_rows: int, home: Path, log: bool) -> dict[str, float]:
-    settings = Settings.load(home=home, kafka_port=free_port(), kafka_controller_port=free_port(),
-                             sql_port=free_port(), topic_prefix="bench")
+    settings = stack.private_settings(home, topic_prefix="bench")
 
     def say(message: str) -> None:
         if log:

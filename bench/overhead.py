@@ -31,15 +31,7 @@ import time
 from typing import Any
 
 from ingest.torch.provision import ensure_importable
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from rankwatch.stack import free_port
 
 PREFIX = f"/rwbench{os.getpid()}"
 

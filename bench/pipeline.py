@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.ingest import free_port, sql
+from bench.ingest import sql
 from rankwatch import stack
 from rankwatch.settings import Settings
 
@@ -50,9 +50,8 @@ def counts(settings: Settings, job: str) -> dict[str, int]:
 def run(args: argparse.Namespace, home: Path, say: object) -> dict[str, object]:
     log = say if callable(say) else (lambda m: None)
     # windows short enough to close inside a job of a few simulated seconds
-    settings = Settings.load(home=home, kafka_port=free_port(), kafka_controller_port=free_port(),
-                             sql_port=free_port(), topic_prefix="benchp",
-                             iteration_window_s=2.0, kernel_window_s=4.0)
+    settings = stack.private_settings(home, topic_prefix="benchp", iteration_window_s=2.0,
+                                      kernel_window_s=4.0)
     stack.up(settings, progress=log)
     try:
         pid = stack.worker_daemon(settings).pid()

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +24,6 @@ from rankwatch.settings import Settings
 
 FAULT = "hang rank=141 stage=bwd mb=2 at=12s"
 JOB = ["--tp", "8", "--pp", "4", "--dp", "8", "--steps", "40", "--job-id", "demo-256"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _sql(settings: Settings, query: str) -> str:
@@ -47,9 +40,7 @@ def main() -> int:
     from rankwatch.commands.tail import render
 
     with tempfile.TemporaryDirectory(prefix="rankwatch-demo-") as home:
-        settings = Settings.load(home=Path(home), kafka_port=_free_port(),
-                                 kafka_controller_port=_free_port(), sql_port=_free_port(),
-                                 topic_prefix="demo")
+        settings = stack.private_settings(Path(home), topic_prefix="demo")
         print("== starting the local stack (broker + worker)")
         stack.up(settings, progress=lambda m: print("   " + m))
         sim = None

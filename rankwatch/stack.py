@@ -13,6 +13,7 @@ SIGTERM) → broker.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import urllib.error
@@ -40,6 +41,20 @@ WORKER_STOP_TIMEOUT = 30.0
 
 class StackError(RuntimeError):
     """A part of the stack did not come up; the message carries the end of its log."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def private_settings(home: Path, **overrides: Any) -> Settings:
+    """Settings for a throw-away stack (demo, benchmarks, evaluation): its own home and free
+    loopback ports, so it never touches a stack the user runs."""
+    return Settings.load(home=home, kafka_port=free_port(), kafka_controller_port=free_port(),
+                         sql_port=free_port(), **overrides)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

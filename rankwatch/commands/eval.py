@@ -116,7 +116,6 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 def real_pipeline(names: list[str], say: Any) -> list[ScenarioScore]:
     from confluent_kafka import Consumer
 
-    from bench.ingest import free_port
     from ingest.sim.scenario import load_catalog
     from ingest.sim.truth import TruthRecord
     from rankwatch import stack
@@ -124,9 +123,7 @@ def real_pipeline(names: list[str], say: Any) -> list[ScenarioScore]:
     cat = load_catalog()
     scores: list[ScenarioScore] = []
     with tempfile.TemporaryDirectory(prefix="rankwatch-eval-") as home:
-        settings = Settings.load(home=Path(home), kafka_port=free_port(),
-                                 kafka_controller_port=free_port(), sql_port=free_port(),
-                                 topic_prefix="eval")
+        settings = stack.private_settings(Path(home), topic_prefix="eval")
         stack.up(settings, progress=say)
         consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "eval",
                              "auto.offset.reset": "earliest"})
