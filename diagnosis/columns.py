@@ -9,6 +9,7 @@ rows.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Mapping
 
@@ -44,6 +45,7 @@ def ints(cols: Columns, name: str, default: int | None = None) -> Array:
 
 _CODES_MEMO: dict[int, tuple[weakref.ref[Array], Array, Array]] = {}
 _MEMO_MIN_ROWS = 65_536
+_OBJECT_IDS_MIN_ROWS = 4_096  # below, the per-row dict is as fast
 
 
 def codes(values: Array) -> tuple[Array, Array]:
@@ -67,24 +69,72 @@ def codes(values: Array) -> tuple[Array, Array]:
     return _codes(values)
 
 
+def object_ids(values: Array) -> tuple[Array, Array]:
+    """(rows, ids) of a 1-D object column: `rows` holds the first row of each distinct Python
+    object in the column (ascending) and `ids[i]` is the index into `rows` of row i's object
+    (values[i] is values[rows[ids[i]]] — the very same object, so also an equal value).
+
+    Readers and decoders hand out the same string object for many rows (a dictionary-encoded
+    column, one name per batch), so a column of 10⁶ rows often holds 10²-10⁵ objects. They are
+    grouped by address — the object array's buffer of PyObject pointers, read as unsigned
+    integers without touching the objects — with one sort of integers, after collapsing runs
+    of the same object; no Python call per row. Equal values held by different objects get
+    different ids: callers merge those (a dict over `rows`)."""
+    v = np.ascontiguousarray(values).reshape(-1)
+    n = v.size
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if v.dtype != object or v.itemsize != np.dtype(np.uintp).itemsize:
+        raise TypeError(f"object_ids needs an object column, got dtype {v.dtype}")
+    # a read-only view of the pointers; `v` holds the references for as long as it is read
+    buf = (ctypes.c_size_t * n).from_address(v.ctypes.data)
+    ptr = np.ctypeslib.as_array(buf).view(np.uintp)
+    heads = np.flatnonzero(np.r_[True, ptr[1:] != ptr[:-1]])  # runs of one object
+    order = np.argsort(ptr[heads], kind="stable")
+    sp = ptr[heads][order]
+    new = np.r_[True, sp[1:] != sp[:-1]]
+    head_id = np.empty(heads.size, dtype=np.int64)
+    head_id[order] = np.cumsum(new) - 1
+    # ids in order of first occurrence (stable sort: a group's first head is its first row)
+    first = heads[order[new]]
+    by_row = np.argsort(first, kind="stable")
+    renum = np.empty(first.size, dtype=np.int64)
+    renum[by_row] = np.arange(first.size)
+    run_len = np.diff(np.r_[heads, n])
+    return first[by_row].astype(np.int64), np.repeat(renum[head_id], run_len)
+
+
 def _codes(values: Array) -> tuple[Array, Array]:
     if values.size == 0:
         return np.asarray([], dtype=values.dtype), np.zeros(0, dtype=np.int64)
+    if values.dtype == object and values.ndim == 1 and values.size >= _OBJECT_IDS_MIN_ROWS:
+        # code each distinct object once, then spread the codes over the rows
+        rows, ids = object_ids(values)
+        coded = _dict_codes(values[rows].tolist())
+        if coded is not None:
+            return coded[0], coded[1][ids]
     if values.dtype.kind in "OU":
-        rows = values.tolist()
-        try:
-            distinct = list(dict.fromkeys(rows))
-        except TypeError:  # unhashable objects: sort their str forms
-            distinct = []
-        if distinct:
-            uniq, remap = np.unique(np.asarray([str(k) for k in distinct], dtype=str),
-                                    return_inverse=True)
-            code_of = dict(zip(distinct, remap.reshape(-1).tolist(), strict=True))
-            return uniq, np.fromiter(map(code_of.__getitem__, rows), dtype=np.int64,
-                                     count=len(rows))
+        coded = _dict_codes(values.tolist())
+        if coded is not None:
+            return coded
     uniq, inv = np.unique(values.astype(str) if values.dtype == object else values,
                           return_inverse=True)
     return uniq, inv.astype(np.int64)
+
+
+def _dict_codes(items: list[object]) -> tuple[Array, Array] | None:
+    """(sorted distinct str forms, code per item), equal items merged by a dict; None when the
+    items are unhashable (the caller then sorts their str forms)."""
+    try:
+        distinct = list(dict.fromkeys(items))
+    except TypeError:
+        return None
+    if not distinct:
+        return None
+    uniq, remap = np.unique(np.asarray([str(k) for k in distinct], dtype=str),
+                            return_inverse=True)
+    code_of = dict(zip(distinct, remap.reshape(-1).tolist(), strict=True))
+    return uniq, np.fromiter(map(code_of.__getitem__, items), dtype=np.int64, count=len(items))
 
 
 def group_key(*keys: Array) -> tuple[Array, Array]:

@@ -72,7 +72,8 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
     gap = int(1.5 * w.beat_interval_ns())
     alg2 = analyze_hang(ops, grid, now_ns, chunks=w.get("chunks") or None,
                         beats=w.get("beats") or None, flows=w.get("flows") or None,
-                        config=HangConfig(stuck_ns=stuck_ns, death_gap_ns=gap))
+                        config=HangConfig(stuck_ns=stuck_ns, death_gap_ns=gap),
+                        last_seen=w.last_seen(now_ns))
     if not alg2:
         return None
     dead = _dead_ranks(w, now_ns, gap)
@@ -82,12 +83,10 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
         halt = halt_point(ops, grid, w.spec, now_ns)
     except (ValueError, IndexError):
         halt = []
-    flows = w.get("flows")
-    incomplete = [f for f in (slow_flows(flows, now_ns, FlowConfig(stuck_ns=stuck_ns))
-                              if flows else []) if "flow_incomplete" in f.labels]
     min_op = [f for f in alg2 if f.rule == "mycroft.alg2.min_op"]
     if min_op:
         return _min_op(w, now_ns, min_op, halt, alg2)
+    incomplete = _incomplete_flows(w, now_ns, stuck_ns)
     blamed = [f for f in alg2 if f.culprit_ranks]
     if not blamed:
         blamed = [p for f in alg2 if "no_counter_evidence" in f.labels
@@ -103,19 +102,20 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
     return None
 
 
+def _incomplete_flows(w: Window, now_ns: int, stuck_ns: int) -> list[Finding]:
+    """Table 3's "flow_incomplete" findings (only the min-data and no-culprit paths use them:
+    a min-op culprit is named by the ops alone, so its hang does not pay for the flow scan)."""
+    flows = w.get("flows")
+    if not flows:
+        return []
+    return [f for f in slow_flows(flows, now_ns, FlowConfig(stuck_ns=stuck_ns))
+            if "flow_incomplete" in f.labels]
+
+
 def _dead_ranks(w: Window, now_ns: int, gap: int) -> np.ndarray:
     """Ranks whose records (ops, beats) stopped: last one older than `gap` before now and
     before the median rank's last record (Mycroft #1: the culprit "stops earlier")"""
-    world = w.grid.world
-    seen = np.zeros(world, dtype=np.int64)
-    for kind, cols in (("ops", ("t_enqueue", "t_start", "t_end")), ("beats", ("ts",))):
-        t = w.get(kind)
-        if not t:
-            continue
-        r = ints(t, "rank")
-        ts = np.maximum.reduce([ints(t, c, 0) for c in cols])
-        ok = (ts <= now_ns) & (r < world)
-        np.maximum.at(seen, r[ok], ts[ok])
+    seen = w.last_seen(now_ns)
     if not w.get("beats") or not (seen > 0).any():
         return np.zeros(0, dtype=np.int64)
     med = int(np.median(seen[seen > 0]))

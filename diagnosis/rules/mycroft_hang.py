@@ -50,6 +50,7 @@ from diagnosis.columns import Columns, codes, col, ints, last_per_group
 from diagnosis.groups import Grid
 from diagnosis.rules.base import Finding
 from diagnosis.rules.mycroft_state import chunk_states, state_findings
+from diagnosis.window import last_record_ns
 
 Array = np.ndarray
 SECOND = 1_000_000_000
@@ -188,19 +189,6 @@ def _reachable_sinks(edges: dict[int, set[int]],
     return reach, cyclic
 
 
-def _last_seen(ops: Columns, beats: Columns | None, world: int, now_ns: int) -> Array:
-    seen = np.zeros(world, dtype=np.int64)
-    r = ints(ops, "rank")
-    ts = np.maximum.reduce([ints(ops, k, 0) for k in ("t_enqueue", "t_start", "t_end")])
-    ok = (ts <= now_ns) & (r < world)
-    np.maximum.at(seen, r[ok], ts[ok])
-    if beats:
-        br, bts = ints(beats, "rank"), ints(beats, "ts")
-        ok = (bts <= now_ns) & (br < world)
-        np.maximum.at(seen, br[ok], bts[ok])
-    return seen
-
-
 def _stage(grid: Grid, comm: str, op: str) -> str:
     kind = grid.comm_kind.get(comm, "")
     if kind == "dp":
@@ -210,8 +198,12 @@ def _stage(grid: Grid, comm: str, op: str) -> str:
 
 def analyze_hang(ops: Columns, grid: Grid, now_ns: int, *, chunks: Columns | None = None,
                  beats: Columns | None = None, flows: Columns | None = None,
-                 config: HangConfig | None = None) -> list[Finding]:
-    """Alg. 2 over one job's window; returns findings (empty when nothing is stuck)."""
+                 config: HangConfig | None = None,
+                 last_seen: Array | None = None) -> list[Finding]:
+    """Alg. 2 over one job's window; returns findings (empty when nothing is stuck).
+
+    `last_seen`: each rank's newest record time at `now_ns` (`window.last_record_ns` of these
+    ops and beats), when the caller already has it."""
     cfg = config or HangConfig()
     ll = last_logs(ops, now_ns, cfg.stuck_ns)
     if not ll.stuck.any():
@@ -221,7 +213,8 @@ def analyze_hang(ops: Columns, grid: Grid, now_ns: int, *, chunks: Columns | Non
     stuck_ranks = sorted({int(r) for r in ll.rank[ll.stuck]})
     reach, cyclic = _reachable_sinks(edges, stuck_ranks)
     stuck_set = set(stuck_ranks)
-    seen = _last_seen(ops, beats, grid.world, now_ns)
+    seen = last_record_ns(ops, beats or {}, grid.world, now_ns) if last_seen is None \
+        else last_seen
     active = seen[seen > 0]
     median_seen = int(np.median(active)) if active.size else now_ns
     out: list[Finding] = []
