@@ -77,10 +77,27 @@ class LastLogs:
     stuck: Array  # bool
 
 
-def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
-    """AcquireGroupLastLog for every communicator at once (rows after `now_ns` are ignored)."""
+def reached(ops: Columns, now_ns: int, stuck_ns: int) -> Array:
+    """Row mask: the rank had reached the op at `now_ns` — enqueued by then, and not an op whose
+    kernel was still waiting to start more than `stuck_ns` after its enqueue (t_start > now):
+    the host posted the call, but the GPU stream never got to it (its previous kernel hangs).
+
+    The second case is only visible when the rows were written after `now_ns` — a stall analysed
+    after it recovered (hang_rca.analyze_past_stall) — and stays clear of clock skew (ms) by the
+    `stuck_ns` margin. Its rank has not reached the op, as in Alg. 2's CheckMinOp; treating the
+    call as reached would put the rank beside its waiting peers in the same op and hand the
+    decision to the chunk counters, where the peer that staged data for it looks like a NIC that
+    does not transmit."""
     enq = ints(ops, "t_enqueue")
-    ok = np.flatnonzero(enq <= now_ns)
+    pending = (ints(ops, "t_start", 0) > now_ns) & (now_ns - enq > stuck_ns)
+    return np.asarray((enq <= now_ns) & ~pending, dtype=bool)
+
+
+def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
+    """AcquireGroupLastLog for every communicator at once: per (rank, comm_id) the last op the
+    rank had reached at `now_ns` (`reached`)."""
+    enq = ints(ops, "t_enqueue")
+    ok = np.flatnonzero(reached(ops, now_ns, stuck_ns))
     uniq, ccode = codes(col(ops, "comm_id"))
     ccode = ccode[ok]
     # one packed (rank, comm) key and one stable sort — the same rows, in the same order, as

@@ -128,3 +128,30 @@ def test_adding_pure_waiting_to_a_victim_never_moves_blame(extra_beats, longer_w
     allb = {"rank": np.concatenate([b["rank"], xr]), "ts": np.concatenate([b["ts"], xt])}
     found = analyze_hang(cols(rows), GRID, NOW, beats=allb)
     assert [f.culprit_ranks for f in found] == [(5,)]
+
+
+def test_call_enqueued_but_never_started_is_not_reached():
+    """A stall analysed after it recovered: rank 5's host posted TP op 10 with rank 4's, but its
+    kernel started only when the hung backward ended (t_start after now). Rank 4 waited inside
+    the op; rank 5 never reached it on the GPU — the min-op culprit, not a same-op member."""
+    t_hang, t_back = 60 * S, 90 * S
+    rows = [r for r in compute_hang_ops(t_hang) if not (r[0] == 4 and r[2] == 10)]
+    rows += [(4, "tp:pp1:dp0", 10, "AllReduce", -1, t_hang, t_hang, t_back),
+             (5, "tp:pp1:dp0", 10, "AllReduce", -1, t_hang, t_back, t_back)]
+    now = 80 * S
+    found = analyze_hang(cols(rows), GRID, now, beats=beats(list(range(8)), now))
+    assert [(f.rule, f.culprit_ranks) for f in found] == [("mycroft.alg2.min_op", (5,))]
+    assert "live_hang" in found[0].labels
+
+
+def test_call_starting_within_the_stuck_threshold_counts_as_reached():
+    """A kernel that starts a few ms after now (pipelining, clock skew) is not a hang: rank 5
+    counts as in the op beside rank 4 (a same-op stall, left to the chunk counters), not as a
+    rank that never reached it."""
+    now = 80 * S
+    rows: list[Row] = [(r, "tp:pp1:dp0", k, "AllReduce", -1, k * S, k * S, k * S + 1)
+                       for r in (4, 5) for k in range(10)]
+    rows += [(4, "tp:pp1:dp0", 10, "AllReduce", -1, 60 * S, 60 * S, 0),
+             (5, "tp:pp1:dp0", 10, "AllReduce", -1, now - S // 100, now + S // 100, 0)]
+    found = analyze_hang(cols(rows), GRID, now, beats=beats(list(range(8)), now))
+    assert [(f.rule, f.culprit_ranks) for f in found] == [("mycroft.alg2.min_data", ())]
