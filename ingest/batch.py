@@ -11,7 +11,9 @@ The `jobs` kind carries ``"recs": [JobTopology, ...]`` instead of ``"cols"``.
 `encode_batch` and `decode_batch` work on whole numpy columns: no per-record model construction,
 no per-row Python on the valid path. Validation applies the rules the pydantic models in
 `ingest.records` declare, column-wise; the first violation raises `BatchError` naming the field,
-the row and the reason.
+the row and the reason. `decode_batch(data, coded=True)` keeps string columns dictionary-encoded
+(`Coded`: codes + distinct values, in `RecordBatch.strings`) instead of building one Python
+string reference per row: the raw sink's path, which stores them as LowCardinality codes.
 """
 
 from __future__ import annotations
@@ -60,9 +62,37 @@ class BatchError(ValueError):
         return {"field": self.field, "row": self.row, "reason": self.reason}
 
 
+@dataclass(frozen=True)
+class Coded:
+    """A dictionary-encoded string column: row i is ``values[codes[i]]``.
+
+    `codes` are int64 in ``[0, len(values))``; `values` is an object array of str (entries no
+    row uses may be "" — a bad unused entry of the producer's dictionary is blanked, not kept).
+    """
+
+    codes: np.ndarray
+    values: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def strings(self) -> np.ndarray:
+        """The column as an object array of str, one reference per row."""
+        return self.values[self.codes] if len(self.codes) else np.empty(0, object)
+
+    @classmethod
+    def factorize(cls, strings: np.ndarray | Sequence[str]) -> Coded:
+        """Codes in order of first appearance (one dict lookup per row: for small columns)."""
+        codes, dictionary = _dict_encode(strings)
+        return cls(codes, _objects(dictionary))
+
+
 @dataclass
 class RecordBatch:
-    """A decoded batch: numpy columns (int columns typed, string columns as object arrays)."""
+    """A decoded batch: numpy columns (int columns typed, string columns as object arrays).
+
+    Decoded with ``coded=True``, string columns are in `strings` as `Coded` and not in `cols`.
+    """
 
     kind: str
     job_id: str
@@ -70,12 +100,21 @@ class RecordBatch:
     seq: int
     cols: dict[str, np.ndarray] = field(default_factory=dict)
     topologies: list[JobTopology] = field(default_factory=list)
+    strings: dict[str, Coded] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
         if self.kind == "jobs":
             return len(self.topologies)
-        return len(next(iter(self.cols.values()))) if self.cols else 0
+        for columns in (self.cols, self.strings):
+            for c in columns.values():
+                return len(c)
+        return 0
+
+    def column(self, name: str) -> np.ndarray:
+        """Column `name` as numpy, string columns as object arrays however they were decoded."""
+        coded = self.strings.get(name)
+        return coded.strings() if coded is not None else self.cols[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +124,12 @@ class RecordBatch:
 def _ints(values: Any, packed: bool) -> Any:
     arr = np.ascontiguousarray(values, dtype="<i8")
     return {"le64": base64.b64encode(arr.tobytes()).decode("ascii")} if packed else arr
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = values
+    return arr
 
 
 def _dict_encode(values: np.ndarray | Sequence[str]) -> tuple[np.ndarray, list[str]]:
@@ -235,7 +280,9 @@ def _check_str(c: Column, s: Any) -> str | None:
     return None
 
 
-def _str_column(c: Column, raw: Any, n: int) -> np.ndarray:
+def _str_column(c: Column, raw: Any, n: int) -> Coded | np.ndarray:
+    """A string column: `Coded` from a dictionary-encoded one, an object array from a plain one
+    (the caller factorizes it when it wants codes)."""
     if isinstance(raw, list):
         if len(raw) != n:
             raise BatchError(f"column has {len(raw)} rows, batch says n={n}", c.name)
@@ -246,28 +293,29 @@ def _str_column(c: Column, raw: Any, n: int) -> np.ndarray:
             reason = _check_str(c, s)
             if reason:
                 raise BatchError(reason, c.name, raw.index(s))
-        arr = np.empty(n, dtype=object)
-        arr[:] = raw
-        return arr
+        return _objects(raw)
     if not isinstance(raw, dict) or set(raw) != {"d", "i"} or not isinstance(raw["d"], list):
         raise BatchError('expected an array of strings or {"d": [...], "i": [...]}', c.name)
     dictionary = raw["d"]
     codes = _int_column(
         Column(c.name, "int", np.dtype(np.int64), True, None, 0, max(len(dictionary), 1)),
         raw["i"], n)
+    lookup = _objects(dictionary)
     for j, s in enumerate(dictionary):
         reason = _check_str(c, s)
         if reason:
             used = np.flatnonzero(codes == j)
             if len(used):  # an unused bad entry harms nothing, a used one names its first row
                 raise BatchError(reason, c.name, int(used[0]))
-    lookup = np.empty(len(dictionary), dtype=object)
-    lookup[:] = dictionary
-    return lookup[codes] if n else np.empty(0, object)
+            lookup[j] = ""  # never stored, but must not reach a writer as a non-string
+    return Coded(codes, lookup)
 
 
-def decode_batch(data: bytes) -> RecordBatch:
-    """Decode and validate one message. Raises `BatchError`; never returns a partial batch."""
+def decode_batch(data: bytes, *, coded: bool = False) -> RecordBatch:
+    """Decode and validate one message. Raises `BatchError`; never returns a partial batch.
+
+    `coded`: string columns go to `RecordBatch.strings` as `Coded` (plain string arrays are
+    factorized) instead of `cols` as object arrays."""
     try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as e:
@@ -300,17 +348,22 @@ def decode_batch(data: bytes) -> RecordBatch:
     if unknown:
         raise BatchError(f"unknown column for kind {kind!r}", sorted(unknown)[0])
     cols: dict[str, np.ndarray] = {}
+    strings: dict[str, Coded] = {}
     for c in spec:
         raw = raw_cols.get(c.name)
-        if raw is None:
-            if c.required:
-                raise BatchError("required column is missing", c.name)
-            cols[c.name] = np.full(n, c.default, dtype=c.dtype)
-        elif c.kind == "int":
-            cols[c.name] = _int_column(c, raw, n)
+        if raw is None and c.required:
+            raise BatchError("required column is missing", c.name)
+        if c.kind == "int":
+            cols[c.name] = (np.full(n, c.default, dtype=c.dtype) if raw is None
+                            else _int_column(c, raw, n))
+            continue
+        col = (Coded(np.zeros(n, np.int64), _objects([c.default])) if raw is None
+               else _str_column(c, raw, n))
+        if not coded:
+            cols[c.name] = col.strings() if isinstance(col, Coded) else col
         else:
-            cols[c.name] = _str_column(c, raw, n)
-    return RecordBatch(kind, job_id, producer, seq, cols)
+            strings[c.name] = col if isinstance(col, Coded) else Coded.factorize(col)
+    return RecordBatch(kind, job_id, producer, seq, cols, strings=strings)
 
 
 def _decode_jobs(doc: dict[str, Any], job_id: str, producer: str, seq: int, n: int) -> RecordBatch:

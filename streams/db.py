@@ -9,8 +9,10 @@ Contract:
 - Errors from ClickHouse surface as `ClickHouseError` whose `message` is ClickHouse's own text
   ("Code: 60. DB::Exception: ..."). Opening an embedded directory that another process holds
   raises `EmbeddedDatabaseBusy`.
-- `insert_columns` sends one column-oriented Native insert; int64 nanoseconds go into
-  `DateTime64(9)` columns as raw ticks (no datetime objects anywhere).
+- `insert_columns` sends one Native insert, built by streams.native from numpy columns (string
+  columns may come dictionary-encoded, `ingest.batch.Coded`, and go to LowCardinality columns as
+  codes + dictionary); int64 nanoseconds go into `DateTime64(9)` columns as raw ticks (no
+  datetime objects anywhere).
 - `execute_sql` is the SQL endpoint's path: ClickHouse's formatted output as bytes, read-only by
   default (ClickHouse's `readonly=2`), with each call in its own session so `SET`/`USE` never leak
   into the writer's connection or the next caller's query.
@@ -42,6 +44,9 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError as _DriverError
 from clickhouse_connect.driver.insert import InsertContext
 from clickhouse_connect.driver.query import QueryResult
+
+from ingest.batch import Coded
+from streams import native
 
 T = TypeVar("T")
 
@@ -202,6 +207,15 @@ def readonly_refusal(sql: str) -> str | None:
 # The database
 
 
+@dataclass(frozen=True)
+class _TableShape:
+    """A table's insert columns: its qualified name, clickhouse-connect types, type names."""
+
+    table: str
+    types: dict[str, Any]
+    type_names: dict[str, str]
+
+
 class Database:
     """One ClickHouse database (`database`) at `url`, accessed from one thread. See module doc."""
 
@@ -212,7 +226,7 @@ class Database:
         self.database = database
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
         self._thread: int | None = None
-        self._types: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._shapes: dict[str, _TableShape] = {}
         self._closed = False
         try:
             self._client: Client = self._call(self._open, create)
@@ -279,10 +293,13 @@ class Database:
         """The result as numpy columns by name (DateTime64 as datetime64[ns], strings as object)."""
         return self._call(self._query_columns, sql, parameters)
 
-    def insert_columns(self, table: str, columns: Mapping[str, np.ndarray],
+    def insert_columns(self, table: str, columns: Mapping[str, np.ndarray | Coded],
                        settings: Mapping[str, Any] | None = None) -> int:
         """Insert equal-length numpy columns into `table` in one column-oriented insert; returns
-        the rows sent. Integer columns may feed DateTime64 columns (ticks: ns for DateTime64(9))."""
+        the rows sent. Integer columns may feed DateTime64 columns (ticks: ns for DateTime64(9));
+        string columns may be `Coded` (codes + distinct values). Tables whose every column type
+        streams.native writes get a Native body built with numpy; others (arrays) go through
+        clickhouse-connect's column writer."""
         return self._call(self._insert, table, columns, settings)
 
     def command(self, sql: str, parameters: Mapping[str, Any] | None = None) -> Any:
@@ -326,7 +343,7 @@ class Database:
                              ) -> dict[str, np.ndarray]:
         return await self._acall(self._query_columns, sql, parameters)
 
-    async def ainsert(self, table: str, columns: Mapping[str, np.ndarray],
+    async def ainsert(self, table: str, columns: Mapping[str, np.ndarray | Coded],
                       settings: Mapping[str, Any] | None = None) -> int:
         return await self._acall(self._insert, table, columns, settings)
 
@@ -368,7 +385,7 @@ class Database:
     def _command(self, sql: str, parameters: Mapping[str, Any] | None) -> Any:
         return self._client.command(sql, parameters=dict(parameters) if parameters else None)
 
-    def _insert(self, table: str, columns: Mapping[str, np.ndarray],
+    def _insert(self, table: str, columns: Mapping[str, np.ndarray | Coded],
                 settings: Mapping[str, Any] | None) -> int:
         names = list(columns)
         lengths = {len(v) for v in columns.values()}
@@ -377,34 +394,45 @@ class Database:
         n = lengths.pop() if lengths else 0
         if n == 0:
             return 0
-        full, types = self._table_types(table)
-        unknown = [c for c in names if c not in types]
+        shape = self._table_shape(table)
+        unknown = [c for c in names if c not in shape.types]
         if unknown:
             raise ValueError(f"insert into {table}: no column(s) {unknown}")
-        col_types = [types[c] for c in names]
-        int_cols = {c: "int" for c, t in zip(names, col_types, strict=True)
-                    if t.base_type.startswith("DateTime")}
-        ctx = InsertContext(full, names, col_types, column_oriented=True,
-                            settings={**CLIENT_SETTINGS, **(settings or {})},
-                            column_formats=dict(int_cols))
-        ctx.data = [columns[c] for c in names]
+        merged = {**CLIENT_SETTINGS, **(settings or {})}
         try:
-            self._client.insert(context=ctx)
+            if all(native.supports(shape.type_names[c]) for c in names):
+                body = native.native_block([(c, shape.type_names[c], columns[c]) for c in names])
+                self._client.raw_insert(shape.table, names, body, settings=merged, fmt="Native")
+            else:
+                self._insert_generic(shape, names, columns, merged)
         except BaseException:
-            self._types.pop(table, None)  # the table may have changed under us
+            self._shapes.pop(table, None)  # the table may have changed under us
             raise
         return n
 
-    def _table_types(self, table: str) -> tuple[str, dict[str, Any]]:
-        cached = self._types.get(table)
+    def _insert_generic(self, shape: _TableShape, names: list[str],
+                        columns: Mapping[str, np.ndarray | Coded],
+                        settings: dict[str, Any]) -> None:
+        """clickhouse-connect's column writer, for types the Native writer lacks (arrays)."""
+        col_types = [shape.types[c] for c in names]
+        int_cols = {c: "int" for c, t in zip(names, col_types, strict=True)
+                    if t.base_type.startswith("DateTime")}
+        ctx = InsertContext(shape.table, names, col_types, column_oriented=True,
+                            settings=settings, column_formats=dict(int_cols))
+        ctx.data = [v.strings() if isinstance(v := columns[c], Coded) else v for c in names]
+        self._client.insert(context=ctx)
+
+    def _table_shape(self, table: str) -> _TableShape:
+        cached = self._shapes.get(table)
         if cached is None:
             ctx = self._client.create_insert_context(table, "*")
             # LowCardinality(String) columns are sent as String and converted by ClickHouse:
             # the client builds LowCardinality dictionaries with a per-row Python loop.
             types = {n: _STRING if t.low_card and t.base_type == "String" else t
                      for n, t in zip(ctx.column_names, ctx.column_types, strict=True)}
-            cached = ctx.table, types
-            self._types[table] = cached
+            names = {n: t.name for n, t in zip(ctx.column_names, ctx.column_types, strict=True)}
+            cached = _TableShape(ctx.table, types, names)
+            self._shapes[table] = cached
         return cached
 
     def _execute_sql(self, sql: str, fmt: str, readonly: bool) -> bytes:

@@ -1,4 +1,4 @@
-"""Raw sink: one consumed batch of Kafka messages of one record kind -> one insert per partition.
+"""Raw sink: one consumed batch of Kafka messages of one record kind -> one insert.
 
 Contract (what `RawSink.process` guarantees when it returns):
 - every valid record batch among `messages` is durable in the kind's raw table;
@@ -17,12 +17,18 @@ Exactly-once storage on top of at-least-once delivery takes two mechanisms:
    after the first offset now being delivered, and skips messages up to it. This catches the case
    of an insert that succeeded but whose offsets were never committed: after the restart the same
    messages arrive again, grouped differently, and are skipped.
-2. **Insert deduplication tokens.** Each insert carries a token derived from (topic, partition,
-   first offset, last offset), so retrying an insert whose outcome is unknown (timeout, lost
-   response) stores its rows once. ClickHouse keeps recent tokens per table
-   (`non_replicated_deduplication_window`).
+2. **Insert deduplication tokens.** Each insert carries a token derived from the topic and, per
+   partition, the first and last offset it holds, so retrying an insert whose outcome is
+   unknown (timeout, lost response) stores its rows once. ClickHouse keeps recent tokens per
+   table (`non_replicated_deduplication_window`).
 
-Per-record work is numpy only (streams.writer.raw_columns concatenates the decoded columns).
+One insert for all partitions of a consumed batch, not one per partition: an insert costs the
+engine ~10 ms whatever its size (a new part per table partition), so a consumer assigned six
+partitions would spend most of its time creating parts. The rows still carry their own
+(src_partition, src_offset), which is all mechanism 1 needs.
+
+Per-record work is numpy only: batches are decoded with their string columns still
+dictionary-encoded, and streams.writer.raw_block concatenates them.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ingest.batch import BatchError, RecordBatch, decode_batch
-from streams.writer import dedup_token
+from streams.writer import dedup_token_ranges
 
 log = logging.getLogger(__name__)
 
@@ -122,33 +128,39 @@ class RawSink:
         self._stored_through.clear()
 
     async def process(self, messages: Sequence[Message]) -> int:
-        """Store one consumed batch; returns the number of rows inserted."""
+        """Store one consumed batch in one insert (all its partitions); returns rows inserted."""
         by_partition: dict[int, list[Message]] = {}
         for m in messages:
             by_partition.setdefault(m.partition, []).append(m)
-        rows = 0
         dead: list[DeadLetter] = []
-        for partition, msgs in by_partition.items():
+        batches: list[RecordBatch] = []
+        sources: list[tuple[int, int]] = []
+        ranges: list[tuple[int, int, int]] = []  # (partition, first, last) of the fresh messages
+        for partition, msgs in sorted(by_partition.items()):
             msgs.sort(key=lambda m: m.offset)
             fresh = await self._unstored(partition, msgs)
-            batches: list[tuple[Message, RecordBatch]] = []
+            if not fresh:
+                continue
+            ranges.append((partition, fresh[0].offset, fresh[-1].offset))
             for m in fresh:
                 try:
-                    rb = decode_batch(m.value)
+                    rb = decode_batch(m.value, coded=True)
                     if rb.kind != self.kind:
                         raise BatchError(f"a {rb.kind!r} batch on the {self.kind!r} topic", "kind")
-                    batches.append((m, rb))
                 except BatchError as e:
                     dead.append(DeadLetter(m.topic, m.partition, m.offset, e, m.value))
-            if batches:
-                token = dedup_token(fresh[0].topic, partition, fresh[0].offset, fresh[-1].offset)
-                n = await self._write([rb for _, rb in batches], token,
-                                      [(m.partition, m.offset) for m, _ in batches])
-                rows += n
+                    continue
+                batches.append(rb)
+                sources.append((partition, m.offset))
+        rows = 0
+        if batches:
+            token = dedup_token_ranges(messages[0].topic, ranges)
+            rows = await self._write(batches, token, sources)
+            for (partition, _), rb in zip(sources, batches, strict=True):
                 self.stats.per_partition_rows[partition] = (
-                    self.stats.per_partition_rows.get(partition, 0) + n)
-            if fresh:
-                self._stored_through[partition] = fresh[-1].offset
+                    self.stats.per_partition_rows.get(partition, 0) + rb.n)
+        for partition, _, last in ranges:
+            self._stored_through[partition] = last
         if dead:
             await self.dead_letters(dead)
             self.stats.dead_letters += len(dead)

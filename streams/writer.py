@@ -1,12 +1,13 @@
 """The ClickHouse writer: decoded record batches in, one idempotent insert per kind per call out.
 
 Contract (DESIGN.md, "Storage"):
-- `write(kind, batches, token)` concatenates the batches' numpy columns (no per-record Python),
-  adds `job_id` (repeated per batch), `src_partition`/`src_offset` (the Kafka message of each
-  batch, when given) and `ingest_ts` (one clock reading per call), and sends ONE
-  column-oriented insert into the kind's raw table with `async_insert=0`, `insert_deduplicate=1`
-  and `insert_deduplication_token=token`. It returns when the rows are stored, or raises: the
-  caller commits Kafka offsets only after it returns.
+- `write(kind, batches, token)` concatenates the batches' numpy columns (no per-record Python;
+  string columns stay dictionary-encoded, `raw_block`), adds `job_id` (repeated per batch),
+  `src_partition`/`src_offset` (the Kafka message of each batch, when given) and `ingest_ts`
+  (one clock reading per call), and sends ONE Native insert (streams.native) into the kind's raw
+  table with `async_insert=0`, `insert_deduplicate=1` and `insert_deduplication_token=token`.
+  It returns when the rows are stored, or raises: the caller commits Kafka offsets only after
+  it returns.
 - The token is the deduplication key: a retry with the same token stores nothing twice, whatever
   `ingest_ts` says. It only covers a retry of the same messages; a redelivery grouped differently
   after a crash is caught by the stored offsets (streams.raw_sink skips messages at or below the
@@ -25,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ingest.batch import TIME_COLUMN, RecordBatch
+from ingest.batch import TIME_COLUMN, Coded, RecordBatch
 from ingest.records import COLUMNS, MODELS, JobTopology
 from streams.db import Database
 
@@ -58,6 +59,16 @@ def dedup_token(topic: str, partition: int, first_offset: int, last_offset: int)
         raise ValueError(f"bad offset range: partition {partition}, offsets "
                          f"{first_offset}..{last_offset}")
     return f"{topic}:{partition}:{first_offset}-{last_offset}"
+
+
+def dedup_token_ranges(topic: str, ranges: Sequence[tuple[int, int, int]]) -> str:
+    """The token of a write holding, per `(partition, first, last)` of `ranges`, those messages
+    of `topic`: the partitions' `dedup_token`s joined by ","; a single range gives exactly
+    `dedup_token`. Same messages, same token (ranges are taken in partition order)."""
+    if not ranges:
+        raise ValueError("no offset ranges")
+    tokens = [dedup_token(topic, p, a, b) for p, a, b in sorted(ranges)]
+    return ",".join([tokens[0], *(t[len(topic) + 1:] for t in tokens[1:])])
 
 
 @dataclass(frozen=True)
@@ -97,11 +108,13 @@ class IngestMetric:
     lag_max_ms: float
 
 
-def raw_columns(kind: str, batches: Sequence[RecordBatch], ingest_ts: int,
-                sources: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
+def raw_block(kind: str, batches: Sequence[RecordBatch], ingest_ts: int,
+              sources: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray | Coded]:
     """The insert's columns for `batches` of `kind`, in table order: job_id, the contract's
     columns, src_partition/src_offset (from `sources`, one (partition, offset) per batch; the
-    table's -1 default without), ingest_ts. Pure; whole-column numpy operations only."""
+    table's -1 default without), ingest_ts. String columns (job_id too) are `Coded`: the batches'
+    dictionaries merged (one dict lookup per distinct value per batch), their codes remapped with
+    one numpy gather. Pure; no Python object per row."""
     spec = COLUMNS.get(kind)
     if spec is None:
         raise ValueError(f"unknown record kind {kind!r}; expected one of {', '.join(COLUMNS)}")
@@ -109,16 +122,20 @@ def raw_columns(kind: str, batches: Sequence[RecordBatch], ingest_ts: int,
         if b.kind != kind:
             raise ValueError(f"a {b.kind!r} batch (producer {b.producer!r}, seq {b.seq}) "
                              f"in a write of {kind!r}")
-        missing = [c.name for c in spec if c.name not in b.cols]
+        missing = [c.name for c in spec if c.name not in b.cols and c.name not in b.strings]
         if missing:
             raise ValueError(f"batch from producer {b.producer!r}, seq {b.seq} lacks columns "
                              f"{missing}")
     sizes = np.fromiter((b.n for b in batches), dtype=np.int64, count=len(batches))
     n = int(sizes.sum())
-    job_ids = np.empty(len(batches), dtype=object)
-    job_ids[:] = [b.job_id for b in batches]
-    cols: dict[str, np.ndarray] = {"job_id": np.repeat(job_ids, sizes)}
+    jobs = merge_coded([Coded(np.zeros(1, np.int64), np.array([b.job_id], object))
+                        for b in batches])
+    cols: dict[str, np.ndarray | Coded] = {"job_id": Coded(np.repeat(jobs.codes, sizes),
+                                                           jobs.values)}
     for c in spec:
+        if c.kind == "str":
+            cols[c.name] = merge_coded([_coded(b, c.name) for b in batches])
+            continue
         parts = [b.cols[c.name] for b in batches]
         cols[c.name] = np.concatenate(parts).astype(c.dtype, copy=False) if parts else \
             np.empty(0, c.dtype)
@@ -130,6 +147,33 @@ def raw_columns(kind: str, batches: Sequence[RecordBatch], ingest_ts: int,
         cols["src_offset"] = np.repeat(src[:, 1], sizes)
     cols["ingest_ts"] = np.full(n, ingest_ts, dtype=np.int64)
     return cols
+
+
+def raw_columns(kind: str, batches: Sequence[RecordBatch], ingest_ts: int,
+                sources: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
+    """`raw_block` with string columns as object arrays (one str reference per row)."""
+    return {name: v.strings() if isinstance(v, Coded) else v
+            for name, v in raw_block(kind, batches, ingest_ts, sources).items()}
+
+
+def _coded(batch: RecordBatch, name: str) -> Coded:
+    coded = batch.strings.get(name)
+    return coded if coded is not None else Coded.factorize(batch.cols[name])
+
+
+def merge_coded(parts: Sequence[Coded]) -> Coded:
+    """One `Coded` column of `parts` back to back, with one dictionary of distinct values."""
+    if len(parts) == 1 and len(set(parts[0].values)) == len(parts[0].values):
+        return parts[0]
+    index: dict[str, int] = {}
+    codes = []
+    for p in parts:
+        remap = np.fromiter((index.setdefault(v, len(index)) for v in p.values), np.int64,
+                            count=len(p.values))
+        codes.append(remap[p.codes] if len(p.codes) else p.codes)
+    values = np.empty(len(index), dtype=object)
+    values[:] = list(index)
+    return Coded(np.concatenate(codes) if codes else np.empty(0, np.int64), values)
 
 
 def lag_stats(record_ts: np.ndarray, ingest_ts: int) -> LagStats:
@@ -159,13 +203,15 @@ class ClickHouseWriter:
         (a duplicate is sent and dropped by ClickHouse). `sources` is each batch's Kafka
         (partition, offset). Raises on failure."""
         now = self.clock()
-        cols = raw_columns(kind, batches, now, sources)
+        cols = raw_block(kind, batches, now, sources)
         n = len(cols["ingest_ts"])
         if n == 0:
             return 0
         settings = insert_settings(token)
         await self.db.ainsert(RAW_TABLES[kind], cols, settings)
-        self.last_lag[kind] = lag_stats(cols[TIME_COLUMN[kind]], now)
+        time_col = cols[TIME_COLUMN[kind]]
+        assert isinstance(time_col, np.ndarray)  # every kind's time column is an int column
+        self.last_lag[kind] = lag_stats(time_col, now)
         return n
 
     async def write_topologies(self, topologies: Sequence[JobTopology], token: str) -> int:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from ingest.batch import TIME_COLUMN, decode_batch, encode_batch
@@ -198,6 +199,33 @@ def test_query_parameters_and_empty_results(clickhouse_db: Database) -> None:
     assert {k: v.dtype for k, v in empty.items()} == {
         "rank": np.dtype(np.int32), "comm_id": np.dtype(object),
         "t_start": np.dtype("datetime64[ns]")}
+
+
+def test_coded_strings_round_trip_through_native_inserts(clickhouse_db: Database) -> None:
+    """Dictionary-encoded columns (UInt8 and UInt16 LowCardinality indexes, non-ASCII, an
+    unused blanked dictionary entry) and several batches with their own dictionaries."""
+    rng = np.random.default_rng(7)
+    n = 3_000
+    kernels = [f"gemm_{i}_ü" for i in range(300)]  # > 256 distinct: UInt16 indexes
+    cols = {"rank": rng.integers(0, 64, n), "stream": rng.integers(0, 4, n),
+            "kernel": (rng.integers(0, 300, n), kernels),
+            "t_start": T0 + np.arange(n), "duration": rng.integers(1, 10**6, n)}
+    doc = orjson.loads(encode_batch("kernels", "job-k", cols))
+    doc["cols"]["kernel"]["d"].append("x" * 1000)  # unused and too long: harmless
+    first = decode_batch(orjson.dumps(doc), coded=True)
+    second = decode_batch(encode_batch("kernels", "job-k2", {
+        **{k: v[:10] for k, v in cols.items() if k != "kernel"}, "kernel": ["ñ"] * 10}),
+        coded=True)
+    writer = ClickHouseWriter(clickhouse_db, clock=lambda: T0)
+    assert asyncio.run(writer.write("kernels", [first, second], "k:0:0-1",
+                                    sources=[(0, 0), (0, 1)])) == n + 10
+    got = clickhouse_db.query_columns(
+        "SELECT job_id, kernel, rank, src_offset FROM kernels ORDER BY job_id, t_start, rank")
+    want = raw_columns("kernels", [first, second], T0, [(0, 0), (0, 1)])
+    order = np.lexsort((want["rank"], want["t_start"], want["job_id"].astype(str)))
+    for name in ("job_id", "kernel", "rank", "src_offset"):
+        np.testing.assert_array_equal(got[name], want[name][order], err_msg=name)
+    assert got["kernel"][-1] == "ñ" and "gemm_299_ü" in set(got["kernel"])
 
 
 def test_topologies_round_trip(clickhouse_db: Database) -> None:

@@ -174,8 +174,11 @@ def test_not_json_and_not_object() -> None:
 
 def test_unused_bad_dictionary_entry_is_harmless() -> None:
     d = doc(encode_batch("ops", "j", ops_cols(3)))
-    d["cols"]["op"] = {"d": ["AllReduce", "Jump"], "i": [0, 0, 0]}
+    d["cols"]["op"] = {"d": ["AllReduce", "Jump", 7], "i": [0, 0, 0]}
     assert list(decode_batch(orjson.dumps(d)).cols["op"]) == ["AllReduce"] * 3
+    coded = decode_batch(orjson.dumps(d), coded=True).strings["op"]
+    assert list(coded.values) == ["AllReduce", "", ""]  # blanked: no writer sees a bad value
+    assert list(coded.strings()) == ["AllReduce"] * 3
 
 
 def test_encode_validates_at_the_source() -> None:

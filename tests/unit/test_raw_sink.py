@@ -13,7 +13,7 @@ import pytest
 
 from ingest.batch import encode_batch
 from streams.raw_sink import DeadLetter, Message, RawSink
-from streams.writer import dedup_token, raw_columns
+from streams.writer import dedup_token, dedup_token_ranges, raw_columns
 
 
 class FakeStore:
@@ -62,16 +62,28 @@ def make(store: FakeStore, dead: list[DeadLetter] | None = None) -> RawSink:
     return RawSink("ops", "ops", store, dl, retry_initial_s=0.001)
 
 
-def test_one_insert_per_partition_with_offset_token_and_source_columns() -> None:
+def test_one_insert_for_all_partitions_with_offset_token_and_source_columns() -> None:
     store = FakeStore()
     sink = make(store)
-    msgs = [Message("rw.ops", p, o, ops(3)) for p, o in [(0, 5), (1, 7), (0, 6)]]
+    msgs = [Message("rw.ops", p, o, ops(3)) for p, o in [(1, 7), (0, 5), (0, 6)]]
     assert run(sink.process(msgs)) == 9
-    assert store.tokens == {dedup_token("rw.ops", 0, 5, 6), dedup_token("rw.ops", 1, 7, 7)}
-    first = store.rows[0]
-    assert list(first["src_offset"]) == [5, 5, 5, 6, 6, 6]
-    assert set(first["job_id"]) == {"job"}
-    assert (first["ingest_ts"] == 10**9).all()
+    assert store.tokens == {dedup_token_ranges("rw.ops", [(0, 5, 6), (1, 7, 7)])}
+    assert store.tokens == {"rw.ops:0:5-6,1:7-7"}
+    (rows,) = store.rows
+    assert list(rows["src_partition"]) == [0] * 6 + [1] * 3
+    assert list(rows["src_offset"]) == [5, 5, 5, 6, 6, 6, 7, 7, 7]
+    assert set(rows["job_id"]) == {"job"}
+    assert (rows["ingest_ts"] == 10**9).all()
+    assert sink.stats.per_partition_rows == {0: 6, 1: 3} and sink.stats.inserts == 1
+
+
+def test_token_of_one_partition_is_the_plain_dedup_token() -> None:
+    assert dedup_token_ranges("rw.ops", [(3, 100, 101)]) == dedup_token("rw.ops", 3, 100, 101)
+    assert dedup_token_ranges("rw.ops", [(2, 9, 9), (0, 1, 4)]) == "rw.ops:0:1-4,2:9-9"
+    with pytest.raises(ValueError, match="offset"):
+        dedup_token_ranges("rw.ops", [(0, 5, 4)])
+    with pytest.raises(ValueError, match="no offset"):
+        dedup_token_ranges("rw.ops", [])
 
 
 def test_redelivery_after_crash_is_skipped_even_when_regrouped() -> None:

@@ -1,0 +1,112 @@
+"""streams.native (ClickHouse's Native format from numpy columns) and coded string columns:
+byte layouts and the vectorized paths against a per-row reference. The same bodies stored and
+read back by real ClickHouse: tests/integration/test_clickhouse.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ingest.batch import Coded, decode_batch, encode_batch
+from streams import native
+from streams.writer import merge_coded, raw_block, raw_columns
+
+
+def per_row_string(s: str) -> bytes:
+    b = s.encode()
+    return native.varint(len(b)) + b
+
+
+@pytest.mark.parametrize(("n", "encoded"), [(0, b"\x00"), (1, b"\x01"), (127, b"\x7f"),
+                                            (128, b"\x80\x01"), (300, b"\xac\x02"),
+                                            (1 << 21, b"\x80\x80\x80\x01")])
+def test_varint(n: int, encoded: bytes) -> None:
+    assert native.varint(n) == encoded
+
+
+def test_string_column_gathered_from_codes_equals_per_row_encoding() -> None:
+    rng = np.random.default_rng(1)
+    values = np.array(["", "a", "dp:pp0:tp0", "ü" * 70, "x" * 200], dtype=object)
+    coded = Coded(rng.integers(0, len(values), 1000), values)
+    block = native.native_block([("s", "String", coded)])
+    reference = native.native_block([("s", "String", coded.strings())])
+    assert block == reference
+    assert block.endswith(b"".join(per_row_string(str(s)) for s in coded.strings()))
+
+
+@pytest.mark.parametrize(("keys", "width", "dtype"), [(3, 0, "<u1"), (256, 0, "<u1"),
+                                                      (257, 1, "<u2"), (70_000, 2, "<u4")])
+def test_low_cardinality_layout_and_index_width(keys: int, width: int, dtype: str) -> None:
+    values = np.array([f"k{i}" for i in range(keys)], dtype=object)
+    codes = np.arange(keys)[::-1].copy()
+    body = native.native_block([("c", "LowCardinality(String)", Coded(codes, values))])
+    head = native.varint(1) + native.varint(keys) + per_row_string("c") + \
+        per_row_string("LowCardinality(String)")
+    assert body.startswith(head)
+    data = body[len(head):]
+    version, flags, n_keys = np.frombuffer(data[:24], "<u8")
+    assert (version, flags, n_keys) == (1, width | 1 << 9, keys)
+    dictionary = b"".join(per_row_string(str(v)) for v in values)
+    assert data[24:24 + len(dictionary)] == dictionary
+    rest = data[24 + len(dictionary):]
+    assert int(np.frombuffer(rest[:8], "<u8")[0]) == keys
+    np.testing.assert_array_equal(np.frombuffer(rest[8:], dtype), codes)
+
+
+def test_fixed_width_and_datetime_columns_are_little_endian_values() -> None:
+    ts = np.array([1, 2, 3], np.int64)
+    body = native.native_block([("r", "Int32", np.array([7, 8, 9])),
+                                ("t", "DateTime64(9, 'UTC')", ts),
+                                ("d", "DateTime64(9, 'UTC')", ts.view("datetime64[ns]"))])
+    assert np.array([7, 8, 9], "<i4").tobytes() in body
+    assert body.count(ts.astype("<i8").tobytes()) == 2
+
+
+def test_refusals() -> None:
+    assert not native.supports("Array(String)") and native.supports("DateTime64(3)")
+    with pytest.raises(TypeError, match="Array"):
+        native.native_block([("a", "Array(String)", np.empty(1, object))])
+    with pytest.raises(ValueError, match="unequal"):
+        native.native_block([("a", "Int64", np.arange(2)), ("b", "Int64", np.arange(3))])
+    with pytest.raises(TypeError, match="codes"):
+        native.native_block([("a", "Int64", Coded(np.zeros(1, np.int64),
+                                                   np.array(["x"], object)))])
+
+
+def ops(job: str, comm: list[str]) -> bytes:
+    n = len(comm)
+    return encode_batch("ops", job, {
+        "rank": np.arange(n), "comm_id": comm, "op_seq": np.arange(n), "op": ["Send"] * n,
+        "bytes": np.ones(n), "t_enqueue": np.ones(n), "t_start": np.ones(n)})
+
+
+def test_coded_decoding_matches_object_decoding() -> None:
+    data = ops("j", ["b", "a", "b", "c"])
+    objects, coded = decode_batch(data), decode_batch(data, coded=True)
+    assert set(coded.strings) == {"comm_id", "op"} and "comm_id" not in coded.cols
+    for name in ("comm_id", "op"):
+        assert list(coded.column(name)) == list(objects.cols[name])
+    assert coded.n == objects.n == 4
+    # a plain (not dictionary-encoded) string column, as simple producers write, is factorized
+    doc = b'{"v":1,"kind":"beats","job_id":"j","n":3,"cols":{"rank":[0,1,2],' \
+          b'"ts":[1,2,3],"comm_id":["x","","x"]}}'
+    b = decode_batch(doc, coded=True)
+    assert list(b.strings["comm_id"].values) == ["x", ""]
+    assert list(b.strings["comm_id"].codes) == [0, 1, 0]
+
+
+def test_merge_and_raw_block_keep_codes_and_match_raw_columns() -> None:
+    batches = [decode_batch(ops("j1", ["x", "y", "x"]), coded=True),
+               decode_batch(ops("j2", ["y", "z"]), coded=True),
+               decode_batch(ops("j1", ["z"]))]  # object columns mix in too
+    block = raw_block("ops", batches, 5, [(0, 1), (1, 4), (1, 5)])
+    job = block["job_id"]
+    assert isinstance(job, Coded) and list(job.values) == ["j1", "j2"]
+    assert list(job.codes) == [0, 0, 0, 1, 1, 0]
+    comm = block["comm_id"]
+    assert isinstance(comm, Coded) and sorted(comm.values) == ["x", "y", "z"]
+    plain = raw_columns("ops", batches, 5, [(0, 1), (1, 4), (1, 5)])
+    assert list(plain["comm_id"]) == ["x", "y", "x", "y", "z", "z"]
+    assert list(plain["src_offset"]) == [1, 1, 1, 4, 4, 5]
+    merged = merge_coded([Coded(np.array([0, 0]), np.array(["a", "a"], object))])
+    assert list(merged.values) == ["a"] and list(merged.strings()) == ["a", "a"]
