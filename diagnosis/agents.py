@@ -64,6 +64,9 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts"}
 KERNEL_WINDOW_S = 40.0
+#: How long the feed agents wait to fill a buffer: the feeds carry a few messages a second, so
+#: a long wait is pure latency (Faust's take_events waits this long unless the buffer fills).
+FEED_WITHIN_S = 0.05
 
 
 def progress_as_ops(p: Columns) -> tuple[Columns, Columns]:
@@ -209,7 +212,7 @@ class DiagnosisAgents:
     # -- agents ------------------------------------------------------------------------------
 
     async def _on_progress(self, stream: StreamT[Any]) -> None:
-        async for events in cast(Stream[bytes], stream).take_events(64, 0.2):
+        async for events in cast(Stream[bytes], stream).take_events(64, FEED_WITHIN_S):
             for e in events:
                 try:
                     b = decode_batch(e.message.value or b"")
@@ -226,7 +229,7 @@ class DiagnosisAgents:
                 await self._publish_triggers(w.observe(now, ops=ops, beats=beats))
 
     async def _on_iterations(self, stream: StreamT[Any]) -> None:
-        async for events in cast(Stream[bytes], stream).take_events(64, 0.2):
+        async for events in cast(Stream[bytes], stream).take_events(64, FEED_WITHIN_S):
             for e in events:
                 try:
                     b = decode_batch(e.message.value or b"")
@@ -241,7 +244,7 @@ class DiagnosisAgents:
                 await self._publish_triggers(w.observe(now, steps=steps))
 
     async def _on_triggers(self, stream: StreamT[Any]) -> None:
-        async for events in cast(Stream[bytes], stream).take_events(16, 0.2):
+        async for events in cast(Stream[bytes], stream).take_events(16, FEED_WITHIN_S):
             await self._restore()
             for e in events:
                 try:

@@ -8,14 +8,26 @@ Flow per tick (a Faust timer, every `tick_s`):
    streams/iterations.py over the window's stages and ops; kernels: streams/kernel_summaries.py),
    insert with a deduplication token naming (kind, job, window), publish to rw.<kind> keyed by
    job_id, then mark the window closed.
-3. Store the job's checkpoint (`stream_state`: next window per kind, largest event time).
+3. Store the job's checkpoint (`stream_state`: next window per kind, largest event time, and
+   the span of iteration windows marked late).
+4. Preview the open iterations window: the rows of steps that ended before the progress
+   watermark (which follows the op sources, streams/windows.py) and are known exactly
+   (`iteration_rows(preview=True)`) are published to rw.iterations at once, not stored; the
+   window's close stores and publishes the authoritative rows (consumers key on (job, rank,
+   step)). A step's row thus reaches the triggers about one lateness after the step ends instead
+   of after its 10 s window closes. Frames of previews reach `preview_reach_ns` back, so steps
+   longer than that are only in the window's rows.
 
 Restart: the checkpoint says which windows are closed; every raw row is durable before it is
 observed, so the windows after the checkpoint are computed from complete raw data; a window that
 was written but not checkpointed is computed again, its insert dropped by the token (no duplicate
 row) and its message published again (consumers key on (job_id, window) — see docs/records.md).
 Late iterations: a batch older than the closed windows marks them; they are recomputed and the new
-rows replace the old ones (ReplacingMergeTree on (job_id, rank, step), newest ingest_ts).
+rows replace the old ones (ReplacingMergeTree on (job_id, rank, step), newest ingest_ts). The
+mark is made durable before the raw sink returns (`ObservingStore.write` stores the job's
+checkpoint with the span of marked windows), so a crash before the recomputation does not lose
+it: the raw sink would skip the redelivered batch, and the restored checkpoint marks the span
+again.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from streams.iterations import KIND_CODES, OTHER_KIND, OpFrame, iteration_rows
 from streams.kernel_summaries import KernelParams, KernelSummarizer
 from streams.progress import ProgressFeed, ProgressParams
 from streams.store import ClickHouseStore
-from streams.windows import Checkpoint, Windows, WindowSpec
+from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec
 from streams.writer import ClickHouseWriter, insert_settings
 
 log = logging.getLogger(__name__)
@@ -50,13 +62,27 @@ class DerivedConfig:
     max_step_ns: int = 60 * SEC
     grad_collectives_per_step: int = 1
     kernels: KernelParams = field(default_factory=KernelParams)
-    tick_s: float = 0.5
+    watermark: WatermarkParams = field(default_factory=WatermarkParams)
+    preview_iterations: bool = True
+    preview_reach_ns: int = 10 * SEC
+    tick_s: float = 0.25
     max_windows_per_tick: int = 16
     publish_rows: int = 20_000
 
 
+def checkpoint_columns(rows: Sequence[Checkpoint], now: int) -> dict[str, np.ndarray]:
+    """`stream_state` columns for checkpoint rows (newest `updated` wins)."""
+    return {"job_id": np.array([r.job_id for r in rows], dtype=object),
+            "kind": np.array([r.kind for r in rows], dtype=object),
+            "next_start": np.array([r.next_start for r in rows], np.int64),
+            "max_ns": np.array([r.max_ns for r in rows], np.int64),
+            "updated": np.full(len(rows), now, np.int64)}
+
+
 class ObservingStore(ClickHouseStore):
-    """The raw sinks' store; reports each stored batch's event-time range to `windows`."""
+    """The raw sinks' store; reports each stored batch's event-time range, producer and kind to
+    `windows`. A batch that marks closed windows late has the mark stored (the job's checkpoint)
+    before `write` returns, i.e. before the raw sink acks the batch."""
 
     def __init__(self, writer: ClickHouseWriter, windows: Windows) -> None:
         super().__init__(writer)
@@ -65,15 +91,22 @@ class ObservingStore(ClickHouseStore):
     async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
                     sources: Sequence[tuple[int, int]]) -> int:
         n = await super().write(kind, batches, token, sources=sources)
+        marked: set[str] = set()
         try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
             column = TIME_COLUMN[kind]
             for b in batches:
                 t = b.cols[column]
                 known = t[t > 0]
-                if len(known):
-                    self.windows.observe(b.job_id, int(known.min()), int(known.max()))
+                if len(known) and self.windows.observe(b.job_id, int(known.min()),
+                                                       int(known.max()), source=b.producer,
+                                                       kind=kind):
+                    marked.add(b.job_id)
         except Exception:
             log.exception("derived windows: observing a %s write failed", kind)
+        for job in sorted(marked):  # a failure here fails the write: the batch comes again
+            await self.writer.db.ainsert(
+                "stream_state", checkpoint_columns(self.windows.checkpoint(job), time.time_ns()),
+                insert_settings(None))
         return n
 
 
@@ -106,6 +139,7 @@ class RunnerStats:
     windows: dict[str, int] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     late_recomputed: int = 0
+    previews: int = 0
     errors: int = 0
     last_error: str = ""
 
@@ -118,11 +152,13 @@ class DerivedRunner:
         cfg = cfg or DerivedConfig()
         self.db, self.publish, self.cfg, self.clock = db, publish, cfg, clock
         self.windows = Windows([
-            WindowSpec("progress", cfg.progress.window_ns),
+            WindowSpec("progress", cfg.progress.window_ns, inputs=("ops",)),
             WindowSpec("iterations", cfg.iteration_window_ns, reach_ns=cfg.max_step_ns,
-                       late_marks=True),
-            WindowSpec("kernel_summaries", cfg.kernels.window_ns),
-        ], cfg.lateness_ns)
+                       late_marks=True, inputs=("ops", "stages")),
+            WindowSpec("kernel_summaries", cfg.kernels.window_ns, inputs=("kernels",)),
+        ], cfg.lateness_ns, cfg.watermark, clock=clock)
+        #: per job: (open iterations window, preview cut, (rank << 32 | step) already previewed)
+        self._previews: dict[str, tuple[int, int, set[int]]] = {}
         self.progress = ProgressFeed(db, cfg.progress)
         self.kernels = KernelSummarizer(db, cfg.kernels)
         self.stats = RunnerStats()
@@ -158,15 +194,19 @@ class DerivedRunner:
             await self._emit("progress", job, ws, await self.progress.compute(job, ws))
             w.closed(job, "progress", ws)
             done += 1
+        recomputed = 0
         for ws in w.late(job, "iterations", limit):
             await self._emit("iterations", job, ws, await self._iterations(job, ws),
                              token_suffix=f":late:{self.clock()}")
             w.recomputed(job, "iterations", ws)
             self.stats.late_recomputed += 1
+            recomputed += 1
         for ws in w.due(job, "iterations", limit):
             await self._emit("iterations", job, ws, await self._iterations(job, ws))
             w.closed(job, "iterations", ws)
             done += 1
+        if self.cfg.preview_iterations:
+            await self._preview(job)
         for ws in w.due(job, "kernel_summaries", 2):
             rows, window = await self.kernels.compute(job, ws)
             await self._emit("kernel_summaries", job, ws, rows)
@@ -174,14 +214,37 @@ class DerivedRunner:
                 await self._insert("kernel_windows", job, window, f"kw:{job}:{ws}")
             w.closed(job, "kernel_summaries", ws)
             done += 1
-        if done or w.late(job, "iterations", 1):
+        if done or recomputed or w.late(job, "iterations", 1):
             await self._checkpoint(job)
         return done
 
-    async def _iterations(self, job: str, ws: int) -> dict[str, np.ndarray]:
-        we = ws + self.cfg.iteration_window_ns
+    async def _preview(self, job: str) -> None:
+        """Publish the open iterations window's steps that are complete (module docstring)."""
+        ws, _ = self.windows.open_window(job, "iterations")
+        cut = min(self.windows.watermark(job, "progress"), ws + self.cfg.iteration_window_ns)
+        start, done, seen = self._previews.get(job, (ws, ws, set()))
+        if start != ws:
+            done, seen = ws, set()
+        if cut <= done:
+            return
+        cols = await self._iterations(job, ws, lo=done - self.cfg.preview_reach_ns, we=cut,
+                                      preview=True)
+        keys = (cols["rank"].astype(np.int64) << 32) | cols["step"].astype(np.int64)
+        new = ~np.isin(keys, np.fromiter(seen, np.int64, len(seen)))
+        seen.update(keys[new].tolist())
+        self._previews[job] = (ws, cut, seen)
+        if new.any():
+            await self._publish("iterations", job, ws, {k: v[new] for k, v in cols.items()})
+            self.stats.previews += 1
+
+    async def _iterations(self, job: str, ws: int, *, lo: int | None = None,
+                          we: int | None = None, preview: bool = False) -> dict[str, np.ndarray]:
+        """Rows of steps ending in [ws, we) (default: the window's end), from a frame of
+        records starting at `lo` (default: `max_step_ns` before the window)."""
+        we = ws + self.cfg.iteration_window_ns if we is None else we
+        lo = ws - self.cfg.max_step_ns if lo is None else lo
         ids, codes = await self._comm_kinds(job)
-        frame = {"job": job, "lo": ws - self.cfg.max_step_ns, "we": we}
+        frame = {"job": job, "lo": lo, "we": we}
         stages = await self.db.aquery_columns(STAGES_SQL, frame)
         stages["t_start"] = stages.pop("start_ns")  # (an alias named t_start would shadow it)
         ops = await self.db.aquery_columns(OPS_SQL, {**frame, "ids": ids, "codes": codes})
@@ -190,7 +253,7 @@ class DerivedRunner:
                      ops["start_ns"], ops["end_ns"])
         return await asyncio.to_thread(
             iteration_rows, stages, of, ws, we, max_step_ns=self.cfg.max_step_ns,
-            grad_collectives_per_step=self.cfg.grad_collectives_per_step)
+            grad_collectives_per_step=self.cfg.grad_collectives_per_step, preview=preview)
 
     async def _comm_kinds(self, job: str) -> tuple[list[str], list[int]]:
         got = self._topology.get(job)
@@ -211,6 +274,11 @@ class DerivedRunner:
         if not cols or not len(cols["rank"]):
             return
         await self._insert(kind, job, cols, f"{kind}:{job}:{ws}{token_suffix}")
+        await self._publish(kind, job, ws, cols)
+        self.stats.windows[kind] = self.stats.windows.get(kind, 0) + 1
+        self.stats.rows[kind] = self.stats.rows.get(kind, 0) + len(cols["rank"])
+
+    async def _publish(self, kind: str, job: str, ws: int, cols: dict[str, np.ndarray]) -> None:
         step = self.cfg.publish_rows
         n = len(cols["rank"])
         for lo in range(0, n, step):
@@ -218,8 +286,6 @@ class DerivedRunner:
             data = encode_batch(kind, job, part, producer="rankwatch/streams", seq=ws // SEC,
                                 validate=False)
             await self.publish(kind, job, data)
-        self.stats.windows[kind] = self.stats.windows.get(kind, 0) + 1
-        self.stats.rows[kind] = self.stats.rows.get(kind, 0) + n
 
     async def _insert(self, table: str, job: str, cols: dict[str, np.ndarray], token: str) -> None:
         n = len(next(iter(cols.values())))
@@ -228,11 +294,5 @@ class DerivedRunner:
         await self.db.ainsert(table, {"job_id": job_col, **cols}, insert_settings(token))
 
     async def _checkpoint(self, job: str) -> None:
-        rows = self.windows.checkpoint(job)
-        now = self.clock()
-        cols = {"job_id": np.array([r.job_id for r in rows], dtype=object),
-                "kind": np.array([r.kind for r in rows], dtype=object),
-                "next_start": np.array([r.next_start for r in rows], np.int64),
-                "max_ns": np.array([r.max_ns for r in rows], np.int64),
-                "updated": np.full(len(rows), now, np.int64)}
+        cols = checkpoint_columns(self.windows.checkpoint(job), self.clock())
         await self.db.ainsert("stream_state", cols, insert_settings(None))

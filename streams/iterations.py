@@ -24,6 +24,13 @@ flight counts until the step's end); `compute_ns` is the step time minus the uni
 A call is "exposed" here in the host-visible sense: the records do not say how much of it
 overlapped with kernels on another stream, so a fully overlapped call still counts.
 
+Previews (`preview=True`, streams/derived.py): rows computed from a frame that may start after
+some steps began, published before their window closes. Only rows whose bounds are known exactly
+are kept: a stage record's row, and an inferred row whose start is the rank's previous gradient
+collective (not the estimated first step of a rank); inferred rows of a rank that has stage
+records in the frame are dropped too, so a step is never previewed from the other source than the
+one its window will use. A step missing from a preview comes with its window's rows.
+
 Determinism: the rows depend only on the records, not on their arrival order, so recomputing a
 window after late records arrive yields the complete rows (streams/derived.py replaces them).
 """
@@ -98,14 +105,15 @@ def _key(rank: np.ndarray, t: np.ndarray, base: int) -> np.ndarray:
 
 
 def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(rank, step, t_start, t_end) of steps inferred from DP gradient collectives."""
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, step, t_start, t_end, exact) of steps inferred from DP gradient collectives;
+    `exact` is False where the start is estimated (a rank's first step in the frame)."""
     m = ops.grad & (ops.t_end > 0)
     rank, end = ops.rank[m].astype(np.int64), ops.t_end[m]
     step = np.where(ops.step[m] >= 0, ops.step[m], ops.op_seq[m] // per_step)
     if not len(rank):
         empty = np.zeros(0, np.int64)
-        return empty, empty, empty, empty
+        return empty, empty, empty, empty, np.zeros(0, bool)
     # several buckets of one step: the step ends with its last one
     order = np.lexsort((end, step, rank))
     rank, step, end = rank[order], step[order], end[order]
@@ -116,6 +124,7 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
     start[1:][prev_ok[1:]] = end[:-1][prev_ok[1:]]
     # first step seen on a rank: its earliest op start within max_step_ns before the end
     need = np.flatnonzero(start < 0)
+    exact = start >= 0
     if len(need) and len(ops.rank):
         base = int(min(ops.t_start.min(), (end[need] - max_step_ns).min()))
         o = np.lexsort((ops.t_start, ops.rank))
@@ -128,24 +137,27 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
         start[need] = np.where(ok, first, end[need])
     elif len(need):
         start[need] = end[need]
-    return rank, step, start, end
+    return rank, step, start, end, exact
 
 
 def iteration_rows(stages: Mapping[str, np.ndarray], ops: OpFrame, ws: int, we: int, *,
-                   max_step_ns: int, grad_collectives_per_step: int = 1) -> dict[str, np.ndarray]:
+                   max_step_ns: int, grad_collectives_per_step: int = 1,
+                   preview: bool = False) -> dict[str, np.ndarray]:
     """Iteration columns (the `iterations` contract, without job_id) for steps ending in
-    [ws, we). See the module docstring."""
+    [ws, we); `preview` keeps only exactly known rows. See the module docstring."""
     s_rank = stages["rank"].astype(np.int64)
     s_step = stages["step"].astype(np.int64)
     durations = np.stack([stages[n].astype(np.int64) for n in STAGE_NAMES]) if len(s_rank) \
         else np.zeros((6, 0), np.int64)
     s_t0 = stages["t_start"].astype(np.int64)
     s_t1 = s_t0 + durations.sum(axis=0)
-    d_rank, d_step, d_t0, d_t1 = _dp_steps(ops, grad_collectives_per_step, max_step_ns)
+    d_rank, d_step, d_t0, d_t1, d_exact = _dp_steps(ops, grad_collectives_per_step, max_step_ns)
     # a stage record wins over an inferred step with the same (rank, step)
     s_key = s_rank * (1 << 32) + s_step
     d_key = d_rank * (1 << 32) + d_step
     d_keep = ~np.isin(d_key, s_key)
+    if preview:
+        d_keep &= d_exact & ~np.isin(d_rank, s_rank)
     rank = np.r_[s_rank, d_rank[d_keep]]
     step = np.r_[s_step, d_step[d_keep]]
     t0 = np.r_[s_t0, d_t0[d_keep]]

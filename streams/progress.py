@@ -6,8 +6,10 @@ vectorized merge here, whatever the number of ranks:
 - A. ops with t_start in `[ws − op_lookback, we)`, grouped by (rank, comm_id): the highest op_seq
   completed before `we`, the calls that completed inside the window (count, bytes, first and last
   end), the calls in flight at `we` (started, and t_end = 0 or ≥ we) and the oldest one's start;
-- B. calls still in flight that started before that range (t_end = 0, up to `hang_horizon` back;
-  a minmax index on t_end makes this cheap: only granules holding an in-flight op are read);
+- B. calls that started before that range (up to `hang_horizon` back) and are still in flight
+  (t_end = 0) or ended inside the window — a call longer than `op_lookback` counts as completed
+  in the window where it ends, like any other; a minmax index on t_end makes this cheap: only
+  granules holding an in-flight op or an op ending in the window are read;
 - C. beats in the window: newest heartbeat per (rank, comm_id).
 
 `ProgressState` (pure numpy) carries what outlives a window — last completed op_seq, last beat,
@@ -19,8 +21,8 @@ After a restart it is rebuilt from the last window stored in the `progress` tabl
 Definitions (ingest.records.Progress): `last_op_seq` counts completed calls only (a beat's
 last_op_seq is the last call *started*, so it is not mixed in); `bytes_per_s` is the bytes of the
 calls completed in the window over the window length; `op_interval_ns` is (last end − first end) /
-(completed − 1). A call longer than `op_lookback` is not counted in the window where it ends
-(it still counts as in flight while it runs, through query B once it is older than the range).
+(completed − 1). A call longer than `op_lookback` is counted, through query B, as in flight
+while it runs and as completed in the window where it ends.
 """
 
 from __future__ import annotations
@@ -62,10 +64,17 @@ GROUP BY rank, comm
 """
 
 HUNG_SQL = """
-SELECT rank, toString(comm_id) AS comm, count() AS inflight,
-       min(toUnixTimestamp64Nano(t_start)) AS oldest
+WITH fromUnixTimestamp64Nano({ws:Int64}, 'UTC') AS ws_t,
+     fromUnixTimestamp64Nano({we:Int64}, 'UTC') AS we_t,
+     toUnixTimestamp64Nano(t_end) AS e
+SELECT rank, toString(comm_id) AS comm, countIf(e = 0) AS inflight,
+       minIf(toUnixTimestamp64Nano(t_start), e = 0) AS oldest,
+       countIf(e > 0) AS completed, sumIf(bytes, e > 0) AS done_bytes,
+       minIf(e, e > 0) AS first_end, maxIf(e, e > 0) AS last_end,
+       maxIf(op_seq, e > 0) AS seq_done
 FROM ops
-WHERE job_id = {job:String} AND t_end = fromUnixTimestamp64Nano(0, 'UTC')
+WHERE job_id = {job:String}
+  AND (t_end = fromUnixTimestamp64Nano(0, 'UTC') OR (t_end >= ws_t AND t_end < we_t))
   AND t_start >= fromUnixTimestamp64Nano({far:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
 GROUP BY rank, comm
@@ -133,24 +142,32 @@ class ProgressState:
         ia, ib, ic = (np.searchsorted(self.keys, k) for k in (ka, kb, kc))
         done = ops["n_done"] > 0
         np.maximum.at(self.last_op_seq, ia[done], ops["seq_done"][done].astype(np.int64))
+        long_done = hung["completed"] > 0  # calls longer than op_lookback ending in the window
+        np.maximum.at(self.last_op_seq, ib[long_done],
+                      hung["seq_done"][long_done].astype(np.int64))
         np.maximum.at(self.last_beat_ts, ic, beats["beat"].astype(np.int64))
         np.maximum.at(self.last_record_ts, ia, ops["last_ts"].astype(np.int64))
         np.maximum.at(self.last_record_ts, ic, beats["beat"].astype(np.int64))
         completed = np.zeros(n, np.int64)
-        completed[ia] = ops["completed"]
         done_bytes = np.zeros(n, np.int64)
-        done_bytes[ia] = ops["done_bytes"]
+        first_end = np.full(n, np.iinfo(np.int64).max, np.int64)
+        last_end = np.zeros(n, np.int64)
+        for i, part, ok in ((ia, ops, ops["completed"] > 0), (ib, hung, long_done)):
+            np.add.at(completed, i[ok], part["completed"][ok].astype(np.int64))
+            np.add.at(done_bytes, i[ok], part["done_bytes"][ok].astype(np.int64))
+            np.minimum.at(first_end, i[ok], part["first_end"][ok].astype(np.int64))
+            np.maximum.at(last_end, i[ok], part["last_end"][ok].astype(np.int64))
         interval = np.full(n, -1, np.int64)
-        many = ops["completed"] > 1
-        interval[ia[many]] = ((ops["last_end"][many] - ops["first_end"][many])
-                              // (ops["completed"][many] - 1))
+        many = completed > 1
+        interval[many] = (last_end[many] - first_end[many]) // (completed[many] - 1)
         inflight = np.zeros(n, np.int64)
         np.add.at(inflight, ia, ops["inflight"].astype(np.int64))
         np.add.at(inflight, ib, hung["inflight"].astype(np.int64))
         oldest = np.full(n, np.iinfo(np.int64).max, np.int64)
         live_a = ops["inflight"] > 0
+        live_b = hung["inflight"] > 0
         np.minimum.at(oldest, ia[live_a], ops["oldest"][live_a].astype(np.int64))
-        np.minimum.at(oldest, ib, hung["oldest"].astype(np.int64))
+        np.minimum.at(oldest, ib[live_b], hung["oldest"][live_b].astype(np.int64))
         rank, comm = self.decode()
         width = max(we - ws, 1)
         return {
@@ -194,7 +211,8 @@ class ProgressFeed:
         st = await self._state(job)
         ops = await self.db.aquery_columns(OPS_SQL, {"job": job, "ws": ws, "we": we, "lo": lo})
         hung = await self.db.aquery_columns(
-            HUNG_SQL, {"job": job, "lo": lo, "far": we - self.p.hang_horizon_ns})
+            HUNG_SQL, {"job": job, "ws": ws, "we": we, "lo": lo,
+                       "far": we - self.p.hang_horizon_ns})
         beats = await self.db.aquery_columns(BEATS_SQL, {"job": job, "ws": ws, "we": we})
         return st.window(ws, we, ops, hung, beats)
 

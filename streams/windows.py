@@ -1,27 +1,56 @@
 """Event-time windows per job: watermarks, which windows are due, late marks, and checkpoints.
 
-Pure bookkeeping, no I/O (the derived runner, streams/derived.py, does the I/O). Windows are
-aligned to multiples of their width in absolute ns (`[k·W, (k+1)·W)`), so every worker and every
-restart cuts the same windows.
+Pure bookkeeping, no I/O (the derived runner, streams/derived.py, does the I/O); the wall clock
+is injected (`clock`). Windows are aligned to multiples of their width in absolute ns
+(`[k·W, (k+1)·W)`), so every worker and every restart cuts the same windows.
 
 Contract:
-- `observe(job, t_min, t_max)` is called with the event-time range of every raw batch *after* it
-  is durable in ClickHouse. The job's watermark is the largest event time seen minus the
-  allowed lateness; a window `[s, s+W)` is due once `s + W <= watermark`.
+- `observe(job, t_min, t_max, source=, kind=)` is called with the event-time range of every raw
+  batch *after* it is durable in ClickHouse; `source` names the producer (the batch header's
+  `producer`: a host agent, an importer, the simulator) and `kind` the raw kind.
+- Watermark (a low watermark over live sources, in the spirit of Flink/Dataflow): a *source* is
+  one (producer, raw kind) of a job. Each source keeps its largest event time and learns its own
+  disorder: for every batch, how far its oldest event falls behind the largest event the source
+  had sent before (the lateness that batch needed). Its allowed lateness is the largest disorder
+  of its last `learn_batches` batches plus `margin_ns`, within [`min_lateness_ns`,
+  `lateness_ns`]; until it has sent `warmup_batches` batches it is `lateness_ns` (the old fixed
+  rule). A derived kind's watermark is the minimum over the *live* sources of its input kinds
+  (`WindowSpec.inputs`; all kinds when empty) of (largest event − allowed lateness): a source
+  that is behind holds the windows back, so its rows are not cut off. A source silent for more
+  than `silent_ns` of wall clock is not live: a dead host, or a hung job that stops producing
+  op records, cannot stall the windows (the heartbeat and snapshot sources keep them moving).
+  With no live input source the live sources of every kind decide; with no live source at all,
+  the job's largest event time minus `lateness_ns` (the old rule: also right after a restart,
+  before any source is known), and once every source has been quiet for `idle_ns` the job has
+  stopped sending (it ended, or every host is gone): its windows close up to its largest event
+  time minus `min_lateness_ns`, so the last windows of a job are not left open. A window
+  `[s, s+W)` is due once `s + W <= watermark`. The watermark never goes back (per job and
+  derived kind).
 - A derived kind's windows close in order: `next_start` is the first window not yet closed, and
   starts at the window holding the first event seen for the job.
 - A batch whose events fall before `next_start` of a kind that asked for late marks
   (`late_kinds`) marks the closed windows it touches (extended by `reach_ns` forward: a late op
   changes the step it belongs to, which may end in the next window) for recomputation; marks
-  further back than `max_late_windows` windows are dropped and counted.
-- State per job is O(kinds + late marks): no events are held here, and nothing grows with the
-  length of the run. `checkpoint()` / `restore()` carry it across restarts (the `stream_state`
-  table); see docs/architecture.md, "Derived streams".
+  further back than `max_late_windows` windows are dropped and counted. `observe` returns
+  whether it added a mark, so the caller can make the mark durable before the batch's offsets
+  are committed (streams/derived.py stores it with the checkpoint, `late_span`/`restore`).
+- State per job is O(kinds + sources + late marks): no events are held here, and nothing grows
+  with the length of the run. `checkpoint()` / `restore()` carry it across restarts (the
+  `stream_state` table); sources are not checkpointed: after a restart they start over, at
+  `lateness_ns`, until they have sent `warmup_batches` again. See docs/architecture.md,
+  "Derived streams".
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+SEC = 1_000_000_000
+#: The `kind` of a checkpoint row that stores a derived kind's late marks (as a span).
+LATE_SUFFIX = ":late"
 
 
 def window_start(t_ns: int, width_ns: int) -> int:
@@ -37,12 +66,44 @@ class WindowSpec:
     reach_ns: int = 0
     late_marks: bool = False
     max_late_windows: int = 360
+    #: Raw kinds whose sources bound this kind's watermark (empty: every kind).
+    inputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WatermarkParams:
+    """How sources learn their lateness (module docstring); `lateness_ns` is the upper bound."""
+
+    lateness_ns: int = 2 * SEC
+    min_lateness_ns: int = SEC // 4
+    margin_ns: int = SEC // 4
+    learn_batches: int = 64
+    warmup_batches: int = 8
+    silent_ns: int = 2 * SEC
+    idle_ns: int = 10 * SEC
+
+
+@dataclass
+class Source:
+    """One (producer, raw kind) of a job: its largest event time and learned disorder."""
+
+    max_ns: int
+    seen_wall_ns: int
+    batches: int = 0
+    disorder: deque[int] = field(default_factory=deque)
+
+    def lateness(self, p: WatermarkParams) -> int:
+        if self.batches < p.warmup_batches:
+            return p.lateness_ns
+        learned = max(self.disorder, default=0) + p.margin_ns
+        return min(p.lateness_ns, max(p.min_lateness_ns, learned))
 
 
 @dataclass
 class KindState:
     next_start: int
     late: set[int] = field(default_factory=set)
+    watermark: int = -1
 
 
 @dataclass
@@ -50,11 +111,13 @@ class JobState:
     first_ns: int
     max_ns: int
     kinds: dict[str, KindState] = field(default_factory=dict)
+    sources: dict[tuple[str, str], Source] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One row of `stream_state`: where a job's kind stands."""
+    """One row of `stream_state`: where a job's kind stands (for `<kind>:late` rows, the span of
+    marked windows: `next_start` the first, `max_ns` the last; -1 for none)."""
 
     job_id: str
     kind: str
@@ -65,31 +128,56 @@ class Checkpoint:
 class Windows:
     """Watermarks and due windows for every job the worker has seen; see the module docstring."""
 
-    def __init__(self, specs: list[WindowSpec], lateness_ns: int) -> None:
+    def __init__(self, specs: list[WindowSpec], lateness_ns: int,
+                 params: WatermarkParams | None = None, *,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         if lateness_ns < 0:
             raise ValueError(f"lateness_ns={lateness_ns} must be >= 0")
         for s in specs:
             if s.width_ns <= 0:
                 raise ValueError(f"{s.kind}: width_ns={s.width_ns} must be > 0")
+        p = params or WatermarkParams()
+        self.params = WatermarkParams(lateness_ns, min(p.min_lateness_ns, lateness_ns),
+                                      p.margin_ns, p.learn_batches, p.warmup_batches, p.silent_ns,
+                                      p.idle_ns)
         self.specs = {s.kind: s for s in specs}
         self.lateness_ns = lateness_ns
+        self.clock = clock
         self.jobs: dict[str, JobState] = {}
         self.dropped_late = 0
 
-    def observe(self, job: str, t_min: int, t_max: int) -> None:
-        """A durable batch of `job` with event times in [t_min, t_max] (ns; 0 = unknown)."""
+    def observe(self, job: str, t_min: int, t_max: int, *, source: str = "",
+                kind: str = "") -> bool:
+        """A durable batch of `job` with event times in [t_min, t_max] (ns; 0 = unknown) from
+        `source` (producer) of raw `kind`; True when it marked closed windows as late."""
         if t_max <= 0:
-            return
+            return False
         t_min = t_min if t_min > 0 else t_max
         st = self.jobs.get(job)
         if st is None:
             st = self.jobs[job] = JobState(t_min, t_max)
         st.first_ns = min(st.first_ns, t_min)
         st.max_ns = max(st.max_ns, t_max)
-        for kind, spec in self.specs.items():
-            ks = self._kind(st, kind)
+        self._learn(st, (source, kind), t_min, t_max)
+        marked = False
+        for k, spec in self.specs.items():
+            ks = self._kind(st, k)
             if t_min < ks.next_start and spec.late_marks:
-                self._mark_late(ks, spec, t_min, t_max)
+                marked |= self._mark_late(ks, spec, t_min, t_max)
+        return marked
+
+    def _learn(self, st: JobState, key: tuple[str, str], t_min: int, t_max: int) -> None:
+        now = self.clock()
+        src = st.sources.get(key)
+        if src is None:
+            st.sources[key] = Source(t_max, now, 1)
+            return
+        src.disorder.append(max(0, src.max_ns - t_min))
+        if len(src.disorder) > self.params.learn_batches:
+            src.disorder.popleft()
+        src.max_ns = max(src.max_ns, t_max)
+        src.seen_wall_ns = now
+        src.batches += 1
 
     def _kind(self, st: JobState, kind: str) -> KindState:
         ks = st.kinds.get(kind)
@@ -97,7 +185,7 @@ class Windows:
             ks = st.kinds[kind] = KindState(window_start(st.first_ns, self.specs[kind].width_ns))
         return ks
 
-    def _mark_late(self, ks: KindState, spec: WindowSpec, t_min: int, t_max: int) -> None:
+    def _mark_late(self, ks: KindState, spec: WindowSpec, t_min: int, t_max: int) -> bool:
         w = spec.width_ns
         oldest = ks.next_start - spec.max_late_windows * w
         last = min(window_start(t_max + spec.reach_ns, w), ks.next_start - w)
@@ -105,11 +193,31 @@ class Windows:
         if first < oldest:
             self.dropped_late += (min(last, oldest - w) - first) // w + 1
             first = oldest
-        ks.late.update(range(first, last + 1, w))
+        new = set(range(first, last + 1, w)) - ks.late
+        ks.late |= new
+        return bool(new)
 
-    def watermark(self, job: str) -> int:
+    def watermark(self, job: str, kind: str | None = None) -> int:
+        """The job's watermark for derived `kind` (None: over every source); -1 if unknown."""
         st = self.jobs.get(job)
-        return -1 if st is None else st.max_ns - self.lateness_ns
+        if st is None:
+            return -1
+        inputs = self.specs[kind].inputs if kind is not None else ()
+        now, p = self.clock(), self.params
+        live = {key: s for key, s in st.sources.items() if now - s.seen_wall_ns <= p.silent_ns}
+        mine = [s for (_, k), s in live.items() if not inputs or k in inputs]
+        pool = mine or list(live.values())
+        if pool:
+            wm = min(s.max_ns - s.lateness(p) for s in pool)
+        elif st.sources and now - max(s.seen_wall_ns for s in st.sources.values()) > p.idle_ns:
+            wm = st.max_ns - p.min_lateness_ns
+        else:
+            wm = st.max_ns - self.lateness_ns
+        if kind is None:
+            return wm
+        ks = self._kind(st, kind)
+        ks.watermark = max(ks.watermark, wm)
+        return ks.watermark
 
     def due(self, job: str, kind: str, limit: int = 64) -> list[int]:
         """Starts of windows of `kind` ready to close, oldest first, at most `limit`."""
@@ -118,9 +226,17 @@ class Windows:
             return []
         ks = self._kind(st, kind)
         w = self.specs[kind].width_ns
-        wm = st.max_ns - self.lateness_ns
+        wm = self.watermark(job, kind)
         n = max(0, min(limit, (wm - ks.next_start) // w))
         return [ks.next_start + i * w for i in range(n)]
+
+    def open_window(self, job: str, kind: str) -> tuple[int, int]:
+        """(start of the first window of `kind` not closed, the kind's watermark): the part of
+        the open window whose events are complete, for previews (streams/derived.py)."""
+        st = self.jobs.get(job)
+        if st is None:
+            return -1, -1
+        return self._kind(st, kind).next_start, self.watermark(job, kind)
 
     def late(self, job: str, kind: str, limit: int = 64) -> list[int]:
         """Closed windows marked for recomputation, oldest first (they stay marked until
@@ -142,11 +258,20 @@ class Windows:
         self.jobs[job].kinds[kind].late.discard(start)
 
     def checkpoint(self, job: str) -> list[Checkpoint]:
+        """The job's rows for `stream_state`: per kind the next window, and per kind with late
+        marks the span they cover (-1, -1 once none is left)."""
         st = self.jobs[job]
-        return [Checkpoint(job, k, ks.next_start, st.max_ns) for k, ks in st.kinds.items()]
+        rows = [Checkpoint(job, k, ks.next_start, st.max_ns) for k, ks in st.kinds.items()]
+        for k, ks in st.kinds.items():
+            if self.specs[k].late_marks:
+                lo, hi = (min(ks.late), max(ks.late)) if ks.late else (-1, -1)
+                rows.append(Checkpoint(job, k + LATE_SUFFIX, lo, hi))
+        return rows
 
     def restore(self, rows: list[Checkpoint]) -> None:
-        """Resume from stored checkpoints (before any batch is observed)."""
+        """Resume from stored checkpoints (before any batch is observed). A stored span of late
+        marks is marked again whole (recomputing a window twice is harmless)."""
+        spans = [r for r in rows if r.kind.endswith(LATE_SUFFIX)]
         for r in rows:
             if r.kind not in self.specs:
                 continue
@@ -156,3 +281,11 @@ class Windows:
             st.max_ns = max(st.max_ns, r.max_ns)
             st.first_ns = min(st.first_ns, r.next_start)
             st.kinds[r.kind] = KindState(r.next_start)
+        for r in spans:
+            kind = r.kind.removesuffix(LATE_SUFFIX)
+            st = self.jobs.get(r.job_id)
+            if kind not in self.specs or st is None or kind not in st.kinds or r.next_start < 0:
+                continue
+            w = self.specs[kind].width_ns
+            ks = st.kinds[kind]
+            ks.late.update(s for s in range(r.next_start, r.max_ns + 1, w) if s < ks.next_start)

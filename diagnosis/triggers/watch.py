@@ -13,7 +13,11 @@
   (full-scan change point) whose onset is among the last `recent` steps, and jitter (ratio-gated,
   effective width) whose onset is the newest step; plus VenusTrace's expected-time test at the
   step level: `k` consecutive steps above (1 + β) × expected → straggler (fires 2 steps after a
-  slowdown, before L1 has the 5 points it needs on each side).
+  slowdown, before L1 has the 5 points it needs on each side). The run is counted over the
+  step series itself (the newest steps, each once), not per call: the derived feed may deliver a
+  step again (a preview, then its window's rows; a recomputed window; a redelivery after a
+  restart) or several steps in one message, and neither may change the count. One trigger per
+  run: a run is identified by its first step.
 
 Inputs per call (all optional, any ranks — rows of unsampled ranks are ignored): `ops` rows
 (rank, comm_id, op_seq, bytes, t_enqueue, t_start, t_end), `beats` rows (rank, ts) and `steps`
@@ -78,7 +82,7 @@ class JobWatch:
     dead: set[int] = field(default_factory=set)
     reported_onset: int = -1
     reported_jitter: int = -1
-    above: int = 0
+    reported_slow: int = -1
 
     def __post_init__(self) -> None:
         self.sample = sample_ranks(self.topo)
@@ -152,13 +156,15 @@ class JobWatch:
         out: list[Trigger] = []
         exp = self.expected_step_ns()
         if exp is not None:
-            self.above = self.above + 1 if x[-1] > (1 + cfg.beta) * exp else 0
-            if self.above == cfg.k:
+            slow = x > (1 + cfg.beta) * exp
+            run = int(np.argmin(slow[::-1])) if not slow.all() else int(slow.size)
+            onset = keys[-run] if run else -1
+            if run >= cfg.k and onset > self.reported_slow:
+                self.reported_slow = onset
                 out.append(Trigger(self.topo.job_id, now_ns, "straggler", self.sample.ranks, {
                     "rule": "venustrace.expected_step", "beta": cfg.beta, "k": cfg.k,
                     "expected_step_ns": exp, "last_step_ns": float(x[-1]),
-                    "onset_step": keys[-cfg.k],
-                    "onset_ns": self.step_end.get(keys[-cfg.k] - 1)}))
+                    "onset_step": onset, "onset_ns": self.step_end.get(onset - 1)}))
         reg = detect_regression(x, cfg.l1)
         if reg is not None and reg.onset >= x.size - cfg.recent - cfg.l1.min_segment:
             step = keys[reg.onset]

@@ -11,6 +11,18 @@ Scenarios run one after another in real time, so the default real-pipeline set i
 in-process mode runs the same triggers and engine on the simulator's records in simulated time
 over the whole catalog; its figures are for development, the real pipeline's are the reported
 ones.
+
+Where the seconds go (real pipeline, `latency_stages` in the report): for every detected fault the
+time from onset to the published diagnosis splits into
+- `detect_wait_s`: onset → the trigger's clock reading (`Diagnosis.trigger.ts`): the event time
+  the trigger needed (heartbeat timeout, k slow steps, window granularity); for the root-cause
+  sweep, whose clock is the wall clock, the wait for the next sweep;
+- `feed_lag_s`: the trigger's clock → the trigger on rw.triggers (broker timestamp): how far the
+  trigger clock trails the wall clock (source batching, raw sink, derived window close, feed);
+- `rca_s`: the trigger on rw.triggers → the diagnosis (`detected_ns`): window read and engine.
+and per scenario the lags read back through the worker's SQL endpoint: raw rows stored
+(ingest_ts − event time), progress windows and iteration rows stored (ingest_ts − window_end /
+t_end).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from rankwatch.settings import Settings
 REAL_SUBSET = ("control-64", "hang-bwd-64", "death-64", "nic-down-64", "gpu-slow-150-64",
                "nic-bw-20-64", "data-stall-64", "gpu-slow-102-small-64")
 SETTLE_S = 12.0
+SECOND = 1_000_000_000
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -87,6 +100,23 @@ def table(summary: dict[str, Any], scores: list[ScenarioScore], mode: str) -> st
     return "\n".join(out)
 
 
+def stage_table(stages: list[dict[str, Any]]) -> str:
+    """The latency breakdown as text (see the module docstring for the columns)."""
+    out = ["", f"  {'scenario':<24} {'trigger (rule)':<36} {'wait':>6} {'feed':>6} {'rca':>6}"
+               f" {'total':>6}   stored lag p50 s: ops beats progress iterations"]
+    def f(x: Any) -> str:
+        return "" if x is None else f"{x:.2f}"
+    for r in stages:
+        lag = r.get("lags_s", {})
+        lags = " ".join(f(lag.get(k, {}).get("p50")) or "-" for k in
+                        ("ops_stored", "beats_stored", "progress_stored", "iterations_stored"))
+        trig = f"{r.get('trigger', '-')} ({r.get('rule', '')})" if "trigger" in r else "-"
+        out.append(f"  {r['scenario']:<24} {trig[:36]:<36} {f(r.get('detect_wait_s')):>6} "
+                   f"{f(r.get('feed_lag_s')):>6} {f(r.get('rca_s')):>6} "
+                   f"{f(r.get('latency_s')):>6}   {lags}")
+    return "\n".join(out)
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     names = _names(args.scenarios, not args.in_process)
     def say(m: str) -> None:
@@ -99,23 +129,95 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         scores, summary = evaluate_in_process(names, prog)
         mode = "in-process (simulated time)"
     else:
-        scores = real_pipeline(names or list(REAL_SUBSET), say)
+        stages: list[dict[str, Any]] = []
+        scores = real_pipeline(names or list(REAL_SUBSET), say, stages)
         summary = summarize(scores)
         mode = "real pipeline (broker, Faust worker, ClickHouse; realtime)"
-    report = {"mode": mode, "summary": summary,
-              "scenarios": [{**asdict(s), "analysis_ms": None} for s in scores]}
+    report: dict[str, Any] = {"mode": mode, "summary": summary,
+                              "scenarios": [{**asdict(s), "analysis_ms": None} for s in scores]}
+    if not args.in_process:
+        report["latency_stages"] = stages
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.json:
         print(json.dumps(report, default=str))
     else:
         print(table(summary, scores, mode))
+        if not args.in_process:
+            print(stage_table(stages))
         print(f"\n  report: {args.out}")
     return 0
 
 
-def real_pipeline(names: list[str], say: Any) -> list[ScenarioScore]:
+LAG_SQL = {
+    "ops_stored": "SELECT toUnixTimestamp64Nano(ingest_ts) - toUnixTimestamp64Nano(t_end) AS lag "
+                  "FROM ops WHERE job_id = {job} AND toUnixTimestamp64Nano(t_end) > 0",
+    "beats_stored": "SELECT toUnixTimestamp64Nano(ingest_ts) - toUnixTimestamp64Nano(ts) AS lag "
+                    "FROM beats WHERE job_id = {job}",
+    "progress_stored": "SELECT min(toUnixTimestamp64Nano(ingest_ts)) - "
+                       "toUnixTimestamp64Nano(window_end) AS lag FROM progress "
+                       "WHERE job_id = {job} GROUP BY window_end",
+    "iterations_stored": "SELECT min(toUnixTimestamp64Nano(ingest_ts)) - "
+                         "max(toUnixTimestamp64Nano(t_end)) AS lag FROM iterations "
+                         "WHERE job_id = {job} GROUP BY step",
+}
+
+
+def feed_lags(endpoint: str, job_id: str) -> dict[str, dict[str, float]]:
+    """p50/p90 (s) of each stage's storage lag for one job, through the worker's SQL endpoint
+    (module docstring); a stage the endpoint cannot answer is left out."""
+    import urllib.request
+
+    out: dict[str, dict[str, float]] = {}
+    job = "'" + job_id.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    for name, sql in LAG_SQL.items():
+        q = (f"SELECT quantiles(0.5, 0.9)(lag) AS q, count() AS n FROM ({sql.format(job=job)}) "
+             "FORMAT JSONEachRow")
+        try:
+            req = urllib.request.Request(endpoint + "/", data=q.encode(), method="POST")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                row = json.loads(r.read().decode().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(row["n"]):
+            out[name] = {"p50": round(row["q"][0] / 1e9, 3), "p90": round(row["q"][1] / 1e9, 3)}
+    return out
+
+
+def latency_stages(name: str, truth: list[Any], diags: list[Diagnosis],
+                   trigger_wall: dict[tuple[str, str, int], int]) -> list[dict[str, Any]]:
+    """Onset → trigger clock → trigger on the broker → diagnosis, per detected fault (module
+    docstring). `trigger_wall` maps (job, kind, trigger ts) to the broker timestamp (ns)."""
+    out = []
+    firsts = [d for d in diags if d.version == 1]
+    for t in truth:
+        if not t.expect_diagnosis:
+            continue
+        cands = [d for d in firsts if d.detected_ns >= t.start_ns - 2 * SECOND
+                 and set(d.culprit_ranks + [r for s in d.suspects for r in s.ranks])
+                 & set(t.ranks)]
+        if not cands:
+            continue
+        d = min(cands, key=lambda d: d.detected_ns)
+        tr = d.trigger
+        wall = trigger_wall.get((d.job_id, tr.kind, tr.ts))
+        row: dict[str, Any] = {
+            "scenario": name, "fault": t.spec, "trigger": tr.kind, "rule": tr.rule,
+            "latency_s": round((d.detected_ns - t.start_ns) / SECOND, 3),
+            "detect_wait_s": round((tr.ts - t.start_ns) / SECOND, 3)}
+        if wall is not None:
+            row["feed_lag_s"] = round((wall - tr.ts) / SECOND, 3)
+            row["rca_s"] = round((d.detected_ns - wall) / SECOND, 3)
+        out.append(row)
+    return out
+
+
+def real_pipeline(names: list[str], say: Any,
+                  stages: list[dict[str, Any]] | None = None) -> list[ScenarioScore]:
+    """Run `names` through a private stack; `stages`, when given, receives the latency
+    breakdown of every detected fault and each scenario's storage lags (module docstring)."""
     from confluent_kafka import Consumer
 
+    from diagnosis.model import TriggerRecord
     from ingest.sim.scenario import load_catalog
     from ingest.sim.truth import TruthRecord
     from rankwatch import stack
@@ -127,8 +229,9 @@ def real_pipeline(names: list[str], say: Any) -> list[ScenarioScore]:
         stack.up(settings, progress=say)
         consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "eval",
                              "auto.offset.reset": "earliest"})
-        consumer.subscribe([settings.topics.diagnoses])
+        consumer.subscribe([settings.topics.diagnoses, settings.topics.triggers])
         got: list[Diagnosis] = []
+        trigger_wall: dict[tuple[str, str, int], int] = {}
         try:
             for name in names:
                 sc = cat[name]
@@ -144,13 +247,24 @@ def real_pipeline(names: list[str], say: Any) -> list[ScenarioScore]:
                 deadline = time.time() + SETTLE_S
                 while time.time() < deadline:
                     m = consumer.poll(0.5)
-                    if m is not None and not m.error():
+                    if m is None or m.error():
+                        continue
+                    if m.topic() == settings.topics.triggers:
+                        tr = TriggerRecord.model_validate_json(m.value() or b"{}")
+                        trigger_wall.setdefault((tr.job_id, tr.kind, tr.ts),
+                                                m.timestamp()[1] * 1_000_000)
+                    else:
                         got.append(Diagnosis.model_validate_json(m.value() or b"{}"))
                 mine = [d for d in got if d.job_id == sc.config.job_id]
                 s = score_scenario(name, sc.tags, truth, mine)
                 s.wall_s = time.time() - t0
                 s.analysis_ms = [d.analysis_ms for d in mine]
                 scores.append(s)
+                if stages is not None:
+                    rows = latency_stages(name, truth, mine, trigger_wall)
+                    lags = feed_lags(stack.sql_endpoint(settings), sc.config.job_id)
+                    stages.extend(rows or [{"scenario": name}])
+                    stages[-1]["lags_s"] = lags
                 say(f"  {name}: {len(mine)} diagnosis versions, "
                     + ", ".join(f"{d.status} {d.kind} ranks={d.culprit_ranks[:4]} "
                                 f"stage={d.stage} comp={d.component}" for d in mine[:4]))

@@ -14,6 +14,7 @@ from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
+from streams.windows import WatermarkParams
 from tests.integration.test_ingest_pipeline import Pipeline
 
 STAGES = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
@@ -62,8 +63,10 @@ def truth_steps(tables: dict[str, dict[str, np.ndarray]]) -> dict[tuple[int, int
 
 def closed_steps(truth: dict[tuple[int, int], tuple[int, int]], max_ns: int, width_ns: int
                  ) -> set[tuple[int, int]]:
-    """Steps whose iteration window must be closed once every record was seen."""
-    wm = max_ns - int(LATENESS_S * 1e9)
+    """Steps whose iteration window must be closed once every record was seen and the job's
+    sources have been quiet for a while (streams/windows.py: then the windows close up to the
+    largest event time minus the smallest lateness)."""
+    wm = max_ns - WatermarkParams().min_lateness_ns
     return {k for k, (_, end) in truth.items() if (end // width_ns + 1) * width_ns <= wm}
 
 

@@ -4,6 +4,7 @@ derived runner in process: a hung job, a job of one rank, windows that survive a
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,28 @@ async def _nothing(kind: str, job: str, data: bytes) -> None:
     decode_batch(data)  # what is published is a valid batch of the derived kind
 
 
+class Clock:
+    """The runner's wall clock: batches here arrive as fast as ClickHouse stores them, so time
+    is advanced by hand (50 ms a batch, then a pause in which every source falls quiet). One
+    clock for every runner, so checkpoints of a later runner are newer (`stream_state`)."""
+
+    def __init__(self) -> None:
+        self.ns = time.time_ns()
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def pause(self, s: float) -> None:
+        self.ns += int(s * SEC)
+
+
+CLOCK = Clock()
+
+
 async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ignore[assignment]
                runner: DerivedRunner | None = None, upto: float = 1.0) -> DerivedRunner:
-    runner = runner or DerivedRunner(db, _nothing, config())
+    clock = CLOCK
+    runner = runner or DerivedRunner(db, _nothing, config(), clock=clock)
     await runner.restore()
     store = ObservingStore(ClickHouseWriter(db), runner.windows)
     batches = list(Simulation(cfg, faults).batches())
@@ -42,8 +62,11 @@ async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ig
             await store.write_topologies(b.topologies, f"jobs:{cfg.job_id}:{i}")
         else:
             await store.write(kind, [b], f"{cfg.job_id}:{i}", sources=[(0, i)])
+        clock.pause(0.05)
         if i % 20 == 0:
             await runner.tick()
+    if upto == 1.0:  # the job ended: once its sources are quiet its last windows close
+        clock.pause(60)
     while await runner.tick():
         pass
     return runner
@@ -111,7 +134,8 @@ def test_windows_survive_a_restart_without_loss_or_duplicates(clickhouse_db: Dat
 async def _resume(db: Database, cfg: JobConfig, cut: float) -> None:
     """A new worker: fresh runner restored from stream_state; the raw rows stored before the
     'crash' are not delivered again (the raw sink skips them), the rest are."""
-    runner = DerivedRunner(db, _nothing, config())
+    clock = CLOCK
+    runner = DerivedRunner(db, _nothing, config(), clock=clock)
     await runner.restore()
     store = ObservingStore(ClickHouseWriter(db), runner.windows)
     batches = list(Simulation(cfg).batches())
@@ -120,7 +144,9 @@ async def _resume(db: Database, cfg: JobConfig, cut: float) -> None:
         b = decode_batch(data)
         if kind != "jobs":
             await store.write(kind, [b], f"{cfg.job_id}:{i}", sources=[(0, i)])
+        clock.pause(0.05)
         if i % 20 == 0:
             await runner.tick()
+    clock.pause(60)
     while await runner.tick():
         pass

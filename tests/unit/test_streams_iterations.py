@@ -101,3 +101,24 @@ def test_window_selects_steps_by_end_and_late_records_complete_a_step(sim_tables
                              max_step_ns=30 * SEC)
     i = np.flatnonzero((partial["rank"] == 3) & (partial["step"] == 5))
     assert len(i) == 1 and partial["source"][i[0]] == "dp_collective"
+
+
+def test_previews_keep_only_rows_known_exactly(sim_tables: dict[str, dict[str, np.ndarray]]
+                                               ) -> None:
+    ops, stages = sim_tables["ops"], sim_tables["stages"]
+    lo = int(np.sort(stages["t_start"])[len(stages["t_start"]) // 2])  # a frame starting mid-run
+    inside = ops["t_start"] >= lo
+    part = {k: v[inside] for k, v in ops.items()}
+    hi = int(ops["t_end"].max()) + 1
+    full = iteration_rows(no_stages(), frame(ops), lo, hi, max_step_ns=60 * SEC)
+    cut = iteration_rows(no_stages(), frame(part), lo, hi, max_step_ns=60 * SEC)
+    prev = iteration_rows(no_stages(), frame(part), lo, hi, max_step_ns=60 * SEC, preview=True)
+    truth = {(int(r), int(s)): int(d) for r, s, d in
+             zip(full["rank"], full["step"], full["step_ns"], strict=True)}
+    got = {(int(r), int(s)): int(d) for r, s, d in
+           zip(prev["rank"], prev["step"], prev["step_ns"], strict=True)}
+    assert got and len(got) < len(cut["rank"])  # each rank's first step in the frame is dropped
+    assert all(truth[k] == d for k, d in got.items())  # what is previewed is exact
+    st = {k: v[stages["t_start"] >= lo] for k, v in stages.items()}
+    both = iteration_rows(st, frame(part), lo, hi, max_step_ns=60 * SEC, preview=True)
+    assert set(both["source"]) == {"stages"}  # never the other source for a rank with stages

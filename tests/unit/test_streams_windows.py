@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from streams.windows import Windows, WindowSpec, window_start
+from streams.windows import (
+    LATE_SUFFIX,
+    Checkpoint,
+    WatermarkParams,
+    Windows,
+    WindowSpec,
+    window_start,
+)
 
 S = 1_000_000_000
 
@@ -57,3 +64,86 @@ def test_checkpoints_restore_the_next_windows() -> None:
     fresh.observe("j", 111 * S, 112 * S)
     assert fresh.due("j", "p") == [108 * S, 109 * S]
     assert window_start(-1, S) == -S
+
+
+class Wall:
+    """The injected wall clock (ns)."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+def learning(wall: Wall) -> Windows:
+    return Windows([WindowSpec("p", S, inputs=("ops",)), WindowSpec("k", S)], 2 * S,
+                   WatermarkParams(min_lateness_ns=S // 10, margin_ns=S // 10, warmup_batches=3,
+                                   silent_ns=2 * S, idle_ns=10 * S), clock=wall)
+
+
+def feed(w: Windows, wall: Wall, kind: str, t0: int, n: int, *, behind: int = 0,
+         source: str = "h1") -> None:
+    """n batches of `kind`, one a second of event and wall time, each reaching `behind` back."""
+    for i in range(n):
+        t = t0 + i * S
+        w.observe("j", t - behind, t, source=source, kind=kind)
+        wall.ns += S // 4
+
+
+def test_sources_learn_their_lateness_after_warmup() -> None:
+    wall = Wall()
+    w = learning(wall)
+    feed(w, wall, "ops", 100 * S, 2, behind=3 * S // 2)
+    assert w.watermark("j", "p") == 101 * S - 2 * S  # warming up: the fixed lateness
+    feed(w, wall, "ops", 102 * S, 3, behind=3 * S // 2)
+    # batches a second apart reaching 1.5 s back: each needed 0.5 s; plus the 0.1 s margin
+    assert w.watermark("j", "p") == 104 * S - (S // 2 + S // 10)
+
+
+def test_a_lagging_source_holds_the_windows_back_and_a_silent_one_does_not() -> None:
+    wall = Wall()
+    w = learning(wall)
+    feed(w, wall, "ops", 100 * S, 5, source="fast")
+    feed(w, wall, "ops", 90 * S, 5, source="slow")  # live, 10 s behind: it holds the windows
+    assert w.watermark("j", "p") < 95 * S
+    wall.ns += 3 * S
+    feed(w, wall, "ops", 105 * S, 1, source="fast")  # "slow" silent for > 2 s: not waited for
+    assert w.watermark("j", "p") >= 104 * S
+
+
+def test_windows_follow_other_sources_when_the_input_kind_stops() -> None:
+    wall = Wall()
+    w = learning(wall)
+    feed(w, wall, "ops", 100 * S, 5)
+    feed(w, wall, "beats", 105 * S, 12)  # the job hangs: no ops, the beats go on
+    assert w.due("j", "p", 100)[-1] >= 114 * S - 2 * S  # beats' lateness is learned too
+
+
+def test_a_quiet_job_closes_its_last_windows_and_a_restart_starts_cautious() -> None:
+    wall = Wall()
+    w = learning(wall)
+    feed(w, wall, "ops", 100 * S, 5)
+    wall.ns += 11 * S
+    assert w.watermark("j", "p") == 104 * S - S // 10
+    fresh = learning(wall)
+    fresh.restore(w.checkpoint("j"))
+    assert fresh.watermark("j", "p") == 104 * S - 2 * S  # no source known yet
+
+
+def test_late_marks_are_reported_and_survive_a_restart() -> None:
+    w = make()
+    w.observe("j", 100 * S, 200 * S)
+    for s in w.due("j", "it", limit=100):
+        w.closed("j", "it", s)
+    assert w.observe("j", 171 * S, 172 * S) is True
+    assert w.observe("j", 171 * S, 172 * S) is False  # already marked
+    w.observe("j", 185 * S, 186 * S)
+    rows = w.checkpoint("j")
+    assert Checkpoint("j", "it" + LATE_SUFFIX, 170 * S, 180 * S) in rows
+    fresh = make()
+    fresh.restore(rows)
+    assert fresh.late("j", "it") == [170 * S, 180 * S]
+    for s in (170 * S, 180 * S):
+        fresh.recomputed("j", "it", s)
+    assert Checkpoint("j", "it" + LATE_SUFFIX, -1, -1) in fresh.checkpoint("j")

@@ -1,0 +1,83 @@
+"""JobWatch on the derived feeds (diagnosis/triggers/watch.py, diagnosis/agents.py): the
+step-level test counts each step once however the feed delivers it, and the trigger clock is the
+feed's event time, so a feed that lags the wall clock cannot look like a hang."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diagnosis.agents import progress_as_ops
+from diagnosis.triggers.base import Trigger
+from diagnosis.triggers.watch import JobWatch
+from tests.unit.topo_fixtures import megatron_topology
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+def watch() -> JobWatch:
+    return JobWatch(megatron_topology(2, 2, 2, job_id="w"))
+
+
+def steps(w: JobWatch, first: int, durations: list[float]) -> dict[str, np.ndarray]:
+    """Rows of consecutive steps on every sampled rank (step s ends at T0 + its end)."""
+    ends = T0 + np.cumsum(np.asarray(durations) * S).astype(np.int64) + first * S
+    ranks = np.asarray(w.sample.ranks)
+    n = len(durations)
+    return {"rank": np.repeat(ranks, n), "step": np.tile(np.arange(first, first + n), len(ranks)),
+            "step_ns": np.tile((np.asarray(durations) * S).astype(np.int64), len(ranks)),
+            "t_end": np.tile(ends, len(ranks))}
+
+
+def stragglers(out: list[Trigger]) -> list[Trigger]:
+    return [t for t in out if t.evidence.get("rule") == "venustrace.expected_step"]
+
+
+def test_two_slow_steps_fire_once_whatever_the_delivery() -> None:
+    for split in ("one message", "previews then windows"):
+        w = watch()
+        fired = stragglers(w.observe(T0, steps=steps(w, 0, [0.7] * 10)))
+        slow = steps(w, 10, [1.1, 1.1, 1.1])
+        if split == "one message":
+            fired += stragglers(w.observe(T0 + 20 * S, steps=slow))
+        else:  # each step previewed, then the window's rows bring all of them again
+            for i in range(3):
+                one = {k: v[slow["step"] == 10 + i] for k, v in slow.items()}
+                fired += stragglers(w.observe(T0 + 20 * S, steps=one))
+            fired += stragglers(w.observe(T0 + 21 * S, steps=slow))
+        assert len(fired) == 1, split
+        assert fired[0].evidence["onset_step"] == 10
+
+
+def test_a_step_delivered_twice_is_not_a_second_slow_step() -> None:
+    w = watch()
+    w.observe(T0, steps=steps(w, 0, [0.7] * 10))
+    slow = steps(w, 10, [1.1])
+    assert not stragglers(w.observe(T0 + 20 * S, steps=slow) + w.observe(T0 + 20 * S, steps=slow))
+
+
+def progress_rows(w: JobWatch, window_end: int, done: bool) -> dict[str, np.ndarray]:
+    ranks = np.asarray(w.sample.ranks)
+    n = len(ranks)
+    return {"window_end": np.full(n, window_end), "rank": ranks,
+            "completed_ops": np.full(n, 3 if done else 0), "inflight_ops": np.zeros(n, np.int64),
+            "oldest_inflight_age_ns": np.zeros(n, np.int64),
+            "last_beat_ts": np.full(n, window_end - S // 2)}
+
+
+def test_a_lagging_feed_cannot_look_like_a_hang() -> None:
+    """The clock is the newest window_end: however late (in wall time) the windows arrive, a
+    rank that progressed in every window is not silent; a hang shows once the windows after the
+    last progress span the timeout."""
+    w = watch()
+    w.observe(T0, steps=steps(w, 0, [0.7] * 10))  # expected step 0.7 s: timeout 1.4 s
+    fired: list[Trigger] = []
+    for i in range(1, 30):  # delivered in one burst after a long backlog
+        ops, beats = progress_as_ops(progress_rows(w, T0 + i * S, done=True))
+        fired += w.observe(T0 + i * S, ops=ops, beats=beats)
+    assert not [t for t in fired if t.kind == "hang"]
+    for i in range(30, 33):  # the job stops: no completions, beats go on
+        ops, beats = progress_as_ops(progress_rows(w, T0 + i * S, done=False))
+        fired += w.observe(T0 + i * S, ops=ops, beats=beats)
+    hang = [t for t in fired if t.kind == "hang"]
+    assert len(hang) == 1 and hang[0].ts == T0 + 31 * S
