@@ -70,19 +70,21 @@ class Window:
         m = self.topo.microbatches
         k, d, base = 0, 1, 0
         if ops:
-            kind = self.comm_kind_of_ops
             step, rank = ints(ops, "step", -1), ints(ops, "rank")
-            done = ints(ops, "t_end") > 0
             known = step[step >= 0]
             if known.size:
                 base = int(known.min())
                 # a complete step: the median step of the window
-                s = int(np.median(np.unique(known)))
-                r0 = int(rank[0])
-                tp = (kind == "tp") & (step == s) & (rank == r0) & done
-                dp = (kind == "dp") & (step == s) & (rank == r0) & done
-                k = int(tp.sum()) // max(2 * m, 1)
-                d = max(int(dp.sum()), 1)
+                s = int(np.median(_distinct_ints(known)))
+                # the first rank's rows of that step only (kinds per distinct comm_id)
+                mine = np.flatnonzero((rank == int(rank[0])) & (step == s))
+                uniq, inv = codes(col(ops, "comm_id"))
+                kinds = np.asarray([self.grid.comm_kind.get(str(c), "") for c in uniq],
+                                   dtype=object)
+                kind = kinds[inv[mine]]
+                done = ints(ops, "t_end")[mine] > 0
+                k = int(((kind == "tp") & done).sum()) // max(2 * m, 1)
+                d = max(int(((kind == "dp") & done).sum()), 1)
         return PipelineSpec(pp=self.topo.pp, microbatches=m, tp_ops_per_pass=k,
                             dp_ops_per_step=d, step_base=base)
 
@@ -118,6 +120,15 @@ class Window:
         sel = r == r[0]
         t = np.unique(ts[sel])
         return float(np.median(np.diff(t))) if t.size > 2 else 1e9
+
+
+def _distinct_ints(x: Array) -> Array:
+    """np.unique(x) of an int array; by counting when its range is small (steps: a few
+    hundred values over 10⁶ rows), which needs no sort."""
+    lo, hi = int(x.min()), int(x.max())
+    if hi - lo < 4 * x.size + 1024:
+        return np.flatnonzero(np.bincount(x - lo, minlength=hi - lo + 1)) + lo
+    return np.unique(x)
 
 
 def last_record_ns(ops: Columns, beats: Columns, world: int, now_ns: int) -> Array:

@@ -184,26 +184,78 @@ def _edges(ll: LastLogs, grid: Grid,
 
 def _reachable_sinks(edges: dict[int, set[int]],
                      starts: list[int]) -> tuple[dict[int, int], set[int]]:
-    """Sinks reachable from `starts` with how many start ranks reach each; plus nodes on cycles
-    that reach no sink."""
+    """Sinks reachable from `starts` with how many start ranks (other than the sink itself)
+    reach each; plus every node reachable from a start that reaches no sink (a cycle).
+
+    One pass over the graph instead of a search per start (16k stuck ranks at 16k ranks): the
+    strongly connected components (Tarjan, iterative) come out sinks-first, so each component's
+    set of reachable sinks is the union of its successors' sets, known by then."""
+    comp_of: dict[int, int] = {}
+    comp_sinks: list[frozenset[int]] = []
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    stack: list[int] = []
+    on_stack: set[int] = set()
+    for root in starts:
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(edges.get(root, ())))]
+        while work:
+            x, it = work[-1]
+            y = next(it, None)
+            if y is not None:
+                if y not in index:
+                    index[y] = low[y] = len(index)
+                    stack.append(y)
+                    on_stack.add(y)
+                    work.append((y, iter(edges.get(y, ()))))
+                elif y in on_stack:
+                    low[x] = min(low[x], index[y])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[x])
+            if low[x] != index[x]:
+                continue
+            members: list[int] = []
+            while True:
+                z = stack.pop()
+                on_stack.discard(z)
+                members.append(z)
+                if z == x:
+                    break
+            c = len(comp_sinks)
+            for z in members:
+                comp_of[z] = c
+            if len(members) == 1 and not edges.get(x):
+                comp_sinks.append(frozenset((x,)))
+            else:
+                comp_sinks.append(frozenset().union(*(
+                    comp_sinks[comp_of[y]] for z in members for y in edges.get(z, ())
+                    if comp_of[y] != c)))
     reach: dict[int, int] = {}
     cyclic: set[int] = set()
     for s in starts:
-        seen = {s}
-        q = deque([s])
-        found = False
-        while q:
-            x = q.popleft()
-            nxt = edges.get(x, set())
-            if not nxt:
-                reach[x] = reach.get(x, 0) + (x != s)
-                found = True
-            for y in nxt - seen:
-                seen.add(y)
-                q.append(y)
-        if not found:
-            cyclic |= seen
+        sinks = comp_sinks[comp_of[s]]
+        for t in sinks:
+            reach[t] = reach.get(t, 0) + (t != s)
+        if not sinks:
+            cyclic |= _reachable(edges, s)
     return reach, cyclic
+
+
+def _reachable(edges: dict[int, set[int]], s: int) -> set[int]:
+    seen = {s}
+    q = deque([s])
+    while q:
+        for y in edges.get(q.popleft(), set()) - seen:
+            seen.add(y)
+            q.append(y)
+    return seen
 
 
 def _stage(grid: Grid, comm: str, op: str) -> str:

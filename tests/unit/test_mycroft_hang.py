@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnosis.groups import grid_of
-from diagnosis.rules.mycroft_hang import analyze_hang
+from diagnosis.rules.mycroft_hang import _reachable_sinks, analyze_hang
 from tests.unit.topo_fixtures import megatron_topology
 
 S = 1_000_000_000
@@ -155,3 +155,32 @@ def test_call_starting_within_the_stuck_threshold_counts_as_reached():
              (5, "tp:pp1:dp0", 10, "AllReduce", -1, now - S // 100, now + S // 100, 0)]
     found = analyze_hang(cols(rows), GRID, now, beats=beats(list(range(8)), now))
     assert [(f.rule, f.culprit_ranks) for f in found] == [("mycroft.alg2.min_data", ())]
+
+
+def _sinks_by_search(edges: dict[int, set[int]],
+                     starts: list[int]) -> tuple[dict[int, int], set[int]]:
+    """The definition: one breadth-first search per start."""
+    reach: dict[int, int] = {}
+    cyclic: set[int] = set()
+    for s in starts:
+        seen, todo, found = {s}, [s], False
+        while todo:
+            x = todo.pop()
+            if not edges.get(x):
+                reach[x] = reach.get(x, 0) + (x != s)
+                found = True
+            for y in edges.get(x, set()) - seen:
+                seen.add(y)
+                todo.append(y)
+        if not found:
+            cyclic |= seen
+    return reach, cyclic
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, 12), st.sets(st.integers(0, 12), max_size=4), max_size=13),
+       st.sets(st.integers(0, 12), min_size=1))
+def test_reachable_sinks_match_one_search_per_start(edges, starts):
+    """Sinks, how many starts reach each, and the nodes of sink-less cycles (self-loops,
+    empty edge sets included) are those of the per-start search."""
+    assert _reachable_sinks(edges, sorted(starts)) == _sinks_by_search(edges, sorted(starts))
