@@ -1,0 +1,77 @@
+"""Slowdown root cause (diagnosis/slow_rca.py): its vectorized helpers against their plain
+definitions, and how a kernel-class excess is named — a shift of the class's typical kernel
+names the kernel, a tail of long kernels (ECC-like spikes) names the pass they ran in."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diagnosis import slow_rca
+from diagnosis.window import Window, assign_steps
+from ingest.sim.config import JobConfig
+from ingest.sim.simulation import Simulation, collect
+
+
+@functools.cache
+def window(fault: str, steps: int = 16) -> tuple[Window, int]:
+    cfg = JobConfig(job_id="t", tp=2, pp=4, dp=2, steps=steps)
+    d = collect(Simulation(cfg, [fault]).batches())
+    topo = d.pop("jobs")["topology"][0]
+    now = int(max(d["beats"]["ts"].max(), d["ops"]["t_enqueue"].max()))
+    return Window(topo, d, 0, now), now
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_packed_step_assignment_matches_the_record_search(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ranks, steps = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    st_rank = np.repeat(np.arange(ranks), steps)
+    st_step = np.tile(np.arange(steps), ranks)
+    st_start = np.sort(rng.integers(0, 10**12, st_rank.size)).astype(np.int64)
+    keep = rng.random(st_rank.size) < 0.8  # some (rank, step) rows missing
+    t = rng.integers(0, 10**12, 200).astype(np.int64)
+    r = rng.integers(0, ranks + 1, 200).astype(np.int64)  # one rank without stages
+    got = slow_rca._assign_steps(t, r, st_rank[keep], st_step[keep], st_start[keep])
+    want = assign_steps(t, r, st_rank[keep], st_step[keep], st_start[keep])
+    np.testing.assert_array_equal(got, want)
+
+
+def _persistence_of_one_column(m: np.ndarray, ref: np.ndarray, c: int) -> float:
+    with np.errstate(all="ignore"):
+        x = (m[:, c] - ref[:, c]) / ref[:, c]
+    x = x[np.isfinite(x)]
+    hit = np.flatnonzero(x > 0.05)
+    return float(np.mean(x[hit[0]:] > 0.05)) if hit.size else 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_persistence_matches_the_per_column_definition(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    m = rng.uniform(0.8, 1.3, (int(rng.integers(1, 12)), int(rng.integers(1, 9))))
+    m[rng.random(m.shape) < 0.2] = np.nan
+    ref = np.ones_like(m)
+    got = slow_rca._persistence(m, ref)
+    want = [_persistence_of_one_column(m, ref, c) for c in range(m.shape[1])]
+    np.testing.assert_allclose(got, want)
+
+
+def test_a_slower_kernel_class_names_the_kernel() -> None:
+    w, now = window("kernel_slow rank=9 kernel=attn factor=3 at=1s")
+    c = slow_rca.analyze(w, now)
+    assert c is not None and (c.ranks, c.stage, c.component) == ((9,), "kernel attn",
+                                                                 "gpu_compute")
+
+
+def test_ecc_like_spikes_name_the_pass_not_the_kernel() -> None:
+    w, now = window("ecc_jitter rank=9 p=0.05 factor=10 at=1s")
+    c = slow_rca.analyze(w, now)
+    assert c is not None and c.ranks == (9,) and c.component == "gpu_compute"
+    stage = int(w.grid.stage[9])
+    assert c.stage in (f"fwd pp={stage}", f"bwd pp={stage}"), c.stage
+    assert c.kind == "jitter"
