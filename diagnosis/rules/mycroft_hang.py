@@ -49,7 +49,7 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, ints, last_per_group
 from diagnosis.groups import Grid
 from diagnosis.rules.base import Finding
-from diagnosis.rules.mycroft_state import chunk_states, state_findings
+from diagnosis.rules.mycroft_state import COLLECTIVE_KINDS, chunk_states, state_findings
 from diagnosis.window import last_record_ns
 
 Array = np.ndarray
@@ -342,25 +342,41 @@ def _min_data(ranks: list[int], ll: LastLogs, now_ns: int, grid: Grid,
     ops_key |= set(zip(col(ops, "comm_id")[p2p].astype(str).tolist(),
                        ints(ops, "op_seq")[p2p].tolist(), strict=True))
     if chunks:
-        c = col(chunks, "comm_id").astype(str)
-        q = ints(chunks, "op_seq")
-        r = ints(chunks, "rank")
-        keep = np.zeros(c.size, dtype=bool)
-        for comm, seq in ops_key:
-            keep |= (c == comm) & (q == seq)
-        keep &= np.isin(r, [*ranks, *(int(x) for x in ll.rank[sel])])
-        sub = {k: np.asarray(v)[keep] for k, v in chunks.items()}
+        sub = _stalled_chunks(chunks, ops_key, [*ranks, *(int(x) for x in ll.rank[sel])], grid)
         found = state_findings(chunk_states(sub, now_ns, grid, flows))
         if found:
             return [Finding(rule="mycroft.alg2.min_data", culprit_ranks=f.culprit_ranks,
-                            stage=_stage(grid, *_op_of(ll, sel)), component=f.component,
-                            score=f.score, labels=("min_data", *f.labels), kind="hang",
-                            onset_ns=f.onset_ns, evidence=dict(f.evidence)) for f in found]
+                            stage=_stage(grid, *_op_of(ll, sel)),
+                            component=f.component or "gpu_compute", score=f.score,
+                            labels=("min_data", *f.labels,
+                                    *(() if f.component else ("kernel_not_started",))),
+                            kind="hang", onset_ns=f.onset_ns, evidence=dict(f.evidence))
+                    for f in found]
     return [Finding(rule="mycroft.alg2.min_data", culprit_ranks=(), kind="hang",
                     stage=_stage(grid, *_op_of(ll, sel)), score=0.1,
                     labels=("min_data", "no_counter_evidence"),
                     evidence={"stalled_ops": sorted(f"{c}#{s}" for c, s in ops_key)[:20],
                               "ranks_in_op": sorted(ranks)[:64]})]
+
+
+def _stalled_chunks(chunks: Columns, ops_key: set[tuple[str, int]], ranks: list[int],
+                    grid: Grid) -> Columns:
+    """The chunk rows of the stalled ops: of a collective, every member's rows (a member
+    without any is one whose kernel never started: Table 4's "receiver not ready"); of a
+    Send/Recv, only the stuck ranks' own (p2p op_seq is per rank, another rank's row with the
+    same number is another call)."""
+    uniq, cc = codes(col(chunks, "comm_id"))
+    q = ints(chunks, "op_seq")
+    code_of = {str(u): i for i, u in enumerate(uniq.tolist())}
+    wanted = [(code_of[c], k) for c, k in ops_key if c in code_of]
+    if not wanted or q.size == 0:
+        return {k: np.asarray(v)[:0] for k, v in chunks.items()}
+    span = int(max(int(q.max()), max(k for _, k in wanted))) + 1
+    keep = np.isin(cc * span + q, [c * span + k for c, k in wanted])
+    coll = np.asarray([grid.comm_kind.get(str(u), "") in COLLECTIVE_KINDS for u in uniq],
+                      dtype=bool)
+    keep &= coll[cc] | np.isin(ints(chunks, "rank"), ranks)
+    return {k: np.asarray(v)[keep] for k, v in chunks.items()}
 
 
 def _op_of(ll: LastLogs, sel: Array) -> tuple[str, str]:

@@ -20,8 +20,12 @@ Local vs remote, and where we do better than the table:
   outside and nobody is blamed here. The component is left to Alg. 2 (mycroft_hang.py), which
   knows why the rank did not arrive.
 - NOT_TRANSMITTED is remote ("receiver not ready") when the receiver's own row for the op is
-  NOT_STARTED or missing while the sender has staged data; the receiver is blamed. Otherwise the
-  sender's NIC is not posting: local nic_rdma.
+  NOT_STARTED, or when the receiver has no row for the op on any channel and the op is a
+  collective (a communicator of kind tp/dp/cp/ep/world in the grid: every member runs the same
+  op_seq, so a member without a snapshot never started its kernel — the GPU stream was still
+  busy); the receiver is blamed. A Send/Recv's receiver counts its own op_seq (pipeline_ops.py),
+  so a missing row proves nothing there, and without a grid nothing is inferred from absence.
+  Otherwise the sender's NIC is not posting: local nic_rdma.
 - NOT_DELIVERED: Mycroft §5.3 compares sender and receiver — sender ②>③ with receiver ①=②=③
   blames the receiver. That pairwise rule misfires when a NIC is down: both the link into and
   the link out of the dead NIC are undelivered, and the receiver downstream of it looks healthy.
@@ -56,6 +60,7 @@ STATE_NAMES = {NOT_STARTED: "not_started", NOT_TRANSMITTED: "not_transmitted",
                NOT_DELIVERED: "not_delivered", GPU_NOT_READY: "gpu_not_ready",
                COMPLETE: "complete"}
 LOCAL, REMOTE, VICTIM, AMBIGUOUS = "local", "remote", "victim", "ambiguous"
+COLLECTIVE_KINDS = ("tp", "dp", "cp", "ep", "world")
 
 
 @dataclass(frozen=True)
@@ -139,12 +144,25 @@ def chunk_states(chunks: Columns, now_ns: int, grid: Grid | None = None,
                                                       "rdma_done", "total_chunks"))
     state = classify_states(g, t, d, total)
     peer = _receivers(chunks, rows, comm, grid, flows, (rank, seq, ch))
-    cause, blamed, comp = _attribute(rank, comm, seq, ch, peer, state, d, total)
+    cause, blamed, comp = _attribute(rank, comm, seq, ch, peer, state, d, total,
+                                     collective_rows(comm, grid))
     return ChunkStates(rank, comm, seq, ch, ts_all[rows], peer, state, cause, blamed, comp)
 
 
+def collective_rows(comm: Array, grid: Grid | None) -> Array:
+    """Row mask: the row's communicator is a collective one in `grid` (kind tp, dp, cp, ep or
+    world — not pp, whose Send/Recv number their calls per rank); all False without a grid."""
+    if grid is None or comm.size == 0:
+        return np.zeros(comm.size, dtype=bool)
+    uniq, inv = codes(comm)
+    coll = np.asarray([grid.comm_kind.get(str(c), "") in COLLECTIVE_KINDS for c in uniq],
+                      dtype=bool)
+    return np.asarray(coll[inv], dtype=bool)
+
+
 def _attribute(rank: Array, comm: Array, seq: Array, ch: Array, peer: Array, state: Array,
-               d: Array, total: Array) -> tuple[Array, Array, Array]:
+               d: Array, total: Array, collective: Array | None = None
+               ) -> tuple[Array, Array, Array]:
     n = rank.size
     cause = np.full(n, "", dtype=object)
     blamed = np.full(n, -1, dtype=np.int64)
@@ -168,9 +186,14 @@ def _attribute(rank: Array, comm: Array, seq: Array, ch: Array, peer: Array, sta
     local = ns & progressed[op]
     cause[ns] = np.where(local, LOCAL, VICTIM)[ns]
     blamed[local] = rank[local]
-    # NOT_TRANSMITTED: receiver not ready (remote) or the sender's NIC (local)
+    # NOT_TRANSMITTED: receiver not ready (remote) or the sender's NIC (local); a collective's
+    # receiver with no row for the op at all never started it
     nt = (state & NOT_TRANSMITTED) != 0
-    remote = nt & has_recv & ((recv_state & NOT_STARTED) != 0)
+    op_rank = np.stack([op, rank], axis=1)
+    recv_any = _lookup(op_rank, np.ones(n, dtype=np.int64), np.stack([op, peer], axis=1), 0) > 0
+    absent = ~recv_any & (peer >= 0) & (np.zeros(n, dtype=bool) if collective is None
+                                        else collective)
+    remote = nt & ((has_recv & ((recv_state & NOT_STARTED) != 0)) | absent)
     cause[nt] = np.where(remote, REMOTE, LOCAL)[nt]
     blamed[nt] = np.where(remote, peer, rank)[nt]
     comp[nt & ~remote] = "nic_rdma"

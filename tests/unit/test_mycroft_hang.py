@@ -184,3 +184,19 @@ def test_reachable_sinks_match_one_search_per_start(edges, starts):
     """Sinks, how many starts reach each, and the nodes of sink-less cycles (self-loops,
     empty edge sets included) are those of the per-start search."""
     assert _reachable_sinks(edges, sorted(starts)) == _sinks_by_search(edges, sorted(starts))
+
+
+def test_same_op_member_whose_kernel_never_started_is_blamed_by_its_counters():
+    """Live view of a compute hang after the host posted the next collective: ranks 4 and 5 both
+    sit in TP op 10, but only rank 4's kernel staged data; rank 5 has no chunk snapshot of it
+    (Table 4: receiver not ready) — rank 5's GPU, not rank 4's NIC."""
+    rows: list[Row] = [(r, "tp:pp1:dp0", 10, "AllReduce", -1, 50 * S, 50 * S, 0) for r in (4, 5)]
+    chunks = {"rank": np.array([4, 4]), "comm_id": np.array(["tp:pp1:dp0"] * 2, dtype=object),
+              "op_seq": np.array([10, 10]), "channel": np.array([0, 1]),
+              "ts": np.array([90 * S, 90 * S]), "total_chunks": np.array([2, 2]),
+              "gpu_ready": np.array([1, 1]), "rdma_transmitted": np.array([0, 0]),
+              "rdma_done": np.array([0, 0])}
+    found = analyze_hang(cols(rows), GRID, NOW, chunks=chunks, beats=beats(list(range(8)), NOW))
+    assert [(f.rule, f.culprit_ranks, f.component) for f in found] == \
+        [("mycroft.alg2.min_data", (5,), "gpu_compute")]
+    assert "kernel_not_started" in found[0].labels

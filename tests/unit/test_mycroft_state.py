@@ -105,3 +105,18 @@ def test_state_fractions_over_time():
     fr = state_fractions({k: np.concatenate([a[k], b[k]]) for k in a}, np.array([0, 1]))
     assert fr["gpu_not_ready"].tolist() == [1.0, 0.5]
     assert fr["not_transmitted"].tolist() == [0.0, 0.5]
+
+
+def test_collective_receiver_without_any_snapshot_never_started():
+    # rank 2 of the TP ring has no row for the op: its kernel never started, so rank 1's staged
+    # chunk cannot leave (receiver not ready) — not rank 1's NIC
+    rows = [(0, 2, 2, 2), (1, 2, 0, 0), (3, 2, 2, 2)]
+    st = chunk_states(snap(rows), now_ns=1000, grid=GRID)
+    row = int(np.flatnonzero(st.rank == 1)[0])
+    assert (st.cause[row], int(st.blamed[row]), st.component[row]) == ("remote", 2, "")
+    assert [f.culprit_ranks for f in state_findings(st)] == [(2,)]
+    # without a grid, or on a Send/Recv communicator, absence proves nothing: the sender's NIC
+    assert [f.culprit_ranks for f in state_findings(chunk_states(snap(rows), 1000))] == [(1,)]
+    pp = grid_of(megatron_topology(1, 4, 1))  # one PP group: pp:dp0:tp0 = [0, 1, 2, 3]
+    st = chunk_states(snap(rows, comm="pp:dp0:tp0"), now_ns=1000, grid=pp)
+    assert {f.culprit_ranks: f.component for f in state_findings(st)} == {(1,): "nic_rdma"}
