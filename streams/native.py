@@ -8,7 +8,9 @@ data. The data of the types the raw tables use:
 - `String`: per row ``varint(len) bytes``;
 - `LowCardinality(String)`: a prefix ``UInt64 1`` (shared dictionaries with additional keys),
   then ``UInt64 flags`` (the index width 0..3 = UInt8..UInt64, plus bit 9, "has additional
-  keys"), ``UInt64 keys``, the keys as `String` data, ``UInt64 rows`` and one index per row.
+  keys"), ``UInt64 keys``, the keys as `String` data, ``UInt64 rows`` and one index per row;
+- `Array(T)` (from an object array of sequences: the topology's hosts and communicators): T's
+  prefix first, then the cumulative end offsets as UInt64, then every element as one T column.
 
 The body is the same for the embedded engine (``INSERT ... FROM INFILE ... FORMAT Native``) and a
 server (``INSERT ... FORMAT Native`` over HTTP). Strings given as `ingest.batch.Coded` (codes +
@@ -39,6 +41,8 @@ Column = np.ndarray | Coded
 
 def supports(type_name: str) -> bool:
     """Whether `native_block` can write a column of this ClickHouse type."""
+    if type_name.startswith("Array(") and type_name.endswith(")"):
+        return supports(type_name[6:-1])
     return (type_name in _FIXED or type_name in ("String", _LOW_CARD_STRING)
             or bool(_DATETIME64.match(type_name)))
 
@@ -71,8 +75,7 @@ def _low_cardinality(col: Column) -> bytes:
     keys = len(coded.values)
     width = 0 if keys <= 1 << 8 else 1 if keys <= 1 << 16 else 2 if keys <= 1 << 32 else 3
     index = coded.codes.astype(("<u1", "<u2", "<u4", "<u8")[width], copy=False)
-    return b"".join((_u64(_SHARED_DICTIONARIES_WITH_ADDITIONAL_KEYS),
-                     _u64(width | _HAS_ADDITIONAL_KEYS, keys),
+    return b"".join((_u64(width | _HAS_ADDITIONAL_KEYS, keys),
                      *(_string(v) for v in coded.values),
                      _u64(len(index)), index.tobytes()))
 
@@ -94,9 +97,34 @@ def _strings(col: Column) -> bytes:
     return dictionary[source].tobytes()
 
 
-def _column_data(type_name: str, col: Column) -> bytes:
+def _prefix(type_name: str) -> bytes:
+    """The state prefix written before a column's data (an array's is its elements')."""
+    if type_name.startswith("Array("):
+        return _prefix(type_name[6:-1])
+    return _u64(_SHARED_DICTIONARIES_WITH_ADDITIONAL_KEYS) if type_name == _LOW_CARD_STRING \
+        else b""
+
+
+def _array(type_name: str, col: Column) -> bytes:
+    """`Array(T)` from an object array of sequences: cumulative end offsets (UInt64), then all
+    elements as one column of T (few rows: topologies)."""
+    if isinstance(col, Coded):
+        raise TypeError(f"string codes for a {type_name} column")
+    lengths = np.fromiter((len(x) for x in col), dtype="<u8", count=len(col))
+    elements = np.empty(int(lengths.sum()), dtype=object)
+    for i, e in enumerate(e for x in col for e in x):  # nested sequences stay objects
+        elements[i] = e
+    inner = type_name[6:-1]
+    if not inner.startswith("Array(") and "String" not in inner:
+        elements = elements.astype(_FIXED.get(inner, "<i8"))
+    return np.cumsum(lengths, dtype="<u8").tobytes() + _column_data(inner, elements, prefix=False)
+
+
+def _column_data(type_name: str, col: Column, prefix: bool = True) -> bytes:
+    if type_name.startswith("Array("):
+        return (_prefix(type_name) if prefix else b"") + _array(type_name, col)
     if type_name == _LOW_CARD_STRING:
-        return _low_cardinality(col)
+        return (_prefix(type_name) if prefix else b"") + _low_cardinality(col)
     if type_name == "String":
         return _strings(col)
     if isinstance(col, Coded):

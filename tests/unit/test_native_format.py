@@ -62,10 +62,27 @@ def test_fixed_width_and_datetime_columns_are_little_endian_values() -> None:
     assert body.count(ts.astype("<i8").tobytes()) == 2
 
 
+def test_arrays_are_offsets_then_elements_with_the_element_prefix_first() -> None:
+    col = np.empty(2, object)
+    col[:] = [["h0", "h1"], ["h1"]]
+    body = native.native_block([("a", "Array(LowCardinality(String))", col)])
+    data = body.split(b"Array(LowCardinality(String))", 1)[1]
+    lc_version, end1, end2, flags, keys = np.frombuffer(data[:40], "<u8")
+    assert (lc_version, end1, end2, flags, keys) == (1, 2, 3, 1 << 9, 2)
+    nested = np.empty(2, object)
+    nested[:] = [[[0, 1], [2]], []]
+    body = native.native_block([("m", "Array(Array(UInt32))", nested)])
+    data = body.split(b"Array(Array(UInt32))", 1)[1]
+    assert np.frombuffer(data[:16], "<u8").tolist() == [2, 2]  # rows' ends in arrays
+    assert np.frombuffer(data[16:32], "<u8").tolist() == [2, 3]  # arrays' ends in numbers
+    assert np.frombuffer(data[32:], "<u4").tolist() == [0, 1, 2]
+
+
 def test_refusals() -> None:
-    assert not native.supports("Array(String)") and native.supports("DateTime64(3)")
-    with pytest.raises(TypeError, match="Array"):
-        native.native_block([("a", "Array(String)", np.empty(1, object))])
+    assert not native.supports("Nullable(Int64)") and native.supports("DateTime64(3)")
+    assert native.supports("Array(Array(UInt32))") and not native.supports("Array(UUID)")
+    with pytest.raises(TypeError, match="Nullable"):
+        native.native_block([("a", "Nullable(Int64)", np.empty(1, object))])
     with pytest.raises(ValueError, match="unequal"):
         native.native_block([("a", "Int64", np.arange(2)), ("b", "Int64", np.arange(3))])
     with pytest.raises(TypeError, match="codes"):
