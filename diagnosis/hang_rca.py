@@ -256,6 +256,23 @@ def past_stall(w: Window) -> tuple[int, int] | None:
     return int(ends[i]), int(ends[i + 1])
 
 
+def stalled_steps(w: Window) -> np.ndarray:
+    """Steps (ascending) whose `stages` record on some rank overlaps the window's recovered
+    stall (`past_stall`); empty when there is none. A recovered stall is a transient hang
+    (`analyze_past_stall`): per-step excess measured over these steps is that hang again, so a
+    slowdown analysis that wants what remains leaves them out."""
+    gap = past_stall(w)
+    st = w.get("stages")
+    if gap is None or not st:
+        return np.zeros(0, dtype=np.int64)
+    a, b = gap
+    start = ints(st, "t_start")
+    end = start + sum(ints(st, c, 0) for c in ("data_next_wait", "model_fwd_loss",
+                                                "model_backward", "callbacks", "optim_step",
+                                                "step_other"))
+    return np.unique(ints(st, "step")[(start < b) & (end > a)])
+
+
 def analyze_past_stall(w: Window, now_ns: int) -> Conclusion | None:
     """A stall that already recovered, analysed as of 3/4 into it (the records then in flight
     are the ones that ended after that moment): a transient hang."""
