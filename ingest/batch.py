@@ -3,10 +3,13 @@
     {"v": 1, "kind": "ops", "job_id": "j1", "producer": "host7/agent", "seq": 42, "n": 3,
      "cols": {"rank": [0, 1, 2], "comm_id": {"d": ["dp0"], "i": [0, 0, 0]}, ...}}
 
-Integer columns are JSON arrays of integers. String columns are dictionary-encoded
-(``{"d": [distinct values], "i": [index per row]}``) or, for simple producers, plain arrays of
-strings. A column the producer omits takes the model's default; a required one must be present.
-The `jobs` kind carries ``"recs": [JobTopology, ...]`` instead of ``"cols"``.
+Integer columns are JSON arrays of integers, or packed (``{"le64": base64}``), or — in a framed
+batch (``FRAME_MAGIC``, a uint32 header length, the JSON header, then a binary body) —
+``{"at": byte offset}`` into the body, raw little-endian int64. String columns are
+dictionary-encoded (``{"d": [distinct values], "i": [index per row]}``) or, for simple
+producers, plain arrays of strings. A column the producer omits takes the model's default; a
+required one must be present. The `jobs` kind carries ``"recs": [JobTopology, ...]`` instead
+of ``"cols"``.
 
 `encode_batch` and `decode_batch` work on whole numpy columns: no per-record model construction,
 no per-row Python on the valid path. Validation applies the rules the pydantic models in
@@ -45,6 +48,8 @@ TIME_COLUMN: dict[str, str] = {
 }
 
 MAX_ROWS = 4_000_000
+#: The first bytes of a framed batch (never the start of a JSON text).
+FRAME_MAGIC = b"RWB1"
 
 
 class BatchError(ValueError):
@@ -121,9 +126,24 @@ class RecordBatch:
 # Encoding
 
 
-def _ints(values: Any, packed: bool) -> Any:
-    arr = np.ascontiguousarray(values, dtype="<i8")
-    return {"le64": base64.b64encode(arr.tobytes()).decode("ascii")} if packed else arr
+class _Body:
+    """Where integer columns go while encoding: base64 text, plain arrays, or a framed body."""
+
+    def __init__(self, packed: bool, framed: bool) -> None:
+        self.packed, self.framed = packed, framed
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def ints(self, values: Any) -> Any:
+        arr = np.ascontiguousarray(values, dtype="<i8")
+        if self.framed:
+            at = self.size
+            self.parts.append(arr.tobytes())
+            self.size += arr.nbytes
+            return {"at": at}
+        if self.packed:
+            return {"le64": base64.b64encode(arr.tobytes()).decode("ascii")}
+        return arr
 
 
 def _objects(values: Sequence[Any]) -> np.ndarray:
@@ -149,12 +169,18 @@ def encode_batch(
     seq: int = 0,
     validate: bool = True,
     packed: bool = True,
+    framing: str = "json",
 ) -> bytes:
     """Encode one batch of `kind` from numpy columns (or sequences). String columns may also be
     given pre-encoded as ``(codes, dictionary)`` to skip factorization. Validates by default, so a
     producer learns of a bug at the source rather than in the dead-letter topic. `packed` writes
     integer columns as base64 little-endian int64 (``{"le64": "..."}``), several times faster to
-    decode than JSON arrays of numbers; `packed=False` writes plain arrays."""
+    decode than JSON arrays of numbers; `packed=False` writes plain arrays. `framing="binary"`
+    writes a framed batch (`FRAME_MAGIC`, docs/records.md): the same header, integer columns as
+    raw little-endian int64 after it — no base64 at either end; readers before it reject it."""
+    if framing not in ("json", "binary"):
+        raise ValueError(f"framing must be 'json' or 'binary', got {framing!r}")
+    body = _Body(packed, framing == "binary")
     if kind == "jobs":
         raise BatchError("use encode_topology for the jobs kind", "kind")
     spec = _spec(kind)
@@ -173,11 +199,11 @@ def encode_batch(
             else:
                 codes, dictionary = _dict_encode(v)
             m = len(codes)
-            out[c.name] = {"d": dictionary, "i": _ints(codes, packed)}
+            out[c.name] = {"d": dictionary, "i": body.ints(codes)}
         else:
             arr = np.asarray(v)
             m = len(arr)
-            out[c.name] = _ints(arr, packed)
+            out[c.name] = body.ints(arr)
         if n >= 0 and m != n:
             raise BatchError(f"column has {m} rows, others have {n}", c.name)
         n = m
@@ -185,9 +211,17 @@ def encode_batch(
     doc = {"v": CONTRACT_VERSION, "kind": kind, "job_id": job_id, "producer": producer,
            "seq": seq, "n": n, "cols": out}
     data = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if body.framed:
+        data = _frame(data, body.parts)
     if validate:
         decode_batch(data)
     return data
+
+
+def _frame(header: bytes, parts: list[bytes]) -> bytes:
+    pad = -(len(FRAME_MAGIC) + 4 + len(header)) % 8  # the body starts 8-byte aligned
+    header += b" " * pad
+    return b"".join((FRAME_MAGIC, len(header).to_bytes(4, "little"), header, *parts))
 
 
 def encode_topology(topo: JobTopology | Sequence[JobTopology], *, producer: str = "") -> bytes:
@@ -228,9 +262,21 @@ def _unpack(c: Column, raw: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
 
 
-def _int_column(c: Column, raw: Any, n: int) -> np.ndarray:
+def _at(c: Column, raw: dict[str, Any], n: int, body: memoryview) -> np.ndarray:
+    """A framed batch's column: n int64 little-endian at byte `at` of the body."""
+    at = raw.get("at")
+    if set(raw) != {"at"} or type(at) is not int or at < 0:
+        raise BatchError('expected {"at": byte offset >= 0}', c.name)
+    if at + 8 * n > len(body):
+        raise BatchError(f"column at byte {at} with {n} rows runs past the body "
+                         f"({len(body)} bytes)", c.name)
+    return np.frombuffer(body, dtype="<i8", count=n, offset=at)
+
+
+def _int_column(c: Column, raw: Any, n: int, body: memoryview | None = None) -> np.ndarray:
     if isinstance(raw, dict):
-        return _check_ints(c, _unpack(c, raw), n)
+        arr = _unpack(c, raw) if body is None or "le64" in raw else _at(c, raw, n, body)
+        return _check_ints(c, arr.astype(np.int64, copy=False), n)
     if not isinstance(raw, list):
         raise BatchError(f"expected an array of integers, got {type(raw).__name__}", c.name)
     try:
@@ -280,7 +326,7 @@ def _check_str(c: Column, s: Any) -> str | None:
     return None
 
 
-def _str_column(c: Column, raw: Any, n: int) -> Coded | np.ndarray:
+def _str_column(c: Column, raw: Any, n: int, body: memoryview | None) -> Coded | np.ndarray:
     """A string column: `Coded` from a dictionary-encoded one, an object array from a plain one
     (the caller factorizes it when it wants codes)."""
     if isinstance(raw, list):
@@ -299,7 +345,7 @@ def _str_column(c: Column, raw: Any, n: int) -> Coded | np.ndarray:
     dictionary = raw["d"]
     codes = _int_column(
         Column(c.name, "int", np.dtype(np.int64), True, None, 0, max(len(dictionary), 1)),
-        raw["i"], n)
+        raw["i"], n, body)
     lookup = _objects(dictionary)
     for j, s in enumerate(dictionary):
         reason = _check_str(c, s)
@@ -316,8 +362,12 @@ def decode_batch(data: bytes, *, coded: bool = False) -> RecordBatch:
 
     `coded`: string columns go to `RecordBatch.strings` as `Coded` (plain string arrays are
     factorized) instead of `cols` as object arrays."""
+    body: memoryview | None = None
+    header: bytes | memoryview = data
+    if data[:len(FRAME_MAGIC)] == FRAME_MAGIC:
+        header, body = _unframe(data)
     try:
-        doc = orjson.loads(data)
+        doc = orjson.loads(header)
     except orjson.JSONDecodeError as e:
         raise BatchError(f"not valid JSON: {e}") from None
     if not isinstance(doc, dict):
@@ -355,15 +405,28 @@ def decode_batch(data: bytes, *, coded: bool = False) -> RecordBatch:
             raise BatchError("required column is missing", c.name)
         if c.kind == "int":
             cols[c.name] = (np.full(n, c.default, dtype=c.dtype) if raw is None
-                            else _int_column(c, raw, n))
+                            else _int_column(c, raw, n, body))
             continue
         col = (Coded(np.zeros(n, np.int64), _objects([c.default])) if raw is None
-               else _str_column(c, raw, n))
+               else _str_column(c, raw, n, body))
         if not coded:
             cols[c.name] = col.strings() if isinstance(col, Coded) else col
         else:
             strings[c.name] = col if isinstance(col, Coded) else Coded.factorize(col)
     return RecordBatch(kind, job_id, producer, seq, cols, strings=strings)
+
+
+def _unframe(data: bytes) -> tuple[memoryview, memoryview]:
+    """A framed batch's JSON header and body (views of `data`, no copy)."""
+    view = memoryview(data)
+    start = len(FRAME_MAGIC) + 4
+    if len(view) < start:
+        raise BatchError("framed batch shorter than its header length")
+    size = int.from_bytes(view[len(FRAME_MAGIC):start], "little")
+    if start + size > len(view):
+        raise BatchError(f"framed batch header of {size} bytes runs past the message "
+                         f"({len(view)} bytes)")
+    return view[start:start + size], view[start + size:]
 
 
 def _decode_jobs(doc: dict[str, Any], job_id: str, producer: str, seq: int, n: int) -> RecordBatch:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from ingest.batch import BatchError, decode_batch, encode_batch, encode_topology
+from ingest.batch import FRAME_MAGIC, BatchError, decode_batch, encode_batch, encode_topology
 from ingest.records import COLUMNS, DERIVED, MODELS, Communicator, JobTopology
 
 OPS = ["AllReduce", "AllGather", "ReduceScatter", "Send", "Recv"]
@@ -259,3 +259,71 @@ def test_derived_kinds_reject_what_their_models_reject() -> None:
                                          "t_start": [0], "t_end": [1], "step_ns": [1]})
     with pytest.raises(BatchError, match="required"):
         encode_batch("kernel_summaries", "j", {"window_start": [0], "rank": [0]})
+
+
+# ---------------------------------------------------------------------------------------------
+# Framed batches (binary body after the JSON header)
+
+
+def test_framed_batches_decode_like_json_ones() -> None:
+    cols = ops_cols(50, seed=5)
+    framed = encode_batch("ops", "j", cols, framing="binary", producer="p", seq=3)
+    assert framed.startswith(FRAME_MAGIC) and b"le64" not in framed
+    header_end = 8 + int.from_bytes(framed[4:8], "little")
+    assert header_end % 8 == 0  # the body starts aligned
+    a, b = decode_batch(encode_batch("ops", "j", cols)), decode_batch(framed)
+    assert (b.kind, b.job_id, b.producer, b.seq, b.n) == ("ops", "j", "p", 3, 50)
+    for name in a.cols:
+        assert list(a.cols[name]) == list(b.cols[name]), name
+    coded = decode_batch(framed, coded=True)
+    assert list(coded.column("op")) == list(a.cols["op"])
+    empty = decode_batch(encode_batch("kernels", "j", {k: [] for k in ("rank", "stream", "kernel",
+                                                                         "t_start", "duration")},
+                                      framing="binary"))
+    assert empty.n == 0 and empty.cols["kernel"].dtype == object
+    with pytest.raises(ValueError, match="framing"):
+        encode_batch("ops", "j", cols, framing="xml")
+
+
+def framed_header(data: bytes) -> tuple[dict, bytes]:
+    size = int.from_bytes(data[4:8], "little")
+    return orjson.loads(data[8:8 + size]), data[8 + size:]
+
+
+def reframe(header: dict, body: bytes) -> bytes:
+    h = orjson.dumps(header)
+    return FRAME_MAGIC + len(h).to_bytes(4, "little") + h + body
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "words"),
+    [
+        (lambda h, b: (h, b[:-8]), "t_end", "runs past the body"),
+        (lambda h, b: ({**h, "cols": {**h["cols"], "bytes": {"at": -8}}}, b), "bytes", "offset"),
+        (lambda h, b: ({**h, "cols": {**h["cols"], "bytes": {"at": "0"}}}, b), "bytes", "offset"),
+        (lambda h, b: ({**h, "cols": {**h["cols"], "rank": {"at": 0, "x": 1}}}, b), "rank",
+         "offset"),
+        (lambda h, b: ({**h, "cols": {**h["cols"], "op": {"d": ["Send"], "i": {"at": 0}}}}, b),
+         "op", "not below"),
+    ],
+)
+def test_framed_rejections(mutate, field: str, words: str) -> None:
+    header, body = framed_header(encode_batch("ops", "j", ops_cols(3), framing="binary"))
+    with pytest.raises(BatchError, match=words) as exc:
+        decode_batch(reframe(*mutate(header, body)))
+    assert exc.value.field == field
+
+
+def test_framed_envelope_rejections() -> None:
+    with pytest.raises(BatchError, match="shorter"):
+        decode_batch(FRAME_MAGIC + b"\x01")
+    with pytest.raises(BatchError, match="runs past the message"):
+        decode_batch(FRAME_MAGIC + (1000).to_bytes(4, "little") + b"{}")
+    with pytest.raises(BatchError, match="not valid JSON"):
+        decode_batch(FRAME_MAGIC + (3).to_bytes(4, "little") + b"{no")
+    # a JSON batch naming a framed column has no body to point into
+    d = doc(encode_batch("ops", "j", ops_cols(3)))
+    d["cols"]["bytes"] = {"at": 0}
+    with pytest.raises(BatchError, match="le64") as exc:
+        decode_batch(orjson.dumps(d))
+    assert exc.value.field == "bytes"
