@@ -12,6 +12,11 @@ the simulator's records in the in-process evaluation) and the clock.
   "resolved". Every `sweep_s`, jobs without an open performance incident get one slowdown
   analysis (trigger kind "straggler", rule "rankwatch.sweep"): degradations the job's step time
   absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers.
+- aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
+  trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
+  it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
+  whose culprit ranks are among the hang's does not open a second incident for the same episode
+  (a different culprit does, and so does the same one later). Not kept across restarts.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class AnalystConfig:
     window_s: float = 90.0
     recheck_s: float = 4.0
     sweep_s: float = 10.0
+    aftermath_s: float = 20.0
 
 
 @dataclass
@@ -47,6 +53,7 @@ class Analyst:
     last_check: dict[str, int] = field(default_factory=dict)
     last_sweep: dict[str, int] = field(default_factory=dict)
     triggers: dict[tuple[str, str], Trigger] = field(default_factory=dict)
+    resolved_hangs: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
     analysis_ms: list[float] = field(default_factory=list)
 
     def _window(self, job_id: str, now_ns: int) -> Window | None:
@@ -73,8 +80,20 @@ class Analyst:
             return []
         return self._publish(c, w, t, now_ns, ms)
 
+    def _aftermath(self, job_id: str, c: Conclusion, now_ns: int) -> bool:
+        """A new performance incident that is the trace of a stall just resolved (docstring)."""
+        hang = self.resolved_hangs.get(job_id)
+        if hang is None or incident_class(c.kind) != "performance" \
+                or self.book.is_open(job_id, "performance"):
+            return False
+        ranks, at = hang
+        recent = now_ns - at <= self.config.aftermath_s * SECOND
+        return recent and bool(c.ranks) and set(c.ranks) <= ranks
+
     def _publish(self, c: Conclusion, w: Window, t: Trigger, now_ns: int,
                  ms: float) -> list[Diagnosis]:
+        if self._aftermath(t.job_id, c, now_ns):
+            return []
         cls = incident_class(c.kind)
         self.triggers.setdefault((t.job_id, cls), t)
         iid = incident_id(t.job_id, cls, now_ns)
@@ -116,6 +135,8 @@ class Analyst:
                 r = self.book.clear(job, cls, now_ns)
                 if r is not None:
                     self.triggers.pop((job, cls), None)
+                    if cls == "hang":
+                        self.resolved_hangs[job] = (frozenset(r.culprit_ranks), now_ns)
                     out.append(r)
             else:
                 t = self.triggers.get((job, cls)) or Trigger(job, now_ns, "straggler", (),

@@ -10,13 +10,15 @@ Flow per tick (a Faust timer, every `tick_s`):
    job_id, then mark the window closed.
 3. Store the job's checkpoint (`stream_state`: next window per kind, largest event time, and
    the span of iteration windows marked late).
-4. Preview the open iterations window: the rows of steps that ended before the progress
-   watermark (which follows the op sources, streams/windows.py) and are known exactly
-   (`iteration_rows(preview=True)`) are published to rw.iterations at once, not stored; the
-   window's close stores and publishes the authoritative rows (consumers key on (job, rank,
-   step)). A step's row thus reaches the triggers about one lateness after the step ends instead
-   of after its 10 s window closes. Frames of previews reach `preview_reach_ns` back, so steps
-   longer than that are only in the window's rows.
+4. Preview the open iterations window: the rows of steps whose bounds are known exactly from
+   the records stored so far (`iteration_rows(preview=True)`: a stage record, or a gradient
+   collective after the rank's previous one), each once, are published to rw.iterations as soon
+   as their records are stored — not stored themselves; the window's close stores and publishes
+   the authoritative rows (consumers key on (job, rank, step)). A preview's step bounds and
+   step_ns are final; its communication columns may miss ops that arrive later. A step's row
+   thus reaches the triggers when its last record is stored instead of after its 10 s window
+   closes. Frames of previews reach `preview_reach_ns` back, so steps longer than that are only
+   in the window's rows.
 
 Restart: the checkpoint says which windows are closed; every raw row is durable before it is
 observed, so the windows after the checkpoint are computed from complete raw data; a window that
@@ -97,9 +99,13 @@ class ObservingStore(ClickHouseStore):
             for b in batches:
                 t = b.cols[column]
                 known = t[t > 0]
-                if len(known) and self.windows.observe(b.job_id, int(known.min()),
-                                                       int(known.max()), source=b.producer,
-                                                       kind=kind):
+                if not len(known):
+                    continue
+                hi = int(known.max())
+                if "t_end" in b.cols and len(b.cols["t_end"]):  # a completion is an event too
+                    hi = max(hi, int(np.asarray(b.cols["t_end"]).max()))
+                if self.windows.observe(b.job_id, int(known.min()), hi, source=b.producer,
+                                        kind=kind):
                     marked.add(b.job_id)
         except Exception:
             log.exception("derived windows: observing a %s write failed", kind)
@@ -152,7 +158,7 @@ class DerivedRunner:
         cfg = cfg or DerivedConfig()
         self.db, self.publish, self.cfg, self.clock = db, publish, cfg, clock
         self.windows = Windows([
-            WindowSpec("progress", cfg.progress.window_ns, inputs=("ops",)),
+            WindowSpec("progress", cfg.progress.window_ns, inputs=("ops", "beats")),
             WindowSpec("iterations", cfg.iteration_window_ns, reach_ns=cfg.max_step_ns,
                        late_marks=True, inputs=("ops", "stages")),
             WindowSpec("kernel_summaries", cfg.kernels.window_ns, inputs=("kernels",)),
@@ -221,7 +227,7 @@ class DerivedRunner:
     async def _preview(self, job: str) -> None:
         """Publish the open iterations window's steps that are complete (module docstring)."""
         ws, _ = self.windows.open_window(job, "iterations")
-        cut = min(self.windows.watermark(job, "progress"), ws + self.cfg.iteration_window_ns)
+        cut = min(self.windows.jobs[job].max_ns + 1, ws + self.cfg.iteration_window_ns)
         start, done, seen = self._previews.get(job, (ws, ws, set()))
         if start != ws:
             done, seen = ws, set()
