@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnosis.columns import ints
+from diagnosis.columns import codes, col, ints
 from diagnosis.conclusion import Conclusion
 from diagnosis.rules.base import Component, Finding
 from diagnosis.rules.halt_point import halt_point, hung_step
@@ -188,18 +188,33 @@ def _p2p_stall(w: Window, now_ns: int, f: Finding) -> Finding | None:
     ops, ch = w.get("ops"), w.get("chunks")
     if not ops or not ch:
         return None
-    op = np.asarray(ops["op"]).astype(str)
+    names, op = codes(col(ops, "op", "AllReduce"))
     t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
     in_op = np.asarray(f.evidence.get("ranks_in_op", []), dtype=np.int64)
-    recv = np.flatnonzero((op == "Recv") & ((t_end == 0) | (t_end > now_ns)) & (enq <= now_ns)
-                          & np.isin(ints(ops, "rank"), in_op))
-    cr, cc, cts = ints(ch, "rank"), np.asarray(ch["comm_id"]).astype(str), ints(ch, "ts")
+    recv = np.flatnonzero((names.astype(str) == "Recv")[op] & ((t_end == 0) | (t_end > now_ns))
+                          & (enq <= now_ns) & np.isin(ints(ops, "rank"), in_op))
+    if recv.size == 0:
+        return None
+    peer = ints(ops, "peer", -1)
+    # the chunk rows up to now, sorted by (sender, comm, ts, row): one binary search per Recv
+    cuniq, ccode = codes(col(ch, "comm_id"))
+    cts = ints(ch, "ts")
+    upto = np.flatnonzero(cts <= now_ns)
+    order = upto[np.lexsort((upto, cts[upto], ccode[upto], ints(ch, "rank")[upto]))]
+    skey = np.stack([ints(ch, "rank")[order], ccode[order]], axis=1)
+    code_of = {str(c): i for i, c in enumerate(cuniq.tolist())}
     for i in recv.tolist():
-        r, s, c = int(ops["rank"][i]), int(ints(ops, "peer", -1)[i]), str(ops["comm_id"][i])
-        rows = np.flatnonzero((cr == s) & (cc == c) & (cts <= now_ns) & (cts >= enq[i]))
-        if s < 0 or rows.size == 0:
+        r, s, c = int(ops["rank"][i]), int(peer[i]), str(ops["comm_id"][i])
+        j = code_of.get(c)
+        if s < 0 or j is None:
             continue
-        last = rows[np.argmax(cts[rows])]
+        lo, hi = _segment(skey, s, j)
+        ts = cts[order[lo:hi]]
+        a, b = lo + int(np.searchsorted(ts, enq[i])), hi
+        if a >= b:
+            continue
+        # the newest snapshot, the first row among equal times (as argmax in row order)
+        last = int(order[lo + int(np.searchsorted(ts, ts[b - 1 - lo]))])
         g, t, d = (int(ints(ch, k)[last]) for k in ("gpu_ready", "rdma_transmitted",
                                                      "rdma_done"))
         if t > d:
@@ -214,6 +229,15 @@ def _p2p_stall(w: Window, now_ns: int, f: Finding) -> Finding | None:
                        evidence={"receiver": r, "sender": s, "comm_id": c,
                                  "sender_counters": [g, t, d], "states": [why]})
     return None
+
+
+def _segment(skey: np.ndarray, rank: int, comm: int) -> tuple[int, int]:
+    """[lo, hi) of the rows of (rank, comm) in `skey` (rows sorted by rank, then comm)."""
+    lo = int(np.searchsorted(skey[:, 0], rank, side="left"))
+    hi = int(np.searchsorted(skey[:, 0], rank, side="right"))
+    sub = skey[lo:hi, 1]
+    return lo + int(np.searchsorted(sub, comm, side="left")), \
+        lo + int(np.searchsorted(sub, comm, side="right"))
 
 
 def _min_data(blamed: list[Finding], halt: list[Finding],
