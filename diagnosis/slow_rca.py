@@ -43,7 +43,7 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.conclusion import Conclusion, Suspicion
 from diagnosis.rules.base import Component, Finding, Kind
-from diagnosis.rules.pipeline_ops import OpsIndex, pass_times
+from diagnosis.rules.pipeline_ops import OpsIndex, pass_times, pp_plan
 from diagnosis.window import Window, assign_steps
 
 Array = np.ndarray
@@ -192,6 +192,7 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None) -> Conclus
     sus += _phases(ctx)
     sus += _launch(ctx)
     sus += _network(ctx)
+    sus += _p2p(ctx, {r for x in sus for r in x.ranks})
     sus = _merge_hosts(w, sus)
     if not sus:
         return None
@@ -498,6 +499,126 @@ def _network(ctx: _Ctx) -> list[Suspicion]:
                              f"{name}: transfer {ratio[c]:.2f}x the other rings', "
                              f"+{exc[c] / 1e6:.1f} ms/step; {why}"))
     return out
+
+
+def _p2p(ctx: _Ctx, named: set[int]) -> list[Suspicion]:
+    """PP transfers, per link (sender → receiver): the transfer time of one Send/Recv pair is
+    the shorter of the two calls' times — the later poster's; the other includes waiting for
+    it (the AR node's argument, VenusTrace, applied to a p2p pair) — summed per (step, link).
+    Pairs: the n-th Send of a step from a to b with the n-th Recv of that step on b from a. The
+    reference is the lower quartile over links of the same (sender stage, receiver stage);
+    only hops between hosts are examined (a NIC carries them); thresholds as for the DP rings.
+    A flagged link names its sender, whose NIC posts the data (component nic_rdma; stage
+    dp_allreduce, the convention for a NIC culprit: the ring its NIC also carries) when its
+    typical (median) transfer is slower by `net_ratio`, else its proxy (host_software: a few
+    transfers stall, Mycroft #7's intermittent late start), unless
+    another suspect already names the rank — a slower GPU or PCIe path of a rank is that
+    suspect's to explain. A second host-level fault that no DP ring shows (a ring of many
+    members dilutes one slower hop) is found here."""
+    ops = ctx.w.get("ops")
+    if not ops or "peer" not in ops:
+        return []
+    rows = np.flatnonzero((ctx.w.comm_kind_of_ops == "pp") & ctx.ops_recent())
+    if rows.size == 0:
+        return []
+    uniq, code = codes(col(ops, "op"))
+    send_code = int(np.searchsorted(uniq, "Send"))
+    if send_code >= uniq.size or str(uniq[send_code]) != "Send":
+        return []
+    send = code[rows] == send_code
+    world = ctx.w.grid.world
+    rank = col(ops, "rank")[rows].astype(np.int64)
+    peer = ints(ops, "peer")[rows]
+    src, dst = np.where(send, rank, peer), np.where(send, peer, rank)
+    hosts = _host_codes(ctx.w)
+    ok = (peer >= 0) & (peer < world) & (rank < world)
+    ok[ok] = hosts[src[ok]] != hosts[dst[ok]]  # a NIC carries the hop
+    rows, send, src, dst = rows[ok], send[ok], src[ok], dst[ok]
+    if rows.size == 0:
+        return []
+    # a PP sender has two links (to the next and to the previous stage): link = 2·src + up,
+    # and one call per microbatch on each; the 1F1B plan (pipeline_ops.pp_plan) gives each
+    # call's microbatch from its op_seq, so the pair (link, step, microbatch) is a dense index
+    up = (ctx.stage_of[dst] > ctx.stage_of[src]).astype(np.int64)
+    link = 2 * src + up
+    mb, ok = _pp_microbatch(ctx, col(ops, "rank")[rows].astype(np.int64),
+                            ints(ops, "op_seq")[rows], send, up)
+    if ok.sum() < 0.9 * ok.size:  # not a 1F1B plan: pairs unknown
+        return []
+    n_mb, n_steps, n_links = max(ctx.w.topo.microbatches, 1), ctx.steps.size, 2 * world
+    si = np.searchsorted(ctx.steps, ints(ops, "step", -1)[rows])
+    pid = (link * n_steps + si) * n_mb + mb
+    inside = (ints(ops, "t_end") - ints(ops, "t_start"))[rows].astype(np.float64)
+    t_send = np.full(n_links * n_steps * n_mb, np.nan)
+    t_recv = t_send.copy()
+    t_send[pid[ok & send]] = inside[ok & send]
+    t_recv[pid[ok & ~send]] = inside[ok & ~send]
+    tr = np.minimum(t_send, t_recv).reshape(n_links, n_steps, n_mb)  # nan unless paired
+    paired = ~np.isnan(tr)
+    m = np.where(paired.any(axis=2), np.nansum(tr, axis=2), np.nan).T  # [steps, links]
+    cols = np.flatnonzero(paired.any(axis=(1, 2)))
+    dst_of = np.full(n_links, -1, dtype=np.int64)
+    dst_of[link] = dst
+    ls, ld = cols // 2, dst_of[cols]
+    m = m[:, cols]
+    ref = _ref(m, ctx.stage_of[ls] * ctx.w.grid.pp + ctx.stage_of[ld])
+    with np.errstate(all="ignore"):
+        exc = np.nan_to_num(np.nanmean(np.maximum(m - ref, 0.0), axis=0))
+        ratio = np.nan_to_num(np.nanmean(m, axis=0) / np.nanmean(ref, axis=0), nan=1.0)
+    flag = (ratio >= ctx.cfg.net_ratio) & (exc >= ctx.cfg.net_abs_ns)
+    out = []
+    hit = np.flatnonzero(flag)
+    hit = hit[np.argsort(-exc[hit], kind="stable")]
+    cls = ctx.stage_of[ls] * ctx.w.grid.pp + ctx.stage_of[ld]
+    for i in hit.tolist():
+        x = int(ls[i])
+        if x in named:
+            continue
+        named.add(x)  # one suspect per sender: its most delayed link
+        # a slower NIC slows every transfer (the typical one too); a proxy that sometimes
+        # starts late (Mycroft #7) leaves the typical transfer alone and stalls a few
+        # (over the steps in which the link is slow: an onset inside the window does not
+        # dilute it)
+        hot = np.flatnonzero(m[:, i] >= ctx.cfg.net_ratio * ref[:, i])
+        hot = hot if hot.size else np.arange(m.shape[0])
+        like = tr[cols[cls == cls[i]]][:, hot]
+        typical = float(np.nanmedian(tr[cols[i]][hot])) / max(float(np.nanmedian(like)), 1.0)
+        nic = typical >= ctx.cfg.net_ratio
+        out.append(Suspicion((x,), "dp_allreduce", "nic_rdma" if nic else "host_software",
+                             float(exc[i]), ("venustrace.ar_node", "rankwatch.excess.p2p"),
+                             f"rank {x}: its PP transfers to rank {int(ld[i])} take "
+                             f"{ratio[i]:.2f}x those of like links, +{exc[i] / 1e6:.1f} ms/step "
+                             "(the later poster's time: no waiting); the typical transfer "
+                             f"{typical:.2f}x: " + ("its NIC" if nic else
+                                                    "a few stall, its proxy starts them late")))
+    return out
+
+
+def _pp_microbatch(ctx: _Ctx, rank: Array, seq: Array, send: Array,
+                   up: Array) -> tuple[Array, Array]:
+    """(microbatch, consistent) of PP calls: the call's place in its stage's 1F1B plan is its
+    op_seq modulo the plan's length (pipeline_ops: op_seq counts from 0 at a step boundary);
+    consistent where the plan's op (Send/Recv) and direction (F flows up) match the call's."""
+    spec = ctx.w.spec
+    plans = [pp_plan(spec.pp, spec.microbatches, s_) for s_ in range(spec.pp)]
+    width = max(max((len(p) for p in plans), default=1), 1)
+    is_send = np.zeros((spec.pp, width), dtype=bool)
+    is_up = np.zeros((spec.pp, width), dtype=bool)
+    mbs = np.zeros((spec.pp, width), dtype=np.int64)
+    length = np.ones(spec.pp, dtype=np.int64)
+    for s_, plan in enumerate(plans):
+        length[s_] = max(len(plan), 1)
+        for i, (op, kind, m_) in enumerate(plan):
+            is_send[s_, i], is_up[s_, i], mbs[s_, i] = op == "Send", kind == "F", m_
+    stage = np.clip(ctx.stage_of[rank], 0, spec.pp - 1)
+    pos = seq % length[stage]
+    ok = (is_send[stage, pos] == send) & (is_up[stage, pos] == (up == 1))
+    return mbs[stage, pos], ok
+
+
+def _host_codes(w: Window) -> Array:
+    """Host index per rank (equal host names → equal codes)."""
+    return codes(np.asarray(w.grid.hosts, dtype=object))[1]
 
 
 def _comm_matrix(ctx: _Ctx, step: Array, comm: Array, value: Array, n_comms: int) -> Array:
