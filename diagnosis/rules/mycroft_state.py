@@ -109,13 +109,18 @@ def _receivers(chunks: Columns, rows: Array, comm: Array, grid: Grid | None,
         return np.asarray(ints(chunks, "peer")[rows], dtype=np.int64)
     peer = np.full(rows.size, -1, dtype=np.int64)
     if flows:
-        fcomm = col(flows, "comm_id").astype(str)
-        _, inv = codes(np.concatenate([comm.astype(str), fcomm]))
-        ccode, fcode = inv[: comm.size], inv[comm.size:]
-        table = np.stack([fcode, ints(flows, "op_seq"), ints(flows, "channel"),
-                          ints(flows, "rank")], axis=1)
+        # the flows' comm_id column is factorized once per window; the few snapshot rows are
+        # looked up in its distinct values (-1: a communicator no flow names)
+        funiq, fcode = codes(col(flows, "comm_id"))
+        code_of = {str(c): i for i, c in enumerate(funiq.tolist())}
+        ccode = np.fromiter((code_of.get(str(c), -1) for c in comm.tolist()), dtype=np.int64,
+                            count=comm.size)
+        fseq = ints(flows, "op_seq")
+        near = np.flatnonzero(np.isin(fcode, ccode) & np.isin(fseq, seq))  # the queried ops'
+        table = np.stack([fcode[near], fseq[near], ints(flows, "channel")[near],
+                          ints(flows, "rank")[near]], axis=1)
         query = np.stack([ccode, seq, ch, rank], axis=1)
-        peer = _lookup(table, ints(flows, "peer"), query)
+        peer = _lookup(table, ints(flows, "peer")[near], query)
     if grid is not None:
         for c in np.unique(comm[peer < 0]).tolist():
             m = grid.comm_members.get(str(c))
