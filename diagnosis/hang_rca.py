@@ -196,12 +196,13 @@ def _p2p_stall(w: Window, now_ns: int, f: Finding) -> Finding | None:
     if recv.size == 0:
         return None
     peer = ints(ops, "peer", -1)
-    # the chunk rows up to now, sorted by (sender, comm, ts, row): one binary search per Recv
+    # the senders' chunk rows up to now, sorted by (sender, comm, ts, row): one binary search
+    # per Recv
     cuniq, ccode = codes(col(ch, "comm_id"))
-    cts = ints(ch, "ts")
-    upto = np.flatnonzero(cts <= now_ns)
-    order = upto[np.lexsort((upto, cts[upto], ccode[upto], ints(ch, "rank")[upto]))]
-    skey = np.stack([ints(ch, "rank")[order], ccode[order]], axis=1)
+    cts, crank = ints(ch, "ts"), ints(ch, "rank")
+    upto = np.flatnonzero((cts <= now_ns) & np.isin(crank, peer[recv]))
+    order = upto[np.lexsort((upto, cts[upto], ccode[upto], crank[upto]))]
+    skey = np.stack([crank[order], ccode[order]], axis=1)
     code_of = {str(c): i for i, c in enumerate(cuniq.tolist())}
     for i in recv.tolist():
         r, s, c = int(ops["rank"][i]), int(peer[i]), str(ops["comm_id"][i])
