@@ -128,11 +128,15 @@ def _is_p2p(ops: Columns) -> Array:
     return np.asarray(np.isin(uniq.astype(str), P2P)[code], dtype=bool)
 
 
-def posted_p2p(ops: Columns, now_ns: int) -> set[tuple[int, str, int, str]]:
+def posted_p2p(ops: Columns, now_ns: int,
+               stuck_ns: int | None = None) -> set[tuple[int, str, int, str]]:
     """(rank, comm_id, peer, op) of every Send/Recv in flight at `now_ns` — not only last logs:
-    a rank may have posted a Send and then a Recv that both hang (a dead link both ways)."""
+    a rank may have posted a Send and then a Recv that both hang (a dead link both ways).
+    With `stuck_ns`, a call whose kernel had not started (`reached`) is not posted: its peer's
+    matching call waits for it, as for a missing call."""
     t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
-    sel = np.flatnonzero(_is_p2p(ops) & (enq <= now_ns) & ((t_end == 0) | (t_end > now_ns)))
+    on = reached(ops, now_ns, stuck_ns) if stuck_ns is not None else enq <= now_ns
+    sel = np.flatnonzero(_is_p2p(ops) & on & ((t_end == 0) | (t_end > now_ns)))
     op = col(ops, "op", "AllReduce")[sel].astype(str)
     return set(zip(ints(ops, "rank")[sel].tolist(), col(ops, "comm_id")[sel].astype(str).tolist(),
                    ints(ops, "peer", -1)[sel].tolist(), op.tolist(), strict=True))
@@ -277,7 +281,7 @@ def analyze_hang(ops: Columns, grid: Grid, now_ns: int, *, chunks: Columns | Non
     ll = last_logs(ops, now_ns, cfg.stuck_ns)
     if not ll.stuck.any():
         return []
-    posted = posted_p2p(ops, now_ns)
+    posted = posted_p2p(ops, now_ns, cfg.stuck_ns)
     edges = _edges(ll, grid, posted)
     stuck_ranks = sorted({int(r) for r in ll.rank[ll.stuck]})
     reach, cyclic = _reachable_sinks(edges, stuck_ranks)

@@ -200,3 +200,15 @@ def test_same_op_member_whose_kernel_never_started_is_blamed_by_its_counters():
     assert [(f.rule, f.culprit_ranks, f.component) for f in found] == \
         [("mycroft.alg2.min_data", (5,), "gpu_compute")]
     assert "kernel_not_started" in found[0].labels
+
+
+def test_send_whose_kernel_never_started_is_not_posted():
+    """Rank 4 waits in a Recv from rank 0; rank 0's host posted the Send, but its kernel started
+    only after now (its stream was stuck): rank 0 is the rank 4 waits for, not a partner whose
+    transfer stalled."""
+    now = 80 * S
+    rows: list[Row] = [(4, "pp:dp0:tp0", 7, "Recv", 0, 50 * S, 50 * S, 90 * S),
+                       (0, "pp:dp0:tp0", 6, "Send", 4, 40 * S, 40 * S, 41 * S),
+                       (0, "pp:dp0:tp0", 7, "Send", 4, 50 * S, 90 * S, 90 * S)]
+    found = analyze_hang(cols(rows), GRID, now, beats=beats(list(range(8)), now))
+    assert [(f.rule, f.culprit_ranks) for f in found] == [("mycroft.alg2.min_op", (0,))]
