@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -27,6 +27,7 @@ from faust.types import StreamT
 from ingest.batch import BatchError, decode_batch
 from ingest.records import MODELS
 from ingest.topics import Topics
+from streams.ownership import owned_jobs
 from streams.raw_sink import DeadLetter, Message, RawSink
 from streams.store import ClickHouseStore
 
@@ -72,6 +73,10 @@ class StreamsApp:
         self.dlq_topic = self.app.topic(cfg.topics.dlq, value_serializer="raw",
                                         key_serializer="raw")
         self.sinks: dict[str, RawSink] = {}
+        #: This worker's partitions of the ops topic, and the topic's partition count (from the
+        #: last assignment): what `owned_jobs` decides by.
+        self.ops_partitions: frozenset[int] = frozenset()
+        self.ops_partition_count = 0
         #: The derived runner (streams.derived.DerivedRunner) when the composition root adds one.
         self.derived: Any = None
         for kind in MODELS:
@@ -147,6 +152,19 @@ class StreamsApp:
                            **kwargs: Any) -> None:
         for sink in self.sinks.values():
             sink.forget_partitions()
+        ops = self.cfg.topics.ops
+        self.ops_partitions = frozenset(tp.partition for tp in self.app.consumer.assignment()
+                                        if tp.topic == ops)
+        self.ops_partition_count = self.app.consumer.topic_partitions(ops) or 0
+
+    def owned_jobs(self, jobs: Iterable[str]) -> frozenset[str]:
+        """The jobs among `jobs` whose derived windows this worker would compute when several
+        workers share one ClickHouse (streams.ownership: a job's home partition of the ops
+        topic is assigned here). Not called by the derived runner yet; empty before the first
+        assignment."""
+        if not self.ops_partition_count:
+            return frozenset()
+        return owned_jobs(jobs, self.ops_partitions, self.ops_partition_count)
 
     async def _on_shutdown(self, sender: Any, *args: Any, signal: Any = None,
                            **kwargs: Any) -> None:

@@ -227,6 +227,7 @@ class Database:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
         self._thread: int | None = None
         self._shapes: dict[str, _TableShape] = {}
+        self._generic_sql: set[str] = set()  # queries whose results streams.native cannot read
         self._closed = False
         try:
             self._client: Client = self._call(self._open, create)
@@ -290,7 +291,10 @@ class Database:
 
     def query_columns(self, sql: str,
                       parameters: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
-        """The result as numpy columns by name (DateTime64 as datetime64[ns], strings as object)."""
+        """The result as numpy columns by name (DateTime64 as datetime64[ns], strings as object).
+        Read from ClickHouse's Native output by streams.native (numbers with one `frombuffer`,
+        LowCardinality strings from their dictionary); results with other types (Nullable,
+        Array, ...) go through clickhouse-connect's numpy reader, with the same dtypes."""
         return self._call(self._query_columns, sql, parameters)
 
     def insert_columns(self, table: str, columns: Mapping[str, np.ndarray | Coded],
@@ -368,17 +372,31 @@ class Database:
 
     def _query_columns(self, sql: str,
                        parameters: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
-        ctx = self._client.create_query_context(
-            query=sql, parameters=dict(parameters) if parameters else None, use_numpy=True)
+        params = dict(parameters) if parameters else None
+        if sql not in self._generic_sql:
+            data = self._client.raw_query(sql, parameters=params, fmt="Native")
+            if not data:
+                return self._described(sql, params)
+            try:
+                return native.read_columns(data)[0]
+            except native.Unsupported:
+                # a type streams.native does not read: this SQL goes the generic way from now on
+                if len(self._generic_sql) > 1024:
+                    self._generic_sql.clear()
+                self._generic_sql.add(sql)
+        ctx = self._client.create_query_context(query=sql, parameters=params, use_numpy=True)
         result: Any = self._client.query(context=ctx)  # a NumpyResult for a numpy context
         arr, names = result.np_result, result.column_names
         if arr.dtype.names:  # mixed types: a structured array
             return {n: np.ascontiguousarray(arr[n]) for n in names}
         if arr.ndim == 2:  # one dtype for every column: a 2-D array
             return {n: np.ascontiguousarray(arr[:, i]) for i, n in enumerate(names)}
-        # No rows: chdb (and HTTP Native) send no block, so no column metadata; ask for it.
-        described = self._client.query(f"DESCRIBE ({sql})",
-                                       parameters=dict(parameters) if parameters else None)
+        return self._described(sql, params)
+
+    def _described(self, sql: str, params: dict[str, Any] | None) -> dict[str, np.ndarray]:
+        """Empty columns of `sql`'s result. With no rows chdb (and HTTP Native) send no block,
+        so no column metadata: ask for it."""
+        described = self._client.query(f"DESCRIBE ({sql})", parameters=params)
         return {str(row[0]): np.empty(0, dtype=_np_dtype(str(row[1])))
                 for row in described.result_rows}
 

@@ -1,4 +1,5 @@
-"""ClickHouse's Native format, written from numpy columns: the writer's insert body.
+"""ClickHouse's Native format, written from numpy columns (the writer's insert body) and read
+back into numpy columns (`read_columns`, query results).
 
 One block: ``varint(columns) varint(rows)``, then per column its name, its type name and its
 data. The data of the types the raw tables use:
@@ -16,7 +17,9 @@ The body is the same for the embedded engine (``INSERT ... FROM INFILE ... FORMA
 server (``INSERT ... FORMAT Native`` over HTTP). Strings given as `ingest.batch.Coded` (codes +
 distinct values) are written without a Python object per row: a LowCardinality column is its
 dictionary plus the codes cast to the narrowest index type; a String column is gathered from the
-encoded dictionary with numpy. Pure: bytes in memory, no I/O.
+encoded dictionary with numpy. Reading is the reverse for the same types, plus Date/DateTime;
+numbers come out with one `frombuffer` per block and a LowCardinality column as one gather from
+its dictionary. Pure: bytes in memory, no I/O.
 """
 
 from __future__ import annotations
@@ -148,3 +151,103 @@ def native_block(columns: Sequence[tuple[str, str, Column]]) -> bytes:
             raise TypeError(f"column {name!r}: Native writer has no {type_name}")
         parts += [_string(name), _string(type_name), _column_data(type_name, values)]
     return b"".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: query results as numpy columns
+
+_DATETIME64_UNIT = {"3": "ms", "6": "us", "9": "ns"}
+_NEED_GLOBAL_DICTIONARY = 1 << 8
+
+
+class Unsupported(ValueError):
+    """A result holds a type (or encoding) `read_columns` does not decode; use another reader."""
+
+
+class _Source:
+    def __init__(self, data: bytes) -> None:
+        self.view, self.pos = memoryview(data), 0
+
+    def take(self, size: int) -> memoryview:
+        if self.pos + size > len(self.view):
+            raise ValueError(f"Native data ends at byte {len(self.view)}, needed "
+                             f"{self.pos + size}")
+        out = self.view[self.pos:self.pos + size]
+        self.pos += size
+        return out
+
+    def varint(self) -> int:
+        shift = n = 0
+        while True:
+            b = self.take(1)[0]
+            n |= (b & 0x7F) << shift
+            if b < 0x80:
+                return n
+            shift += 7
+
+    def u64(self) -> int:
+        return int.from_bytes(self.take(8), "little")
+
+    def strings(self, count: int) -> np.ndarray:
+        out = np.empty(count, dtype=object)
+        for i in range(count):  # one Python str per value: what the caller gets anyway
+            out[i] = str(self.take(self.varint()), "utf-8", "replace")
+        return out
+
+
+def _numpy_type(type_name: str) -> tuple[str, str | None]:
+    """(wire dtype, numpy view dtype or None) of a column type, or raise Unsupported."""
+    if type_name in _FIXED:
+        return _FIXED[type_name], None
+    m = re.match(r"^DateTime64\((\d)(?:\s*,\s*'[^']*')?\)$", type_name)
+    if m and m.group(1) in _DATETIME64_UNIT:
+        return "<i8", f"datetime64[{_DATETIME64_UNIT[m.group(1)]}]"
+    if re.match(r"^DateTime(?:\('[^']*'\))?$", type_name):
+        return "<u4", "datetime64[s]"
+    if type_name == "Date":
+        return "<u2", "datetime64[D]"
+    raise Unsupported(type_name)
+
+
+def _read_column(src: _Source, type_name: str, rows: int) -> np.ndarray:
+    if type_name == "String":
+        return src.strings(rows)
+    if type_name == _LOW_CARD_STRING:
+        if src.u64() != _SHARED_DICTIONARIES_WITH_ADDITIONAL_KEYS:
+            raise Unsupported("LowCardinality serialization version")
+        flags = src.u64()
+        if flags & _NEED_GLOBAL_DICTIONARY or not flags & _HAS_ADDITIONAL_KEYS:
+            raise Unsupported("LowCardinality with a global dictionary")
+        keys = src.strings(src.u64())
+        if src.u64() != rows:
+            raise ValueError(f"LowCardinality column with an index count other than {rows}")
+        index = np.frombuffer(src.take(rows << (flags & 0xFF)),
+                              dtype=("<u1", "<u2", "<u4", "<u8")[flags & 0xFF])
+        column: np.ndarray = keys[index]
+        return column
+    wire, view = _numpy_type(type_name)
+    size = np.dtype(wire).itemsize
+    values = np.frombuffer(src.take(rows * size), dtype=wire).astype(wire[1:])
+    return values.astype(view) if view else values
+
+
+def read_columns(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A Native result (any number of blocks) as numpy columns by name, with the column types:
+    numbers as their numpy dtype, String and LowCardinality(String) as object arrays of str,
+    DateTime64(3|6|9) as datetime64[ms|us|ns], DateTime as datetime64[s], Date as
+    datetime64[D] — the dtypes clickhouse-connect's numpy results use. Raises Unsupported for
+    other types (Nullable, Array, ...), before decoding any column of them."""
+    src = _Source(data)
+    parts: dict[str, list[np.ndarray]] = {}
+    types: dict[str, str] = {}
+    while src.pos < len(src.view):
+        columns, rows = src.varint(), src.varint()
+        for _ in range(columns):
+            name = str(src.take(src.varint()), "utf-8")
+            type_name = str(src.take(src.varint()), "utf-8")
+            if type_name not in ("String", _LOW_CARD_STRING):
+                _numpy_type(type_name)
+            types[name] = type_name
+            parts.setdefault(name, []).append(_read_column(src, type_name, rows))
+    return ({name: p[0] if len(p) == 1 else np.concatenate(p) for name, p in parts.items()},
+            types)

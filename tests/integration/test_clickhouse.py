@@ -228,6 +228,28 @@ def test_coded_strings_round_trip_through_native_inserts(clickhouse_db: Database
     assert got["kernel"][-1] == "ñ" and "gemm_299_ü" in set(got["kernel"])
 
 
+def test_native_reader_agrees_with_clickhouse_connect(clickhouse_db: Database) -> None:
+    """query_columns reads Native output itself; same names, dtypes and values as
+    clickhouse-connect's numpy results. Types it does not read (Nullable) still work."""
+    sql = """SELECT toInt32(number) AS a, toUInt64(number) AS b, toFloat64(number) / 3 AS c,
+        toString(number) AS s, toLowCardinality(toString(number % 300)) AS lc,
+        toDateTime64(number, 9, 'UTC') AS t9, toDateTime64(number, 3, 'UTC') AS t3,
+        toInt8(number) AS i8, number % 2 = 0 AS flag, toDateTime(number, 'UTC') AS dt,
+        toDate(number) AS d FROM numbers({n:UInt32})"""
+    got = clickhouse_db.query_columns(sql, {"n": 70_000})
+    ctx = clickhouse_db._client.create_query_context(query=sql, parameters={"n": 70_000},
+                                                     use_numpy=True)
+    reference = clickhouse_db._client.query(context=ctx).np_result
+    assert list(got) == list(reference.dtype.names)
+    for name in got:
+        assert got[name].dtype == reference[name].dtype, name
+        np.testing.assert_array_equal(got[name], reference[name], err_msg=name)
+    for _ in range(2):  # the second time straight to the generic reader
+        nullable = clickhouse_db.query_columns(
+            "SELECT number AS n, if(number = 1, NULL, number) AS m FROM numbers(3)")
+        assert nullable["n"].tolist() == [0, 1, 2] and nullable["m"][1] is None
+
+
 def test_topologies_round_trip(clickhouse_db: Database) -> None:
     topo = JobTopology(job_id="job-t", ts=T0, world_size=4, tp=2, dp=2,
                        hosts=["h0", "h0", "h1", "h1"],

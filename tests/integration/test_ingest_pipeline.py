@@ -24,7 +24,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from ingest.batch import encode_batch, encode_topology
+from ingest.batch import BatchError, decode_batch, encode_batch, encode_topology
 from ingest.publish import BatchPublisher
 from ingest.records import Communicator, JobTopology
 from ingest.synthetic import ops_columns
@@ -140,6 +140,28 @@ def test_bad_batch_goes_to_the_dlq_and_its_neighbours_are_stored(pipeline: Pipel
     c.close()
     assert sorted(d["reason"][:20] for d in got) == sorted(r.split("\t")[2][:20] for r in rows)
     assert any(d["payload_b64"] and d["field"] == "op" and d["row"] == 0 for d in got)
+
+
+def test_framed_and_json_batches_across_partitions_with_a_bad_one(pipeline: Pipeline) -> None:
+    """Both wire framings side by side, spread over every partition (one insert per consumed
+    buffer): a truncated framed batch goes to the DLQ naming its column; nothing else is lost
+    or doubled."""
+    pub = pipeline.publisher()
+    cols = [ops_columns(8, i * 50, 50, 1_763_000_000_000_000_000) for i in range(24)]
+    for i, c in enumerate(cols):
+        framing = "binary" if i % 2 else "json"
+        pub.publish("ops", encode_batch("ops", "j6", c, seq=i, framing=framing), key=str(i))
+    bad = encode_batch("ops", "j6", ops_columns(8, 0, 10, 1), framing="binary")[:-8]
+    with pytest.raises(BatchError, match="runs past the body") as err:
+        decode_batch(bad)
+    pub.publish("ops", bad, key="bad")
+    assert pub.flush(30) == 0
+    assert pipeline.wait_count("ops", 1200, "job_id = 'j6'") == 1200
+    assert pipeline.wait_count("dlq", 1) == 1
+    assert pipeline.sql("SELECT field, reason FROM dlq FORMAT TSVRaw") == (
+        f"{err.value.field}\t{err.value.reason}")
+    assert pipeline.sql("SELECT uniqExact(rank, op_seq), uniqExact(src_partition) FROM ops "
+                        "WHERE job_id = 'j6'") == "1200\t3"
 
 
 def test_redelivered_messages_are_stored_once(pipeline: Pipeline, kafka) -> None:  # type: ignore[no-untyped-def]

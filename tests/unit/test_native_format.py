@@ -127,3 +127,34 @@ def test_merge_and_raw_block_keep_codes_and_match_raw_columns() -> None:
     assert list(plain["src_offset"]) == [1, 1, 1, 4, 4, 5]
     merged = merge_coded([Coded(np.array([0, 0]), np.array(["a", "a"], object))])
     assert list(merged.values) == ["a"] and list(merged.strings()) == ["a", "a"]
+
+
+def test_read_columns_reads_what_native_block_writes_over_several_blocks() -> None:
+    values = np.array(["dp0", "tp1", "ö"], dtype=object)
+    first = native.native_block([
+        ("rank", "Int32", np.array([1, 2, 3])),
+        ("comm", "LowCardinality(String)", Coded(np.array([2, 0, 2]), values)),
+        ("s", "String", np.array(["a", "", "bc"], dtype=object)),
+        ("t", "DateTime64(9, 'UTC')", np.array([5, 6, 7]))])
+    second = native.native_block([
+        ("rank", "Int32", np.array([4])),
+        ("comm", "LowCardinality(String)", np.array(["tp1"], dtype=object)),
+        ("s", "String", np.array(["z"], dtype=object)),
+        ("t", "DateTime64(9, 'UTC')", np.array([8]))])
+    cols, types = native.read_columns(first + second)
+    assert types["comm"] == "LowCardinality(String)"
+    assert cols["rank"].dtype == np.int32 and cols["rank"].tolist() == [1, 2, 3, 4]
+    assert cols["comm"].tolist() == ["ö", "dp0", "ö", "tp1"]
+    assert cols["s"].tolist() == ["a", "", "bc", "z"]
+    assert cols["t"].dtype == np.dtype("datetime64[ns]")
+    assert cols["t"].view(np.int64).tolist() == [5, 6, 7, 8]
+    cols["rank"][0] = 9  # writable, like clickhouse-connect's arrays
+    assert native.read_columns(b"") == ({}, {})
+
+
+def test_read_columns_refuses_what_it_does_not_read() -> None:
+    head = native.varint(1) + native.varint(1) + per_row_string("x")
+    with pytest.raises(native.Unsupported):
+        native.read_columns(head + per_row_string("Nullable(Int64)") + b"\x00" * 9)
+    with pytest.raises(ValueError, match="ends at byte"):
+        native.read_columns(head + per_row_string("Int64") + b"\x00" * 3)
