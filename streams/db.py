@@ -228,6 +228,7 @@ class Database:
         self._thread: int | None = None
         self._shapes: dict[str, _TableShape] = {}
         self._generic_sql: set[str] = set()  # queries whose results streams.native cannot read
+        self._empty_shapes: dict[str, list[tuple[str, np.dtype[Any]]]] = {}
         self._closed = False
         try:
             self._client: Client = self._call(self._open, create)
@@ -395,10 +396,16 @@ class Database:
 
     def _described(self, sql: str, params: dict[str, Any] | None) -> dict[str, np.ndarray]:
         """Empty columns of `sql`'s result. With no rows chdb (and HTTP Native) send no block,
-        so no column metadata: ask for it."""
-        described = self._client.query(f"DESCRIBE ({sql})", parameters=params)
-        return {str(row[0]): np.empty(0, dtype=_np_dtype(str(row[1])))
-                for row in described.result_rows}
+        so no column metadata: ask for it, once per SQL text (the derived runner and the
+        diagnosis agents repeat theirs every tick with other parameters)."""
+        shape = self._empty_shapes.get(sql)
+        if shape is None:
+            described = self._client.query(f"DESCRIBE ({sql})", parameters=params)
+            shape = [(str(row[0]), _np_dtype(str(row[1]))) for row in described.result_rows]
+            if len(self._empty_shapes) > 1024:
+                self._empty_shapes.clear()
+            self._empty_shapes[sql] = shape
+        return {name: np.empty(0, dtype=dtype) for name, dtype in shape}
 
     def _command(self, sql: str, parameters: Mapping[str, Any] | None) -> Any:
         return self._client.command(sql, parameters=dict(parameters) if parameters else None)
@@ -425,6 +432,7 @@ class Database:
                 self._insert_generic(shape, names, columns, merged)
         except BaseException:
             self._shapes.pop(table, None)  # the table may have changed under us
+            self._empty_shapes.clear()
             raise
         return n
 
