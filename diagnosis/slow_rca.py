@@ -61,6 +61,7 @@ class SlowConfig:
     net_abs_ns: float = 2e6
     class_ratio: float = 1.3  # one kernel class slower by this (median), others < other_ratio
     other_ratio: float = 1.1
+    onset_steps: int = 5  # a trailing run of this many steps in excess is measured on its own
 
 
 CLASSES = ("", "gemm", "attn", "elementwise", "optimizer", "other")
@@ -147,14 +148,49 @@ def _ref(m: Array, stage_of: Array) -> Array:
 
 def _flag(ctx: _Ctx, m: Array, ratio_min: float,
           ref: Array | None = None) -> tuple[Array, Array, Array]:
-    """(flag, mean excess ns, mean ratio) per rank of a [steps, world] quantity."""
+    """(flag, mean excess ns, mean ratio) per rank of a [steps, world] quantity.
+
+    Means over the recent steps, or — where a rank's last `onset_steps` or more steps are all
+    above the reference by more than 5 % and at least `onset_steps` steps before them were, on
+    average, less than half as far above it (a step change, not a rank that is always a little
+    slower) — over that trailing run: a persistent change that began inside the window is
+    measured since it began, not diluted by the steps before it. The thresholds are the same;
+    a run shorter than `onset_steps` never counts."""
     ref = _ref(m, ctx.stage_of) if ref is None else ref
     with np.errstate(all="ignore"):
         exc = np.nanmean(np.maximum(m - ref, 0.0), axis=0)
         ratio = np.nanmean(m, axis=0) / np.nanmean(ref, axis=0)
     exc, ratio = np.nan_to_num(exc), np.nan_to_num(ratio, nan=1.0)
-    flag = (exc >= ctx.cfg.min_share * ctx.step_ns) & (ratio >= ratio_min)
+    floor = ctx.cfg.min_share * ctx.step_ns
+    flag = (exc >= floor) & (ratio >= ratio_min)
+    run = _trailing_run(m, ref)
+    n = m.shape[0]
+    late = (run >= ctx.cfg.onset_steps) & (n - run >= ctx.cfg.onset_steps) & ~flag
+    if late.any():
+        cols = np.flatnonzero(late)
+        since = np.arange(n)[:, None] >= (n - run[cols])[None, :]
+        mm, rr = m[:, cols], ref[:, cols]
+        with np.errstate(all="ignore"):
+            rel = (mm - rr) / rr
+            before = np.nanmean(np.where(since, np.nan, rel), axis=0)
+            after = np.nanmean(np.where(since, rel, np.nan), axis=0)
+            mm, rr = np.where(since, mm, np.nan), np.where(since, rr, np.nan)
+            e = np.nan_to_num(np.nanmean(np.maximum(mm - rr, 0.0), axis=0))
+            q = np.nan_to_num(np.nanmean(mm, axis=0) / np.nanmean(rr, axis=0), nan=1.0)
+        step = np.nan_to_num(before, nan=np.inf) <= 0.5 * after  # it was like its peers before
+        flag[cols] = step & (e >= floor) & (q >= ratio_min)
+        exc[cols] = np.where(step, e, exc[cols])
+        ratio[cols] = np.where(step, q, ratio[cols])
     return flag, exc, ratio
+
+
+def _trailing_run(m: Array, ref: Array) -> Array:
+    """Per column: how many of the last steps, counted back from the newest, are all above the
+    reference by more than 5 % (steps without a value end the run)."""
+    with np.errstate(all="ignore"):
+        above = (m - ref) / ref > 0.05
+    below = ~above[::-1]
+    return np.asarray(np.where(below.any(axis=0), np.argmax(below, axis=0), m.shape[0]))
 
 
 def _recent(w: Window, cfg: SlowConfig) -> tuple[Array, float]:

@@ -29,10 +29,12 @@ def window(fault: str, steps: int = 16) -> tuple[Window, int]:
 @given(st.integers(0, 2**32 - 1))
 def test_packed_step_assignment_matches_the_record_search(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    ranks, steps = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    ranks, steps = int(rng.integers(1, 6)), int(rng.integers(1, 12))
     st_rank = np.repeat(np.arange(ranks), steps)
     st_step = np.tile(np.arange(steps), ranks)
     st_start = np.sort(rng.integers(0, 10**12, st_rank.size)).astype(np.int64)
+    if rng.random() < 0.3:  # starts out of step order on some rank: the searchsorted path
+        rng.shuffle(st_start)
     keep = rng.random(st_rank.size) < 0.8  # some (rank, step) rows missing
     t = rng.integers(0, 10**12, 200).astype(np.int64)
     r = rng.integers(0, ranks + 1, 200).astype(np.int64)  # one rank without stages
@@ -75,3 +77,20 @@ def test_ecc_like_spikes_name_the_pass_not_the_kernel() -> None:
     stage = int(w.grid.stage[9])
     assert c.stage in (f"fwd pp={stage}", f"bwd pp={stage}"), c.stage
     assert c.kind == "jitter"
+
+
+def test_a_change_inside_the_window_is_measured_since_it_began() -> None:
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    steps = np.arange(20)
+    ctx = slow_rca._Ctx(w, slow_rca.SlowConfig(), steps, 1e9, w.grid.stage)
+    rng = np.random.default_rng(3)
+    m = 100e6 * (1 + 0.01 * rng.standard_normal((20, world)))
+    m[-7:, 1] *= 1.4  # +40 ms for the last 7 steps: 14 ms over all 20, under the 30 ms floor
+    m[-3:, 2] *= 1.4  # a run too short to count
+    m[:, 3] *= 1.4  # a rank always this much slower is flagged by the plain mean
+    flag, exc, _ = slow_rca._flag(ctx, m, 1.05)
+    assert flag[1] and exc[1] > 35e6
+    assert not flag[2]
+    assert flag[3]
+    assert not flag[[0, *range(4, world)]].any()
