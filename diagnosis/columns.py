@@ -69,6 +69,29 @@ def codes(values: Array) -> tuple[Array, Array]:
     return _codes(values)
 
 
+def coded_column(dictionary: Array, row_codes: Array) -> Array:
+    """An object column from a dictionary-encoded one — a reader's LowCardinality result: the
+    distinct values and one int code per row (`dictionary[row_codes]`) — with its factorization
+    remembered, so `codes(column)` returns (sorted distinct values, codes) without reading the
+    rows. The rows share the dictionary's string objects."""
+    d = np.asarray(dictionary, dtype=object).reshape(-1)
+    c = np.asarray(row_codes, dtype=np.int64).reshape(-1)
+    column = d[c] if c.size else np.zeros(0, dtype=object)
+    if c.size == 0:
+        return column
+    used = np.flatnonzero(np.bincount(c, minlength=d.size))
+    uniq, remap = np.unique(np.asarray([str(x) for x in d[used].tolist()], dtype=str),
+                            return_inverse=True)
+    lut = np.full(d.size, -1, dtype=np.int64)
+    lut[used] = remap.reshape(-1)
+    inv = lut[c]
+    uniq.setflags(write=False)
+    inv.setflags(write=False)
+    key = id(column)
+    _CODES_MEMO[key] = (weakref.ref(column, lambda _r: _CODES_MEMO.pop(key, None)), uniq, inv)
+    return column
+
+
 def object_ids(values: Array) -> tuple[Array, Array]:
     """(rows, ids) of a 1-D object column: `rows` holds the first row of each distinct Python
     object in the column (ascending) and `ids[i]` is the index into `rows` of row i's object

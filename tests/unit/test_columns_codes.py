@@ -1,0 +1,62 @@
+"""columns.codes: the factorization of string columns, however their rows share objects, and
+pre-encoded (dictionary + codes) columns whose factorization is remembered."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diagnosis.columns import _dict_codes, coded_column, codes, object_ids
+
+
+def _per_row(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reference: one dict lookup per row."""
+    out = _dict_codes(values.tolist())
+    assert out is not None
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["tp:pp0:dp0", "dp:pp1:tp0", "pp:dp0:tp1", "AllReduce", ""]),
+                min_size=1, max_size=40),
+       st.integers(4_096, 9_000), st.integers(0, 2**31), st.booleans())
+def test_codes_match_one_lookup_per_row(pool, n, seed, fresh):
+    """Rows sharing objects (a decoder's dictionary) or each holding its own equal copy, in
+    runs or shuffled: the same sorted distinct values and codes as a per-row dict."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(pool), n)
+    picks[: n // 2] = np.sort(picks[: n // 2])  # runs of one value
+    rows = [pool[i] for i in picks.tolist()]
+    if fresh:
+        rows = [(s + ".")[:-1] for s in rows]  # equal values, distinct objects
+    values = np.empty(n, dtype=object)
+    values[:] = rows
+    uniq, code = codes(values)
+    ref_uniq, ref_code = _per_row(values)
+    assert uniq.tolist() == ref_uniq.tolist() and code.tolist() == ref_code.tolist()
+    first, ids = object_ids(values)
+    assert all(values[first[j]] is v for j, v in zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def test_mixed_objects_keep_the_first_rows_form():
+    """Equal values of different types (3 and 3.0) merge as a dict merges them, named by the
+    first row's form, as the per-row path names them."""
+    values = np.empty(5_000, dtype=object)
+    values[:] = ["b"] * 4_000 + [3.0] * 500 + [3] * 500
+    values[10] = 3
+    uniq, code = codes(values)
+    assert uniq.tolist() == ["3", "b"] and code.tolist() == _per_row(values)[1].tolist()
+
+
+def test_coded_column_is_remembered_and_equals_a_fresh_factorization():
+    dictionary = np.array(["tp:b", "dp:a", "unused", "dp:a"], dtype=object)
+    rows = np.random.default_rng(0).integers(0, 4, 100_000)
+    rows[rows == 2] = 1
+    column = coded_column(dictionary, rows)
+    assert column.tolist() == dictionary[rows].tolist()
+    uniq, code = codes(column)
+    ref_uniq, ref_code = _per_row(column)
+    assert uniq.tolist() == ref_uniq.tolist() == ["dp:a", "tp:b"]
+    assert code.tolist() == ref_code.tolist()
+    assert codes(column)[1] is code  # remembered, not recomputed
