@@ -8,20 +8,30 @@ Method — excess over peers, per (step, rank), on quantities that contain no wa
 - launch: Σ (t_start − t_enqueue) of the rank's calls — the NCCL proxy starting late (Mycroft #7);
 - network: per DP communicator and step, the transfer time of its collective = the *shortest*
   time any member spent in it (the last arriver's; everyone else's includes waiting, Mycroft
-  Fig. 2 / VenusTrace's AR node duration).
+  Fig. 2 / VenusTrace's AR node duration); per PP link (sender → receiver over a NIC) and step,
+  Σ over its Send/Recv pairs of the shorter call — the same argument for a p2p pair; it finds a
+  slower host NIC that a DP ring of many members dilutes (`_p2p`).
 The reference at each step is the lower quartile over peers doing the same work (ranks of the
 same PP stage; all DP communicators): the quartile stays clean while fewer than three quarters of
 the peers are slow (a whole host of 8 out of 16 stage peers, a whole PP stage's rings).
 A rank (or communicator) is flagged when its mean excess over the recent steps is at least
 `min_share` of the step time and its mean ratio to the reference at least `min_ratio` (network:
 `net_ratio` and `net_abs_ns`, since a slower ring can hide in the step time: VenusTrace's bubbles,
-Fig. 7). Thresholds are ours; the catalog's "too small to matter" faults sit below them.
+Fig. 7). Thresholds are ours; the catalog's "too small to matter" faults sit below them. A change
+that began inside the window (the last `onset_steps`+ steps all above the reference after steps
+that were not) is measured over those steps only (`_flag`), so the first check after an onset
+can name it.
 
 Naming: a DP ring flagged as slow is narrowed to one member by its chunk counters (Mycroft §5.3,
 Table 4 read over time): the member whose RDMA completions lag its posts (② > ③) has a loaded
 link (nic_rdma); the member whose posts lag its staged data (① > ②) has a slow NIC — unless its
 receiver is the ring's laggard in progress while staging nothing ahead (①≈②), then the receiver's
 host side is slow (pcie_host; Mycroft #3's "GPU or PCIe", told apart by normal kernel times).
+A PP link is named by its sender: nic_rdma when its typical transfer is slower, host_software
+(its proxy, Mycroft #7) when only a few stall. A compute excess carried by one kernel class names
+the kernel ("kernel attn") when the class's typical kernel is slower, and the fwd/bwd pass the
+long kernels ran in ("bwd pp=2", from the rank's pass intervals) when only its tail is (ARGUS
+Table 6: ECC correction shows as tail latency on specific kernels).
 Several flagged ranks of one host with one (stage, component) are merged into a host-level
 suspect. Suspects are ranked by the excess ns per step they explain; the first is the culprit,
 its stage and the next suspect's stage are the top-2 routing. Waiting is never blamed: no
@@ -29,9 +39,10 @@ quantity above grows when a rank waits longer.
 
 Cost: every quantity is one `np.bincount` over a flat (step, rank) index — no per-rank or
 per-step Python loop; kernel names are classified per distinct name (`columns.codes`, memoized
-per window column), kernels are given their step with one packed-key searchsorted, the
-per-class breakdown covers only the flagged ranks' PP stages, and string columns are compared
-through their codes. 16,384 ranks (10⁷ kernels, 6·10⁶ ops): ~0.7 s, was ~8 s (bench rca).
+per window column), kernels get their step by one comparison per step (or one packed-key
+searchsorted), the per-class breakdown and the tail test cover only the flagged ranks' PP
+stages, PP calls are paired through the 1F1B plan (a dense index, no sort) and string columns
+are compared through their codes. Figures: README / `rankwatch bench rca`.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.conclusion import Conclusion, Suspicion
 from diagnosis.rules.base import Component, Finding, Kind
-from diagnosis.rules.pipeline_ops import OpsIndex, pass_times, pp_plan
+from diagnosis.rules.pipeline_ops import OpsIndex, pass_times, pp_call_microbatch
 from diagnosis.window import Window, assign_steps
 
 Array = np.ndarray
@@ -590,8 +601,10 @@ def _p2p(ctx: _Ctx, named: set[int]) -> list[Suspicion]:
     # call's microbatch from its op_seq, so the pair (link, step, microbatch) is a dense index
     up = (ctx.stage_of[dst] > ctx.stage_of[src]).astype(np.int64)
     link = 2 * src + up
-    mb, ok = _pp_microbatch(ctx, col(ops, "rank")[rows].astype(np.int64),
-                            ints(ops, "op_seq")[rows], send, up)
+    topo = ctx.w.topo
+    mb, ok = pp_call_microbatch(topo.pp, topo.microbatches,
+                                ctx.stage_of[col(ops, "rank")[rows].astype(np.int64)],
+                                ints(ops, "op_seq")[rows], send, up == 1)
     if ok.sum() < 0.9 * ok.size:  # not a 1F1B plan: pairs unknown
         return []
     n_mb, n_steps, n_links = max(ctx.w.topo.microbatches, 1), ctx.steps.size, 2 * world
@@ -641,28 +654,6 @@ def _p2p(ctx: _Ctx, named: set[int]) -> list[Suspicion]:
                              f"{typical:.2f}x: " + ("its NIC" if nic else
                                                     "a few stall, its proxy starts them late")))
     return out
-
-
-def _pp_microbatch(ctx: _Ctx, rank: Array, seq: Array, send: Array,
-                   up: Array) -> tuple[Array, Array]:
-    """(microbatch, consistent) of PP calls: the call's place in its stage's 1F1B plan is its
-    op_seq modulo the plan's length (pipeline_ops: op_seq counts from 0 at a step boundary);
-    consistent where the plan's op (Send/Recv) and direction (F flows up) match the call's."""
-    spec = ctx.w.topo  # pp and microbatches only: not Window.spec, which reads the ops
-    plans = [pp_plan(spec.pp, spec.microbatches, s_) for s_ in range(spec.pp)]
-    width = max(max((len(p) for p in plans), default=1), 1)
-    is_send = np.zeros((spec.pp, width), dtype=bool)
-    is_up = np.zeros((spec.pp, width), dtype=bool)
-    mbs = np.zeros((spec.pp, width), dtype=np.int64)
-    length = np.ones(spec.pp, dtype=np.int64)
-    for s_, plan in enumerate(plans):
-        length[s_] = max(len(plan), 1)
-        for i, (op, kind, m_) in enumerate(plan):
-            is_send[s_, i], is_up[s_, i], mbs[s_, i] = op == "Send", kind == "F", m_
-    stage = np.clip(ctx.stage_of[rank], 0, spec.pp - 1)
-    pos = seq % length[stage]
-    ok = (is_send[stage, pos] == send) & (is_up[stage, pos] == (up == 1))
-    return mbs[stage, pos], ok
 
 
 def _host_codes(w: Window) -> Array:

@@ -94,3 +94,19 @@ def test_a_change_inside_the_window_is_measured_since_it_began() -> None:
     assert not flag[2]
     assert flag[3]
     assert not flag[[0, *range(4, world)]].any()
+
+
+def test_pp_calls_get_their_microbatch_from_the_1f1b_plan() -> None:
+    from diagnosis.rules.pipeline_ops import pp_call_microbatch, pp_plan
+
+    pp, mbs = 4, 6
+    for s in range(pp):
+        plan = pp_plan(pp, mbs, s)
+        seq = np.arange(2 * len(plan))  # two steps
+        send = np.asarray([op == "Send" for op, _, _ in plan] * 2)
+        fwd = np.asarray([kind == "F" for _, kind, _ in plan] * 2)
+        mb, ok = pp_call_microbatch(pp, mbs, np.full(seq.size, s), seq, send, fwd)
+        assert ok.all()
+        assert mb.tolist() == [m for _, _, m in plan] * 2
+        _, bad = pp_call_microbatch(pp, mbs, np.full(seq.size, s), seq, ~send, fwd)
+        assert not bad.any()
