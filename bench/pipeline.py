@@ -1,6 +1,6 @@
 """The whole ingest path under a simulated job: simulator process -> broker -> worker -> ClickHouse.
 
-    rankwatch bench pipeline [--tp 8 --pp 4 --dp 32 --steps 12] [--json]
+    rankwatch bench pipeline [--tp 8 --pp 4 --dp 32 --steps 12] [--raw-only] [--json]
 
 Starts a private local stack (same code as `rankwatch up`), runs `rankwatch simulate --speed max
 --out kafka` as a separate process (a 1,024-rank job by default: ops, flows, chunks, stages,
@@ -14,6 +14,10 @@ derived tables (progress, iterations, kernel summaries) have rows for the job (w
   publisher and the broker kept the machine's other core. It covers everything the worker does
   meanwhile: the raw ingest, the derived windows and diagnosis (and the bench's own polling
   queries through the SQL endpoint).
+
+`--raw-only` runs, instead of `rankwatch worker`, a worker with the raw agents alone (the same
+streams.app.StreamsApp over the same store, no derived runner, no diagnosis agents): its CPU time
+is the ingest path's own, broker to ClickHouse.
 
 Everything it started is stopped at the end.
 """
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from bench.ingest import sql
 from rankwatch import stack
+from rankwatch.kafka_broker import Daemon, tail
 from rankwatch.settings import Settings
 
 RAW = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")
@@ -49,14 +54,63 @@ def counts(settings: Settings, job: str) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split("\t") for line in out.splitlines())}
 
 
+def serve_raw() -> int:
+    """A worker with the raw agents only (`--raw-only`): settings from the environment."""
+    import faust
+
+    from streams.app import AppConfig, StreamsApp
+    from streams.db import Database, migrate
+    from streams.sql_endpoint import start_sql_endpoint
+    from streams.store import ClickHouseStore
+    from streams.writer import ClickHouseWriter
+
+    settings = Settings.load()
+    db = Database(settings.clickhouse, settings.clickhouse_database)
+    migrate(db)
+    cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
+                    topics=settings.topics, max_messages=settings.writer_max_messages,
+                    within_s=settings.writer_max_seconds)
+    sapp = StreamsApp(cfg, ClickHouseStore(ClickHouseWriter(db)))
+
+    async def serve_sql() -> None:
+        await start_sql_endpoint(db, settings.bind_host, settings.sql_port)
+
+    sapp.app.task(serve_sql)
+    try:
+        faust.Worker(sapp.app, loglevel="warning", quiet=True,
+                     override_logging=False).execute_from_commandline()
+    except SystemExit:
+        pass
+    finally:
+        db.close()
+    return 0
+
+
+def _start_raw_worker(settings: Settings, log: object) -> Daemon:
+    d = Daemon("raw-worker", settings.run_dir / "raw-worker.pid",
+               settings.home / "logs" / "raw-worker.log", marker="bench.pipeline")
+    pid = d.start([sys.executable, "-m", "bench.pipeline", "--serve-raw"],
+                  env=stack.child_env(settings), cwd=settings.home)
+    if callable(log):
+        log(f"raw worker: starting (pid {pid})")
+    deadline = time.time() + 120
+    while stack.ping_worker(settings):
+        if d.exited() is not None or time.time() > deadline:
+            d.stop(5)
+            raise RuntimeError(f"raw worker did not start: {tail(d.log_file)}")
+        time.sleep(0.25)
+    return d
+
+
 def run(args: argparse.Namespace, home: Path, say: object) -> dict[str, object]:
     log = say if callable(say) else (lambda m: None)
     # windows short enough to close inside a job of a few simulated seconds
     settings = stack.private_settings(home, topic_prefix="benchp", iteration_window_s=2.0,
                                       kernel_window_s=4.0)
-    stack.up(settings, progress=log)
+    stack.up(settings, progress=log, worker=not args.raw_only)
+    raw_worker = _start_raw_worker(settings, log) if args.raw_only else None
     try:
-        pid = stack.worker_daemon(settings).pid()
+        pid = raw_worker.pid() if raw_worker else stack.worker_daemon(settings).pid()
         assert pid is not None
         job = f"benchp-{int(time.time())}"
         cpu0, t0 = cpu_seconds(pid), time.time()
@@ -86,7 +140,7 @@ def run(args: argparse.Namespace, home: Path, say: object) -> dict[str, object]:
             raise RuntimeError(f"{sum(got.values())} records stored, {expected} published: "
                                "some were stored twice")
         derived: dict[str, int] = {}
-        while time.time() - t_stored < 120:
+        while not args.raw_only and time.time() - t_stored < 120:
             derived = {t: int(sql(settings, f"SELECT count() FROM {t} WHERE job_id = '{job}'"))
                        for t in ("progress", "iterations", "kernel_summaries")}
             if all(derived.values()):
@@ -108,6 +162,8 @@ def run(args: argparse.Namespace, home: Path, say: object) -> dict[str, object]:
             "derived_ready_after_stored_s": round(time.time() - t_stored, 2),
         }
     finally:
+        if raw_worker is not None:
+            raw_worker.stop(30)
         stack.down(settings, progress=log)
 
 
@@ -118,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--dp", type=int, default=32)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--raw-only", action="store_true",
+                   help="a worker with the raw agents only: the ingest path's own CPU")
+    p.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.serve_raw:
+        return serve_raw()
 
     def say(message: str) -> None:
         if not args.json:
@@ -136,11 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  first record published to last queryable: {res['end_to_end_s']} s, "
           f"{res['end_to_end_records_per_s']:,} records/s (simulator, broker and worker "
           "share the machine)")
+    what = ("the raw agents alone" if args.raw_only
+            else "ingest, derived streams and diagnosis together")
     print(f"  worker CPU {res['worker_cpu_s']} s: {res['records_per_worker_cpu_s']:,} records per "
-          f"worker CPU-second ({res['worker_cpu_us_per_record']} µs per record; ingest, derived "
-          "streams and diagnosis together)")
-    print(f"  derived rows {res['derived_rows']} ready {res['derived_ready_after_stored_s']} s "
-          "after the last raw record")
+          f"worker CPU-second ({res['worker_cpu_us_per_record']} µs per record; {what})")
+    if not args.raw_only:
+        print(f"  derived rows {res['derived_rows']} ready {res['derived_ready_after_stored_s']} "
+              "s after the last raw record")
     return 0
 
 
