@@ -189,10 +189,33 @@ def last_per_group(group: Array, order: Array) -> Array:
     """Row index of the row with the largest `order` in each group (groups 0..max)."""
     if group.size == 0:
         return np.zeros(0, dtype=np.int64)
+    packed = _packed_last(group, order)
+    if packed is not None:
+        return packed
     idx = np.lexsort((order, group))
     g = group[idx]
     last = np.r_[g[1:] != g[:-1], True]
     return np.asarray(idx[last], dtype=np.int64)
+
+
+def _packed_last(group: Array, order: Array) -> Array | None:
+    """`last_per_group` by one value sort: (group, order, row) packed into one int64 when their
+    ranges fit in 63 bits (ties on order go to the later row, as with the stable lexsort); a
+    sort of values is ~2× an argsort of two keys at 10⁶ rows. None when they do not fit."""
+    if group.dtype.kind not in "iu" or order.dtype.kind not in "iu":
+        return None
+    g = group.astype(np.int64, copy=False)
+    o = order.astype(np.int64, copy=False)
+    glo, olo = int(g.min()), int(o.min())
+    gb = (int(g.max()) - glo).bit_length()
+    ob = (int(o.max()) - olo).bit_length()
+    rb = (g.size - 1).bit_length()
+    if gb + ob + rb > 63:
+        return None
+    packed = ((g - glo) << (ob + rb)) | ((o - olo) << rb) | np.arange(g.size, dtype=np.int64)
+    packed.sort()
+    k = packed >> (ob + rb)
+    return np.asarray(packed[np.r_[k[1:] != k[:-1], True]] & ((1 << rb) - 1), dtype=np.int64)
 
 
 def group_reduce(group: Array, values: Array, n_groups: int, how: str) -> Array:

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnosis.columns import _dict_codes, coded_column, codes, object_ids
+from diagnosis.columns import _dict_codes, coded_column, codes, last_per_group, object_ids
 
 
 def _per_row(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -60,3 +60,19 @@ def test_coded_column_is_remembered_and_equals_a_fresh_factorization():
     assert uniq.tolist() == ref_uniq.tolist() == ["dp:a", "tp:b"]
     assert code.tolist() == ref_code.tolist()
     assert codes(column)[1] is code  # remembered, not recomputed
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(-3, 6), st.integers(-5, 5)), min_size=1, max_size=60),
+       st.booleans())
+def test_last_per_group_is_the_stable_lexsort_answer(rows, huge):
+    """The packed value sort picks the same row per group as the stable two-key sort: the
+    largest order, ties to the later row; ranges too wide to pack take the lexsort itself."""
+    group = np.asarray([g for g, _ in rows], dtype=np.int64)
+    order = np.asarray([o for _, o in rows], dtype=np.int64)
+    if huge:
+        order = order * 2**60 // 8
+    idx = np.lexsort((order, group))
+    g = group[idx]
+    expected = idx[np.r_[g[1:] != g[:-1], True]]
+    assert last_per_group(group, order).tolist() == expected.tolist()
