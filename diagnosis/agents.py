@@ -9,8 +9,11 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   `last_beat_ts` is a beat. Iteration rows are the step series. The trigger clock is the job's
   event-time watermark (newest progress `window_end`): the feed closes a window every second
   for every (rank, comm) — a stopped rank still gets rows while its host beats — so silence is
-  measured in event time and a lagging feed cannot look like a hang. Triggers go to
-  `rw.triggers` (`TriggerRecord` JSON, keyed by job).
+  measured in event time and a lagging feed cannot look like a hang. The price is the feed's
+  watermark lag (streams/windows.py: learned per-source lateness). Step rows arrive twice: as
+  previews when a step's records are stored, and with their window (streams/derived.py);
+  JobWatch counts each step once. The feed agents wait at most `FEED_WITHIN_S` to fill a
+  buffer. Triggers go to `rw.triggers` (`TriggerRecord` JSON, keyed by job).
   Mycroft's throughput/interval straggler test needs ≥ 3 completions per rank and window, which
   one progress row per window does not give: on this feed it does not fire (step-time triggers
   and the root-cause sweep cover slowdowns).

@@ -8,7 +8,8 @@
   Δ is adapted to the job: max(3 × expected step time, 2 s) once the step time is known (the
   paper's 10 s otherwise) — a 10 s Δ alone would miss the ≤ 5 s detection target on 1 s steps;
 - VenusTrace/MegaTrace heartbeat (`heartbeat.heartbeat_trigger`): no op call or completion for
-  n × expected step time → hang; the expected time is learned from the sampled ranks' steps;
+  n × expected step time → hang; the expected time is learned from the sampled ranks' steps,
+  each step once its time is final (a later step has arrived);
 - ARGUS L1 on the job's step-time series (max over sampled ranks per step): a regression
   (full-scan change point) whose onset is among the last `recent` steps, and jitter (ratio-gated,
   effective width) whose onset is the newest step; plus VenusTrace's expected-time test at the
@@ -136,11 +137,17 @@ class JobWatch:
         self.mycroft = self.mycroft.resample(np.asarray(self.sample.ranks))
 
     def _steps(self, s: Columns, now_ns: int) -> list[Trigger]:
-        out = observe_steps(self.heartbeat, ints(s, "step"), ints(s, "step_ns"), now_ns)
         for st, d, e in zip(ints(s, "step").tolist(), ints(s, "step_ns").tolist(),
                             ints(s, "t_end").tolist(), strict=True):
             self.step_ns[st] = max(self.step_ns.get(st, 0.0), float(d))
             self.step_end[st] = max(self.step_end.get(st, 0), int(e))
+        # a step's rows may come in parts (previews, rank by rank): T_expected learns a step's
+        # time (the max over the sampled ranks) once a later step has been seen
+        newest = max(self.step_ns, default=-1)
+        done = np.asarray([k for k in sorted(self.step_ns)
+                           if self.heartbeat.last_step < k < newest], dtype=np.int64)
+        out = observe_steps(self.heartbeat, done,
+                            np.asarray([self.step_ns[int(k)] for k in done]), now_ns)
         keys = sorted(self.step_ns)[-self.config.series:]
         for k in [k for k in self.step_ns if k < keys[0]]:
             self.step_ns.pop(k)
