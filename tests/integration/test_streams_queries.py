@@ -150,3 +150,38 @@ async def _resume(db: Database, cfg: JobConfig, cut: float) -> None:
     clock.pause(60)
     while await runner.tick():
         pass
+
+
+def test_a_call_longer_than_the_lookback_counts_in_the_window_where_it_ends(
+        clickhouse_db: Database) -> None:
+    """Progress: an 8 s AllReduce (op_lookback is 5 s) is in flight while it runs and completed
+    in the window where it ends, read through the in-flight query by its t_end."""
+    from ingest.batch import encode_batch
+
+    job, t0 = "longcall", 1_700_000_100 * SEC
+    runner = DerivedRunner(db := clickhouse_db, _nothing, config(), clock=CLOCK)
+    store = ObservingStore(ClickHouseWriter(db), runner.windows)
+
+    def ops(rows: list[tuple[int, int, int]]) -> bytes:  # (op_seq, t_start, t_end)
+        return encode_batch("ops", job, {
+            "rank": [0] * len(rows), "comm_id": ["dp:0"] * len(rows),
+            "op_seq": [r[0] for r in rows], "op": ["AllReduce"] * len(rows),
+            "bytes": [1 << 20] * len(rows), "t_enqueue": [r[1] for r in rows],
+            "t_start": [r[1] for r in rows], "t_end": [r[2] for r in rows]})
+
+    async def run() -> None:
+        short = [(i, t0 + i * SEC // 10, t0 + i * SEC // 10 + 1000) for i in range(5)]
+        await store.write("ops", [decode_batch(ops(short))], "long:0", sources=[(0, 0)])
+        # op 5 starts at t0 + 1 s and ends 8 s later; the batch carries it once it completed
+        done = [(5, t0 + SEC, t0 + 9 * SEC + SEC // 2), (6, t0 + 12 * SEC, t0 + 12 * SEC + 10)]
+        await store.write("ops", [decode_batch(ops(done))], "long:1", sources=[(0, 1)])
+        CLOCK.pause(60)
+        while await runner.tick():
+            pass
+
+    asyncio.run(run())
+    rows = db.query("SELECT toUnixTimestamp64Nano(window_end), completed_ops, last_op_seq "
+                    "FROM progress FINAL WHERE job_id = {j:String} ORDER BY window_end",
+                    {"j": job}).result_rows
+    by_end = {int(we): (int(c), int(s)) for we, c, s in rows}
+    assert by_end[t0 + 10 * SEC] == (1, 5)  # [t0+9 s, t0+10 s): the long call ends here
