@@ -185,3 +185,47 @@ def test_a_call_longer_than_the_lookback_counts_in_the_window_where_it_ends(
                     {"j": job}).result_rows
     by_end = {int(we): (int(c), int(s)) for we, c, s in rows}
     assert by_end[t0 + 10 * SEC] == (1, 5)  # [t0+9 s, t0+10 s): the long call ends here
+
+
+def test_a_late_mark_survives_a_crash_before_the_recomputation(clickhouse_db: Database) -> None:
+    """The stage records of one step arrive after its iterations window closed; the worker dies
+    before recomputing it. The mark was stored with the batch, so the next worker recomputes."""
+    cfg = JobConfig(job_id="latemark", tp=2, pp=2, dp=2, steps=30, microbatches=4, seed=6)
+    batches = list(Simulation(cfg).batches())
+    late = [b for b in batches if b[1] == "stages" and 4 in decode_batch(b[2]).cols["step"]]
+
+    async def first() -> None:
+        runner = DerivedRunner(clickhouse_db, _nothing, config(), clock=CLOCK)
+        store = ObservingStore(ClickHouseWriter(clickhouse_db), runner.windows)
+        for i, (_, kind, data) in enumerate(b for b in batches if b not in late):
+            b = decode_batch(data)
+            if kind == "jobs":
+                await store.write_topologies(b.topologies, f"jobs:latemark:{i}")
+            else:
+                await store.write(kind, [b], f"latemark:{i}", sources=[(0, i)])
+            CLOCK.pause(0.05)
+            if i % 20 == 0:
+                await runner.tick()
+        while await runner.tick():
+            pass
+        for j, (_, kind, data) in enumerate(late):  # stored and marked; no tick: the crash
+            await store.write(kind, [decode_batch(data)], f"latemark:late:{j}",
+                              sources=[(1, j)])
+
+    async def second() -> None:
+        runner = DerivedRunner(clickhouse_db, _nothing, config(), clock=CLOCK)
+        await runner.restore()
+        assert runner.windows.late("latemark", "iterations")
+        while await runner.tick():
+            pass
+        assert not runner.windows.late("latemark", "iterations")
+
+    def step4() -> tuple[int, int]:
+        n, st = clickhouse_db.query("SELECT count(), countIf(source = 'stages') FROM iterations "
+                                    "FINAL WHERE job_id = 'latemark' AND step = 4").result_rows[0]
+        return int(n), int(st)
+
+    asyncio.run(first())
+    assert step4() == (8, 0)  # inferred from the DP collective while the stage records were out
+    asyncio.run(second())
+    assert step4() == (8, 8)
