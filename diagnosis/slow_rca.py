@@ -157,16 +157,19 @@ def _ref(m: Array, stage_of: Array) -> Array:
     return out
 
 
-def _flag(ctx: _Ctx, m: Array, ratio_min: float,
-          ref: Array | None = None) -> tuple[Array, Array, Array]:
+def _flag(ctx: _Ctx, m: Array, ratio_min: float, ref: Array | None = None,
+          sparse: bool = False) -> tuple[Array, Array, Array]:
     """(flag, mean excess ns, mean ratio) per rank of a [steps, world] quantity.
 
-    Means over the recent steps, or — where a rank's last `onset_steps` or more steps are all
-    above the reference by more than 5 % and at least `onset_steps` steps before them were, on
-    average, less than half as far above it (a step change, not a rank that is always a little
-    slower) — over that trailing run: a persistent change that began inside the window is
-    measured since it began, not diluted by the steps before it. The thresholds are the same;
-    a run shorter than `onset_steps` never counts."""
+    Means over the recent steps, or over the steps since a change that began inside the
+    window, so the first check after an onset can name it (same thresholds):
+    - a step change: the rank's last `onset_steps` or more steps are all above the reference by
+      more than 5 % and at least `onset_steps` steps before them were, on average, less than
+      half as far above it (not a rank that is always a little slower);
+    - `sparse` (intermittent excess: a slow batch, a stalled callback): at least two steps each
+      above the reference by the whole floor (`min_share` of the step time), the first of them
+      inside the window; measured from that first one (two such steps are never noise on a
+      stage phase: a phase's noise is a small part of the floor)."""
     ref = _ref(m, ctx.stage_of) if ref is None else ref
     with np.errstate(all="ignore"):
         exc = np.nanmean(np.maximum(m - ref, 0.0), axis=0)
@@ -174,25 +177,40 @@ def _flag(ctx: _Ctx, m: Array, ratio_min: float,
     exc, ratio = np.nan_to_num(exc), np.nan_to_num(ratio, nan=1.0)
     floor = ctx.cfg.min_share * ctx.step_ns
     flag = (exc >= floor) & (ratio >= ratio_min)
+    n, k = m.shape[0], ctx.cfg.onset_steps
     run = _trailing_run(m, ref)
-    n = m.shape[0]
-    late = (run >= ctx.cfg.onset_steps) & (n - run >= ctx.cfg.onset_steps) & ~flag
+    late = (run >= k) & (n - run >= k) & ~flag
     if late.any():
         cols = np.flatnonzero(late)
         since = np.arange(n)[:, None] >= (n - run[cols])[None, :]
-        mm, rr = m[:, cols], ref[:, cols]
         with np.errstate(all="ignore"):
-            rel = (mm - rr) / rr
+            rel = (m[:, cols] - ref[:, cols]) / ref[:, cols]
             before = np.nanmean(np.where(since, np.nan, rel), axis=0)
             after = np.nanmean(np.where(since, rel, np.nan), axis=0)
-            mm, rr = np.where(since, mm, np.nan), np.where(since, rr, np.nan)
-            e = np.nan_to_num(np.nanmean(np.maximum(mm - rr, 0.0), axis=0))
-            q = np.nan_to_num(np.nanmean(mm, axis=0) / np.nanmean(rr, axis=0), nan=1.0)
-        step = np.nan_to_num(before, nan=np.inf) <= 0.5 * after  # it was like its peers before
-        flag[cols] = step & (e >= floor) & (q >= ratio_min)
-        exc[cols] = np.where(step, e, exc[cols])
-        ratio[cols] = np.where(step, q, ratio[cols])
+        change = np.nan_to_num(before, nan=np.inf) <= 0.5 * after  # like its peers before
+        _since(flag, exc, ratio, m, ref, cols[change], since[:, change], floor, ratio_min)
+    if sparse:
+        with np.errstate(invalid="ignore"):
+            big = (m - ref) >= floor
+        first = np.argmax(big, axis=0)
+        cols = np.flatnonzero(~flag & (big.sum(axis=0) >= 2) & (first > 0))
+        since = np.arange(n)[:, None] >= first[cols][None, :]
+        _since(flag, exc, ratio, m, ref, cols, since, floor, ratio_min)
     return flag, exc, ratio
+
+
+def _since(flag: Array, exc: Array, ratio: Array, m: Array, ref: Array, cols: Array,
+           since: Array, floor: float, ratio_min: float) -> None:
+    """Re-measure columns `cols` over their rows `since` (bool [steps, len(cols)]), in place."""
+    if cols.size == 0:
+        return
+    mm = np.where(since, m[:, cols], np.nan)
+    rr = np.where(since, ref[:, cols], np.nan)
+    with np.errstate(all="ignore"):
+        e = np.nan_to_num(np.nanmean(np.maximum(mm - rr, 0.0), axis=0))
+        q = np.nan_to_num(np.nanmean(mm, axis=0) / np.nanmean(rr, axis=0), nan=1.0)
+    flag[cols] = (e >= floor) & (q >= ratio_min)
+    exc[cols], ratio[cols] = e, q
 
 
 def _trailing_run(m: Array, ref: Array) -> Array:
@@ -472,7 +490,7 @@ def _phases(ctx: _Ctx) -> list[Suspicion]:
     for name, _, _ in PHASES:
         m = _stage_matrix(ctx, name)
         ref = _ref(m, ctx.stage_of)
-        flag, exc, ratio = _flag(ctx, m, ctx.cfg.min_ratio, ref)
+        flag, exc, ratio = _flag(ctx, m, ctx.cfg.min_ratio, ref, sparse=True)
         res[name] = (flag, exc, ratio, _persistence(m, ref))
     out: list[Suspicion] = []
     cpu_hits = np.sum([res[n][2] >= ctx.cfg.phase_ratio for n in CPU_PHASES], axis=0)

@@ -110,3 +110,15 @@ def test_pp_calls_get_their_microbatch_from_the_1f1b_plan() -> None:
         assert mb.tolist() == [m for _, _, m in plan] * 2
         _, bad = pp_call_microbatch(pp, mbs, np.full(seq.size, s), seq, ~send, fwd)
         assert not bad.any()
+
+
+def test_an_intermittent_phase_excess_is_measured_from_its_first_occurrence() -> None:
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    ctx = slow_rca._Ctx(w, slow_rca.SlowConfig(), np.arange(20), 1e9, w.grid.stage)
+    m = np.full((20, world), 8e6)
+    m[[-3, -1], 1] += 180e6  # two slow batches in the last three steps: 18 ms over all 20
+    m[-1, 2] += 180e6  # one: too little evidence
+    flag, exc, _ = slow_rca._flag(ctx, m, 1.05, sparse=True)
+    assert flag[1] and exc[1] > 100e6
+    assert not flag[2] and not slow_rca._flag(ctx, m, 1.05)[0][1]
