@@ -104,6 +104,21 @@ class _Ctx:
     lo_ns: int = 0  # first start of a recent step (stages)
     _ops_sel: Array | None = None
 
+    def ops_of_kind(self, kind: str) -> Array:
+        """Mask over ops rows on a communicator of `kind` (as Window.comm_kind_of_ops == kind,
+        through the comm_id codes: no comparison of 10⁶ strings)."""
+        uniq, code = codes(col(self.w.get("ops"), "comm_id"))
+        kinds = self.w.grid.comm_kind
+        return np.asarray([kinds.get(str(c), "") == kind for c in uniq.tolist()],
+                          dtype=bool)[code] if uniq.size else np.zeros(code.size, dtype=bool)
+
+    def step_index(self, step: Array) -> Array:
+        """Position of each step (one of `steps`) in `steps`."""
+        lo = int(self.steps[0]) if self.steps.size else 0
+        if self.steps.size and int(self.steps[-1]) - lo + 1 == self.steps.size:
+            return np.asarray(step - lo)  # consecutive steps: no search
+        return np.searchsorted(self.steps, step)
+
     def ops_recent(self) -> Array:
         """Mask over ops rows: a completed call of a recent step (computed once)."""
         if self._ops_sel is None:
@@ -116,6 +131,9 @@ def _in_steps(step: Array, steps: Array) -> Array:
     """`np.isin(step, steps)` for int steps through one position lookup (steps ascending)."""
     if steps.size == 0:
         return np.zeros(step.size, dtype=bool)
+    lo, hi = int(steps[0]), int(steps[-1])
+    if hi - lo + 1 == steps.size:  # consecutive steps: a range test
+        return np.asarray((step >= lo) & (step <= hi))
     pos = np.minimum(np.searchsorted(steps, step), steps.size - 1)
     return np.asarray(steps[pos] == step)
 
@@ -128,8 +146,7 @@ def _matrix(ctx: _Ctx, step: Array, rank: Array, value: Array, *,
     their order, as np.add.at does."""
     world = ctx.w.grid.world
     ok = (rank >= 0) & (rank < world)
-    si = np.searchsorted(ctx.steps, step[ok])
-    flat = si * world + rank[ok]
+    flat = ctx.step_index(step[ok]) * world + rank[ok]
     n = ctx.steps.size * world
     acc = np.bincount(flat, weights=value[ok].astype(np.float64), minlength=n)
     seen = np.bincount(flat, minlength=n) > 0
@@ -546,7 +563,7 @@ def _network(ctx: _Ctx) -> list[Suspicion]:
     ops = ctx.w.get("ops")
     if not ops:
         return []
-    sel = (ctx.w.comm_kind_of_ops == "dp") & ctx.ops_recent()
+    sel = ctx.ops_of_kind("dp") & ctx.ops_recent()
     if not sel.any():
         return []
     uniq, code = codes(col(ops, "comm_id"))
@@ -596,7 +613,7 @@ def _p2p(ctx: _Ctx, named: set[int]) -> list[Suspicion]:
     ops = ctx.w.get("ops")
     if not ops or "peer" not in ops:
         return []
-    rows = np.flatnonzero((ctx.w.comm_kind_of_ops == "pp") & ctx.ops_recent())
+    rows = np.flatnonzero(ctx.ops_of_kind("pp") & ctx.ops_recent())
     if rows.size == 0:
         return []
     uniq, code = codes(col(ops, "op"))
@@ -611,7 +628,7 @@ def _p2p(ctx: _Ctx, named: set[int]) -> list[Suspicion]:
     hosts = _host_codes(ctx.w)
     ok = (peer >= 0) & (peer < world) & (rank < world)
     ok[ok] = hosts[src[ok]] != hosts[dst[ok]]  # a NIC carries the hop
-    rows, send, src, dst = rows[ok], send[ok], src[ok], dst[ok]
+    rows, send, src, dst, rank = rows[ok], send[ok], src[ok], dst[ok], rank[ok]
     if rows.size == 0:
         return []
     # a PP sender has two links (to the next and to the previous stage): link = 2·src + up,
@@ -620,19 +637,19 @@ def _p2p(ctx: _Ctx, named: set[int]) -> list[Suspicion]:
     up = (ctx.stage_of[dst] > ctx.stage_of[src]).astype(np.int64)
     link = 2 * src + up
     topo = ctx.w.topo
-    mb, ok = pp_call_microbatch(topo.pp, topo.microbatches,
-                                ctx.stage_of[col(ops, "rank")[rows].astype(np.int64)],
+    mb, ok = pp_call_microbatch(topo.pp, topo.microbatches, ctx.stage_of[rank],
                                 ints(ops, "op_seq")[rows], send, up == 1)
     if ok.sum() < 0.9 * ok.size:  # not a 1F1B plan: pairs unknown
         return []
     n_mb, n_steps, n_links = max(ctx.w.topo.microbatches, 1), ctx.steps.size, 2 * world
-    si = np.searchsorted(ctx.steps, ints(ops, "step", -1)[rows])
+    si = ctx.step_index(ints(ops, "step", -1)[rows])
     pid = (link * n_steps + si) * n_mb + mb
-    inside = (ints(ops, "t_end") - ints(ops, "t_start"))[rows].astype(np.float64)
+    inside = (ints(ops, "t_end")[rows] - ints(ops, "t_start")[rows]).astype(np.float64)
     t_send = np.full(n_links * n_steps * n_mb, np.nan)
     t_recv = t_send.copy()
-    t_send[pid[ok & send]] = inside[ok & send]
-    t_recv[pid[ok & ~send]] = inside[ok & ~send]
+    ps, pr = ok & send, ok & ~send
+    t_send[pid[ps]] = inside[ps]
+    t_recv[pid[pr]] = inside[pr]
     tr = np.minimum(t_send, t_recv).reshape(n_links, n_steps, n_mb)  # nan unless paired
     paired = ~np.isnan(tr)
     m = np.where(paired.any(axis=2), np.nansum(tr, axis=2), np.nan).T  # [steps, links]
@@ -681,8 +698,7 @@ def _host_codes(w: Window) -> Array:
 
 def _comm_matrix(ctx: _Ctx, step: Array, comm: Array, value: Array, n_comms: int) -> Array:
     """float64 [recent steps, comms]: Σ value per (step, communicator), nan where none."""
-    si = np.searchsorted(ctx.steps, step)
-    flat = si * n_comms + comm
+    flat = ctx.step_index(step) * n_comms + comm
     n = ctx.steps.size * n_comms
     acc = np.bincount(flat, weights=value, minlength=n)
     seen = np.bincount(flat, minlength=n) > 0

@@ -74,25 +74,26 @@ def pp_plan(pp: int, microbatches: int, stage: int) -> list[tuple[str, Pass, int
 
 def pp_call_microbatch(pp: int, microbatches: int, stage: Array, seq: Array, is_send: Array,
                        forward: Array) -> tuple[Array, Array]:
-    """(microbatch, consistent) of PP calls, vectorized: a call's place in its stage's plan is
-    its op_seq modulo the plan's length (op_seq counts from 0 at a step boundary, see the
-    module docstring); `consistent` where the plan's op (Send or Recv) and pass (F: data flows
-    to the next stage, `forward`) match the call's own — elsewhere the mapping does not hold
-    (another schedule, op_seq not aligned) and the microbatch means nothing."""
+    """(microbatch, consistent) of PP calls (`stage`: the calling rank's, in 0..pp−1),
+    vectorized: a call's place in its stage's plan is its op_seq modulo the plan's length
+    (op_seq counts from 0 at a step boundary, see the module docstring); `consistent` where
+    the plan's op (Send or Recv) and pass (F: data flows to the next stage, `forward`) match
+    the call's own — elsewhere the mapping does not hold (another schedule, op_seq not
+    aligned) and the microbatch means nothing."""
     plans = [pp_plan(pp, microbatches, s) for s in range(pp)]
     width = max(max((len(p) for p in plans), default=1), 1)
-    plan_send = np.zeros((pp, width), dtype=bool)
-    plan_fwd = np.zeros((pp, width), dtype=bool)
-    plan_mb = np.zeros((pp, width), dtype=np.int64)
+    plan_send = np.zeros(pp * width, dtype=bool)
+    plan_fwd = np.zeros(pp * width, dtype=bool)
+    plan_mb = np.zeros(pp * width, dtype=np.int64)
     length = np.ones(pp, dtype=np.int64)
     for s, plan in enumerate(plans):
         length[s] = max(len(plan), 1)
         for i, (op, kind, m) in enumerate(plan):
-            plan_send[s, i], plan_fwd[s, i], plan_mb[s, i] = op == "Send", kind == "F", m
-    st = np.clip(stage, 0, pp - 1)
-    pos = seq % length[st]
-    ok = (plan_send[st, pos] == is_send) & (plan_fwd[st, pos] == forward)
-    return plan_mb[st, pos], np.asarray(ok)
+            j = s * width + i
+            plan_send[j], plan_fwd[j], plan_mb[j] = op == "Send", kind == "F", m
+    at = stage * width + seq % length[stage]  # stage in 0..pp-1
+    ok = (plan_send[at] == is_send) & (plan_fwd[at] == forward)
+    return plan_mb[at], np.asarray(ok)
 
 
 @dataclass(frozen=True)
