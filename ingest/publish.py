@@ -1,7 +1,10 @@
 """Publishing record batches to Kafka (the only module in ingest/ that imports a Kafka client).
 
 One Kafka message is one encoded batch (ingest.batch). The producer is idempotent, compresses
-with zstd and lingers a few milliseconds so batches travel together. `publish` never blocks for
+with zstd and lingers a few milliseconds so batches travel together. Keyed messages are placed by
+murmur2 (`partitioner=murmur2_random`), as the Java client and aiokafka (Faust) place them, not by
+librdkafka's default CRC32: a batch keyed by a job id lands on the job's home partition
+(streams.ownership.job_partition) whichever client sent it. `publish` never blocks for
 long: when the client's local queue is full it polls for up to `block_s` and then counts the batch
 as dropped rather than stalling the caller (training first); `flush` waits for delivery.
 """
@@ -48,6 +51,7 @@ class BatchPublisher:
             "bootstrap.servers": bootstrap,
             "enable.idempotence": True,
             "compression.type": "zstd",
+            "partitioner": "murmur2_random",
             "linger.ms": linger_ms,
             "batch.size": 1 << 20,
             "message.max.bytes": 16 << 20,

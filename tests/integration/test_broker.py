@@ -407,3 +407,33 @@ def test_storage_formats_with_a_cluster_id_that_starts_with_a_dash(settings_fact
     b._prepare()
     assert (b.data_dir / "meta.properties").exists()
     assert "-QQQ" in (b.data_dir / "meta.properties").read_text()
+
+
+def test_job_keyed_batches_land_on_the_jobs_home_partition_from_both_clients(kafka, topics):
+    """The premise of streams.ownership: a batch keyed by the bare job id lands on
+    job_partition(job, P), whether BatchPublisher (librdkafka) or Faust's aiokafka sends it."""
+    from ingest.publish import BatchPublisher
+    from streams.ownership import job_partition
+
+    partitions = kafka.settings.kafka_partitions
+    jobs = [f"job-{i}" for i in range(24)]
+    pub = BatchPublisher(kafka.bootstrap, topics)
+    landed: dict[str, int] = {}
+    for job in jobs:
+        pub.publish("ops", ops_batch(job, n=4), key=job,
+                    on_delivery=lambda err, msg: landed.__setitem__(msg.key().decode(),
+                                                                    msg.partition()))
+    assert pub.flush(30) == 0
+    assert landed == {job: job_partition(job, partitions) for job in jobs}
+
+    async def send() -> dict[str, int]:
+        p = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap)
+        await p.start()
+        try:
+            return {job: (await p.send_and_wait(topics.ops, b"x", key=job.encode())).partition
+                    for job in jobs}
+        finally:
+            await p.stop()
+
+    assert asyncio.run(send()) == landed
+    assert len(set(landed.values())) > 1
