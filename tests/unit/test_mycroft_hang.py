@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnosis.groups import grid_of
-from diagnosis.rules.mycroft_hang import _reachable_sinks, analyze_hang
+from diagnosis.rules.mycroft_hang import analyze_hang
+from diagnosis.rules.waits_for import reachable_sinks
 from tests.unit.topo_fixtures import megatron_topology
 
 S = 1_000_000_000
@@ -183,7 +184,7 @@ def _sinks_by_search(edges: dict[int, set[int]],
 def test_reachable_sinks_match_one_search_per_start(edges, starts):
     """Sinks, how many starts reach each, and the nodes of sink-less cycles (self-loops,
     empty edge sets included) are those of the per-start search."""
-    assert _reachable_sinks(edges, sorted(starts)) == _sinks_by_search(edges, sorted(starts))
+    assert reachable_sinks(edges, sorted(starts)) == _sinks_by_search(edges, sorted(starts))
 
 
 def test_same_op_member_whose_kernel_never_started_is_blamed_by_its_counters():
