@@ -80,7 +80,7 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
     if dead.size and dead.size <= max(1, grid.world // 10):
         return _death(w, dead, alg2)
     try:
-        halt = halt_point(ops, grid, w.spec, now_ns)
+        halt = halt_point(ops, grid, w.spec, now_ns, stuck_ns=stuck_ns)
     except (ValueError, IndexError):
         halt = []
     min_op = [f for f in alg2 if f.rule == "mycroft.alg2.min_op"]

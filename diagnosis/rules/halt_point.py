@@ -48,6 +48,7 @@ from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.groups import Grid
 from diagnosis.rules.base import Component, Finding
 from diagnosis.rules.critical_path import build_1f1b_dag
+from diagnosis.rules.last_logs import reached
 from diagnosis.rules.pipeline_ops import OpsIndex, PipelineSpec, pass_times
 
 Array = np.ndarray
@@ -90,9 +91,12 @@ def hung_step(ops: Columns, grid: Grid, spec: PipelineSpec, is_dp: Array | None 
 
 
 def halt_point(ops: Columns, grid: Grid, spec: PipelineSpec, now_ns: int,
-               step: int | None = None) -> list[Finding]:
-    """Halt point(s) of the hung step; see the module docstring."""
-    seen = ints(ops, "t_enqueue") <= now_ns
+               step: int | None = None, stuck_ns: int | None = None) -> list[Finding]:
+    """Halt point(s) of the hung step; see the module docstring. With `stuck_ns`, the calls
+    visible at `now_ns` are those the ranks had reached (last_logs.reached: not a call whose
+    kernel was still waiting to start), as for Alg. 2."""
+    seen = reached(ops, now_ns, stuck_ns) if stuck_ns is not None \
+        else ints(ops, "t_enqueue") <= now_ns
     uniq, inv = codes(col(ops, "comm_id"))  # the whole column's codes (factorized once)
     if seen.all():  # the usual case (now = the window's end): no copy of the table
         visible = {k: np.asarray(v) for k, v in ops.items()}

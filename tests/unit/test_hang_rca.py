@@ -32,6 +32,9 @@ def test_recovered_stall_names_the_hung_rank_and_pass() -> None:
     # rank 11 = tp 1 + 2·(dp 1 + 2·stage 2)
     assert (c.ranks, c.stage, c.component) == ((11,), "bwd mb=2 pp=2", "gpu_compute")
     assert {"transient", "recovered", "min_op"} <= set(c.labels)
+    # the halt point reads the same reached calls: its TP peer completed its part of the pass
+    halt = [f for f in c.findings if f.rule == "venustrace.halt_point"]
+    assert [f.culprit_ranks for f in halt] == [(11,)]
 
 
 def test_stalled_steps_are_the_steps_the_stall_overlaps() -> None:
