@@ -112,6 +112,13 @@ class _Ctx:
         return np.asarray([kinds.get(str(c), "") == kind for c in uniq.tolist()],
                           dtype=bool)[code] if uniq.size else np.zeros(code.size, dtype=bool)
 
+    def comm_kinds(self, rows: Array) -> Array:
+        """Window.comm_kind_of_ops of some ops rows only (object array)."""
+        uniq, code = codes(col(self.w.get("ops"), "comm_id"))
+        kinds = self.w.grid.comm_kind
+        table = np.asarray([kinds.get(str(c), "") for c in uniq.tolist()] or [""], dtype=object)
+        return np.asarray(table[code[rows]])
+
     def step_index(self, step: Array) -> Array:
         """Position of each step (one of `steps`) in `steps`."""
         lo = int(self.steps[0]) if self.steps.size else 0
@@ -544,8 +551,7 @@ def _launch(ctx: _Ctx) -> list[Suspicion]:
     rows = np.flatnonzero(sel)
     out = []
     for x in flagged:
-        mine = rows[rank == x]
-        kinds = ctx.w.comm_kind_of_ops[mine]
+        kinds = ctx.comm_kinds(rows[rank == x])
         late = np.maximum(delay[rank == x], 0)
         kk = np.unique(kinds)
         # the kind whose calls carry the most delay
