@@ -2,7 +2,10 @@
 
 Contract (what `RawSink.process` guarantees when it returns):
 - every valid record batch among `messages` is durable in the kind's raw table;
-- every invalid one is durable in the dead-letter topic (and the `dlq` table) with its reason;
+- every invalid one is durable in the dead-letter topic (and the `dlq` table) with its reason,
+  written before the valid ones' insert: a message skipped after a restart (its offset is below
+  one already stored) was dead-lettered already. A crash between the two repeats dead letters
+  rather than losing them;
 - nothing is stored twice, even when Kafka redelivers after a crash.
 
 The caller (a Faust agent, streams/app.py) acks the messages only after `process` returned, so
@@ -152,6 +155,9 @@ class RawSink:
                     continue
                 batches.append(rb)
                 sources.append((partition, m.offset))
+        if dead:  # first: after a crash past the insert, the skip below would pass them by
+            await self.dead_letters(dead)
+            self.stats.dead_letters += len(dead)
         rows = 0
         if batches:
             token = dedup_token_ranges(messages[0].topic, ranges)
@@ -161,9 +167,6 @@ class RawSink:
                     self.stats.per_partition_rows.get(partition, 0) + rb.n)
         for partition, _, last in ranges:
             self._stored_through[partition] = last
-        if dead:
-            await self.dead_letters(dead)
-            self.stats.dead_letters += len(dead)
         self.stats.messages += len(messages)
         self.stats.rows += rows
         return rows

@@ -111,6 +111,19 @@ def test_bad_batch_goes_to_dead_letters_and_neighbours_are_stored() -> None:
     assert sink.stats.dead_letters == 2
 
 
+def test_dead_letters_are_durable_before_the_insert_that_may_crash() -> None:
+    store, dead = FakeStore(fail_times=100), []  # type: ignore[var-annotated]
+
+    async def dl(batch):  # type: ignore[no-untyped-def]
+        dead.extend(batch)
+
+    sink = RawSink("ops", "ops", store, dl, stopping=lambda: True)
+    msgs = [Message("rw.ops", 0, 0, b"{bad"), Message("rw.ops", 1, 0, ops(2))]
+    with pytest.raises(ConnectionError):
+        run(sink.process(msgs))
+    assert [(d.partition, d.offset) for d in dead] == [(0, 0)] and store.count() == 0
+
+
 def test_failed_insert_is_retried_until_stored() -> None:
     store = FakeStore(fail_times=3)
     sink = make(store)
