@@ -91,6 +91,21 @@ class Coded:
         codes, dictionary = _dict_encode(strings)
         return cls(codes, _objects(dictionary))
 
+    @classmethod
+    def concat(cls, parts: Sequence[Coded]) -> Coded:
+        """`parts` back to back with one dictionary of distinct values: one dict lookup per
+        dictionary entry of each part, one numpy gather per part for the codes."""
+        if len(parts) == 1 and len(set(parts[0].values)) == len(parts[0].values):
+            return parts[0]
+        index: dict[str, int] = {}
+        codes = []
+        for p in parts:
+            remap = np.fromiter((index.setdefault(v, len(index)) for v in p.values), np.int64,
+                                count=len(p.values))
+            codes.append(remap[p.codes] if len(p.codes) else p.codes.astype(np.int64))
+        return cls(np.concatenate(codes) if codes else np.empty(0, np.int64),
+                   _objects(list(index)))
+
 
 @dataclass
 class RecordBatch:

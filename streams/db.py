@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, cast, overload
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import clickhouse_connect
@@ -298,6 +298,13 @@ class Database:
         Array, ...) go through clickhouse-connect's numpy reader, with the same dtypes."""
         return self._call(self._query_columns, sql, parameters)
 
+    def query_coded(self, sql: str, parameters: Mapping[str, Any] | None = None
+                    ) -> dict[str, np.ndarray | Coded]:
+        """`query_columns`, but LowCardinality(String) columns come as `Coded` (distinct values
+        + one int64 code per row, as ClickHouse sent them) when streams.native reads the
+        result; results it does not read come as `query_columns` gives them."""
+        return self._call(self._query_any, sql, parameters, True)
+
     def insert_columns(self, table: str, columns: Mapping[str, np.ndarray | Coded],
                        settings: Mapping[str, Any] | None = None) -> int:
         """Insert equal-length numpy columns into `table` in one column-oriented insert; returns
@@ -348,6 +355,10 @@ class Database:
                              ) -> dict[str, np.ndarray]:
         return await self._acall(self._query_columns, sql, parameters)
 
+    async def aquery_coded(self, sql: str, parameters: Mapping[str, Any] | None = None
+                           ) -> dict[str, np.ndarray | Coded]:
+        return await self._acall(self._query_any, sql, parameters, True)
+
     async def ainsert(self, table: str, columns: Mapping[str, np.ndarray | Coded],
                       settings: Mapping[str, Any] | None = None) -> int:
         return await self._acall(self._insert, table, columns, settings)
@@ -373,13 +384,17 @@ class Database:
 
     def _query_columns(self, sql: str,
                        parameters: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+        return cast(dict[str, np.ndarray], self._query_any(sql, parameters, False))
+
+    def _query_any(self, sql: str, parameters: Mapping[str, Any] | None,
+                   coded: bool) -> dict[str, np.ndarray | Coded]:
         params = dict(parameters) if parameters else None
         if sql not in self._generic_sql:
             data = self._client.raw_query(sql, parameters=params, fmt="Native")
             if not data:
-                return self._described(sql, params)
+                return dict(self._described(sql, params))
             try:
-                return native.read_columns(data)[0]
+                return native.read_columns(data, coded=coded)[0]
             except native.Unsupported:
                 # a type streams.native does not read: this SQL goes the generic way from now on
                 if len(self._generic_sql) > 1024:
@@ -392,7 +407,7 @@ class Database:
             return {n: np.ascontiguousarray(arr[n]) for n in names}
         if arr.ndim == 2:  # one dtype for every column: a 2-D array
             return {n: np.ascontiguousarray(arr[:, i]) for i, n in enumerate(names)}
-        return self._described(sql, params)
+        return dict(self._described(sql, params))
 
     def _described(self, sql: str, params: dict[str, Any] | None) -> dict[str, np.ndarray]:
         """Empty columns of `sql`'s result. With no rows chdb (and HTTP Native) send no block,

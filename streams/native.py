@@ -209,7 +209,7 @@ def _numpy_type(type_name: str) -> tuple[str, str | None]:
     raise Unsupported(type_name)
 
 
-def _read_column(src: _Source, type_name: str, rows: int) -> np.ndarray:
+def _read_column(src: _Source, type_name: str, rows: int, coded: bool) -> np.ndarray | Coded:
     if type_name == "String":
         return src.strings(rows)
     if type_name == _LOW_CARD_STRING:
@@ -223,6 +223,8 @@ def _read_column(src: _Source, type_name: str, rows: int) -> np.ndarray:
             raise ValueError(f"LowCardinality column with an index count other than {rows}")
         index = np.frombuffer(src.take(rows << (flags & 0xFF)),
                               dtype=("<u1", "<u2", "<u4", "<u8")[flags & 0xFF])
+        if coded:
+            return Coded(index.astype(np.int64), keys)
         column: np.ndarray = keys[index]
         return column
     wire, view = _numpy_type(type_name)
@@ -231,14 +233,17 @@ def _read_column(src: _Source, type_name: str, rows: int) -> np.ndarray:
     return values.astype(view) if view else values
 
 
-def read_columns(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def read_columns(data: bytes, *, coded: bool = False
+                 ) -> tuple[dict[str, np.ndarray | Coded], dict[str, str]]:
     """A Native result (any number of blocks) as numpy columns by name, with the column types:
     numbers as their numpy dtype, String and LowCardinality(String) as object arrays of str,
     DateTime64(3|6|9) as datetime64[ms|us|ns], DateTime as datetime64[s], Date as
-    datetime64[D] — the dtypes clickhouse-connect's numpy results use. Raises Unsupported for
-    other types (Nullable, Array, ...), before decoding any column of them."""
+    datetime64[D] — the dtypes clickhouse-connect's numpy results use. With `coded`,
+    LowCardinality(String) columns come as `Coded` (codes + distinct values), no object per
+    row. Raises Unsupported for other types (Nullable, Array, ...), before decoding any column
+    of them."""
     src = _Source(data)
-    parts: dict[str, list[np.ndarray]] = {}
+    parts: dict[str, list[np.ndarray | Coded]] = {}
     types: dict[str, str] = {}
     while src.pos < len(src.view):
         columns, rows = src.varint(), src.varint()
@@ -248,6 +253,13 @@ def read_columns(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             if type_name not in ("String", _LOW_CARD_STRING):
                 _numpy_type(type_name)
             types[name] = type_name
-            parts.setdefault(name, []).append(_read_column(src, type_name, rows))
-    return ({name: p[0] if len(p) == 1 else np.concatenate(p) for name, p in parts.items()},
-            types)
+            parts.setdefault(name, []).append(_read_column(src, type_name, rows, coded))
+    return {name: _joined(p) for name, p in parts.items()}, types
+
+
+def _joined(parts: list[np.ndarray | Coded]) -> np.ndarray | Coded:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], Coded):
+        return Coded.concat([p for p in parts if isinstance(p, Coded)])
+    return np.concatenate([p for p in parts if isinstance(p, np.ndarray)])

@@ -128,13 +128,13 @@ def raw_block(kind: str, batches: Sequence[RecordBatch], ingest_ts: int,
                              f"{missing}")
     sizes = np.fromiter((b.n for b in batches), dtype=np.int64, count=len(batches))
     n = int(sizes.sum())
-    jobs = merge_coded([Coded(np.zeros(1, np.int64), np.array([b.job_id], object))
+    jobs = Coded.concat([Coded(np.zeros(1, np.int64), np.array([b.job_id], object))
                         for b in batches])
     cols: dict[str, np.ndarray | Coded] = {"job_id": Coded(np.repeat(jobs.codes, sizes),
                                                            jobs.values)}
     for c in spec:
         if c.kind == "str":
-            cols[c.name] = merge_coded([_coded(b, c.name) for b in batches])
+            cols[c.name] = Coded.concat([_coded(b, c.name) for b in batches])
             continue
         parts = [b.cols[c.name] for b in batches]
         cols[c.name] = np.concatenate(parts).astype(c.dtype, copy=False) if parts else \
@@ -159,21 +159,6 @@ def raw_columns(kind: str, batches: Sequence[RecordBatch], ingest_ts: int,
 def _coded(batch: RecordBatch, name: str) -> Coded:
     coded = batch.strings.get(name)
     return coded if coded is not None else Coded.factorize(batch.cols[name])
-
-
-def merge_coded(parts: Sequence[Coded]) -> Coded:
-    """One `Coded` column of `parts` back to back, with one dictionary of distinct values."""
-    if len(parts) == 1 and len(set(parts[0].values)) == len(parts[0].values):
-        return parts[0]
-    index: dict[str, int] = {}
-    codes = []
-    for p in parts:
-        remap = np.fromiter((index.setdefault(v, len(index)) for v in p.values), np.int64,
-                            count=len(p.values))
-        codes.append(remap[p.codes] if len(p.codes) else p.codes)
-    values = np.empty(len(index), dtype=object)
-    values[:] = list(index)
-    return Coded(np.concatenate(codes) if codes else np.empty(0, np.int64), values)
 
 
 def lag_stats(record_ts: np.ndarray, ingest_ts: int) -> LagStats:

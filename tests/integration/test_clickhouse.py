@@ -12,7 +12,7 @@ import numpy as np
 import orjson
 import pytest
 
-from ingest.batch import TIME_COLUMN, decode_batch, encode_batch
+from ingest.batch import TIME_COLUMN, Coded, decode_batch, encode_batch
 from ingest.records import COLUMNS, MODELS, Communicator, JobTopology
 from streams.db import (
     ClickHouseError,
@@ -244,6 +244,11 @@ def test_native_reader_agrees_with_clickhouse_connect(clickhouse_db: Database) -
     for name in got:
         assert got[name].dtype == reference[name].dtype, name
         np.testing.assert_array_equal(got[name], reference[name], err_msg=name)
+    coded = clickhouse_db.query_coded(sql, {"n": 70_000})
+    lc = coded["lc"]
+    assert isinstance(lc, Coded) and len(lc.values) <= 301  # the dictionary, not 70,000 rows
+    np.testing.assert_array_equal(lc.strings(), reference["lc"])
+    np.testing.assert_array_equal(coded["a"], reference["a"])
     for _ in range(2):  # the second time straight to the generic reader
         nullable = clickhouse_db.query_columns(
             "SELECT number AS n, if(number = 1, NULL, number) AS m FROM numbers(3)")

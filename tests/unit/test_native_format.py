@@ -9,7 +9,7 @@ import pytest
 
 from ingest.batch import Coded, decode_batch, encode_batch
 from streams import native
-from streams.writer import merge_coded, raw_block, raw_columns
+from streams.writer import raw_block, raw_columns
 
 
 def per_row_string(s: str) -> bytes:
@@ -125,7 +125,7 @@ def test_merge_and_raw_block_keep_codes_and_match_raw_columns() -> None:
     plain = raw_columns("ops", batches, 5, [(0, 1), (1, 4), (1, 5)])
     assert list(plain["comm_id"]) == ["x", "y", "x", "y", "z", "z"]
     assert list(plain["src_offset"]) == [1, 1, 1, 4, 4, 5]
-    merged = merge_coded([Coded(np.array([0, 0]), np.array(["a", "a"], object))])
+    merged = Coded.concat([Coded(np.array([0, 0]), np.array(["a", "a"], object))])
     assert list(merged.values) == ["a"] and list(merged.strings()) == ["a", "a"]
 
 
@@ -150,6 +150,19 @@ def test_read_columns_reads_what_native_block_writes_over_several_blocks() -> No
     assert cols["t"].view(np.int64).tolist() == [5, 6, 7, 8]
     cols["rank"][0] = 9  # writable, like clickhouse-connect's arrays
     assert native.read_columns(b"") == ({}, {})
+
+
+def test_read_columns_can_keep_low_cardinality_coded() -> None:
+    blocks = b"".join(native.native_block([
+        ("comm", "LowCardinality(String)", Coded(np.array(codes), np.array(values, object))),
+        ("rank", "Int32", np.arange(len(codes)))])
+        for codes, values in (([1, 0, 1], ["dp0", "tp1"]), ([0, 0], ["pp2"])))
+    cols, _ = native.read_columns(blocks, coded=True)
+    comm = cols["comm"]
+    assert isinstance(comm, Coded) and sorted(comm.values) == ["dp0", "pp2", "tp1"]
+    assert comm.codes.dtype == np.int64
+    assert comm.strings().tolist() == ["tp1", "dp0", "tp1", "pp2", "pp2"]
+    assert native.read_columns(blocks)[0]["comm"].tolist() == comm.strings().tolist()
 
 
 def test_read_columns_refuses_what_it_does_not_read() -> None:
