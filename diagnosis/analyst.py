@@ -9,7 +9,10 @@ the simulator's records in the in-process evaluation) and the clock.
   `window_s` and a conclusion opens an incident.
 - `tick` (call every second or so): every `recheck_s`, each open incident is re-analysed: a
   changed conclusion is published as "updated", nothing found `clear_after` times in a row as
-  "resolved". Every `sweep_s`, jobs without an open performance incident get one slowdown
+  "resolved". The first re-check comes `first_recheck_s` after the incident opens: a trigger
+  fires seconds after the onset, when the raw tables may hold little of the fault yet (a dead
+  rank's missing beats span one interval), so the first version is soon checked against more
+  evidence. Every `sweep_s`, jobs without an open performance incident get one slowdown
   analysis (trigger kind "straggler", rule "rankwatch.sweep"): degradations the job's step time
   absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers.
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
@@ -42,6 +45,7 @@ class AnalystConfig:
     recheck_s: float = 4.0
     sweep_s: float = 10.0
     aftermath_s: float = 20.0
+    first_recheck_s: float = 1.0
 
 
 @dataclass
@@ -100,6 +104,9 @@ class Analyst:
         d = engine.to_diagnosis(c, w, self.triggers[(t.job_id, cls)], incident_id=iid, version=1,
                                 status="open", detected_ns=now_ns, analysis_ms=ms)
         out = self.book.conclude(d)
+        if out is not None and out.status == "open":
+            early = self.config.recheck_s - self.config.first_recheck_s
+            self.last_check[t.job_id] = now_ns - int(early * SECOND)
         if out is not None and out.status == "resolved":
             self.triggers.pop((t.job_id, cls), None)
         return [out] if out is not None else []

@@ -110,9 +110,10 @@ class ObservingStore(ClickHouseStore):
         except Exception:
             log.exception("derived windows: observing a %s write failed", kind)
         for job in sorted(marked):  # a failure here fails the write: the batch comes again
-            await self.writer.db.ainsert(
-                "stream_state", checkpoint_columns(self.windows.checkpoint(job), time.time_ns()),
-                insert_settings(None))
+            rows = self.windows.checkpoint(job)  # stamped by the runner's clock, as its own are
+            await self.writer.db.ainsert("stream_state",
+                                         checkpoint_columns(rows, self.windows.clock()),
+                                         insert_settings(None))
         return n
 
 

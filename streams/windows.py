@@ -19,10 +19,10 @@ Contract:
   that is behind holds the windows back, so its rows are not cut off. A source silent for more
   than `silent_ns` of wall clock is not live: a dead host, or a hung job that stops producing
   op records, cannot stall the windows (the heartbeat and snapshot sources keep them moving).
-  With no live input source the windows' inputs are as complete as they will get, and the most
-  advanced live source of another kind says how far event time got (the maximum of its largest
-  event − allowed lateness: periodic sources such as heartbeats advance in steps of their
-  period, so the minimum would hold the windows a period back); with no live source at all,
+  With no live input source the windows' inputs are as complete as they will be waited for,
+  and the live sources of other kinds only say how far event time got: the windows close up to
+  the job's largest event − `min_lateness_ns` (a late heartbeat in them only makes a liveness
+  reading older; a late input record is late data as always); with no live source at all,
   the job's largest event time minus `lateness_ns` (the old rule: also right after a restart,
   before any source is known), and once every source has been quiet for `idle_ns` the job has
   stopped sending (it ended, or every host is gone): its windows close up to its largest event
@@ -209,11 +209,13 @@ class Windows:
         now, p = self.clock(), self.params
         live = {key: s for key, s in st.sources.items() if now - s.seen_wall_ns <= p.silent_ns}
         mine = [s.max_ns - s.lateness(p) for (_, k), s in live.items() if not inputs or k in inputs]
+        # the inputs are quiet while other sources go on, or the whole job is quiet: the inputs
+        # are as complete as they will be waited for
+        newest = max((s.seen_wall_ns for s in st.sources.values()), default=None)
+        quiet = bool(live) or (newest is not None and now - newest > p.idle_ns)
         if mine:
             wm = min(mine)
-        elif live:  # the inputs are quiet: how far event time got is all that is left to know
-            wm = max(s.max_ns - s.lateness(p) for s in live.values())
-        elif st.sources and now - max(s.seen_wall_ns for s in st.sources.values()) > p.idle_ns:
+        elif quiet:
             wm = st.max_ns - p.min_lateness_ns
         else:
             wm = st.max_ns - self.lateness_ns

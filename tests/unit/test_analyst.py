@@ -21,3 +21,19 @@ def test_the_trace_of_a_resolved_stall_is_not_a_second_incident() -> None:
     assert not a._aftermath("j", slow((3,)), 121 * S)  # later: a new episode
     assert not a._aftermath("k", slow((3,)), 110 * S)  # another job
     assert not a._aftermath("j", Conclusion("hang", (3,), "data", "data_loader", 0.9), 110 * S)
+
+
+def test_a_new_incident_is_rechecked_after_first_recheck_s() -> None:
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
+    a = Analyst(lambda job, lo, hi: w, AnalystConfig(recheck_s=4, first_recheck_s=1))
+    out = a.on_trigger(Trigger(w.topo.job_id, now, "hang", ()), now)
+    assert [d.status for d in out] == ["open"]
+    a.tick(now + S // 2)
+    assert a.last_check[w.topo.job_id] < now  # not yet
+    a.tick(now + S)
+    assert a.last_check[w.topo.job_id] == now + S  # the first re-check ran
+    a.tick(now + 2 * S)
+    assert a.last_check[w.topo.job_id] == now + S  # then every recheck_s
