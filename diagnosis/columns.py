@@ -110,8 +110,8 @@ def object_ids(values: Array) -> tuple[Array, Array]:
     if v.dtype != object or v.itemsize != np.dtype(np.uintp).itemsize:
         raise TypeError(f"object_ids needs an object column, got dtype {v.dtype}")
     # a read-only view of the pointers; `v` holds the references for as long as it is read
-    buf = (ctypes.c_size_t * n).from_address(v.ctypes.data)
-    ptr = np.ctypeslib.as_array(buf).view(np.uintp)
+    buf = memoryview((ctypes.c_size_t * n).from_address(v.ctypes.data)).cast("B")
+    ptr = np.frombuffer(buf, dtype=np.uintp)
     heads = np.flatnonzero(np.r_[True, ptr[1:] != ptr[:-1]])  # runs of one object
     order = np.argsort(ptr[heads], kind="stable")
     sp = ptr[heads][order]

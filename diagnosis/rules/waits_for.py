@@ -121,12 +121,14 @@ def reachable_sinks(edges: dict[int, set[int]],
             c = len(comp_sinks)
             for z in members:
                 comp_of[z] = c
+            succ = {comp_of[y] for z in members for y in edges.get(z, ())}
+            succ.discard(c)
             if len(members) == 1 and not edges.get(x):
                 comp_sinks.append(frozenset((x,)))
+            elif len(succ) == 1:  # the common case: one successor component, share its set
+                comp_sinks.append(comp_sinks[succ.pop()])
             else:
-                comp_sinks.append(frozenset().union(*(
-                    comp_sinks[comp_of[y]] for z in members for y in edges.get(z, ())
-                    if comp_of[y] != c)))
+                comp_sinks.append(frozenset().union(*(comp_sinks[k] for k in succ)))
     reach: dict[int, int] = {}
     cyclic: set[int] = set()
     for s in starts:
