@@ -15,7 +15,16 @@ Combination (each rule's own docstring states its assumptions):
    theirs) it never finished the optimizer → "optim"; if present, it stopped before its first
    call of the new step → "data" (the loader runs first). Neither paper has this; the stage
    record is what tells the two apart.
-4. `mycroft_flow.slow_flows`'s "flow_incomplete" corroborates NIC hangs.
+4. `mycroft_flow.slow_flows`'s "flow_incomplete" corroborates NIC hangs (computed only on the
+   min-data path: a min-op culprit is named by the ops alone).
+5. A stall that already recovered (`past_stall`: the longest gap between op completions, at
+   least max(3 s, 4 × step time)) is analysed as of 3/4 into it, from the rows written after:
+   a call enqueued before that moment but started after it had not been reached
+   (last_logs.reached), so the rank whose GPU hung is the min-op culprit, not a peer waiting
+   beside it. `stalled_steps` lists the steps that stall overlaps, for slowdown analyses that
+   should not count the hang again as excess.
+Per-window work (string codes, each rank's last record) is computed once and shared
+(`columns.codes`, `Window.last_seen`).
 A rank that only waits is never blamed: Alg. 2 blames sinks of the waits-for graph, Table 4 rows
 by their own counters, the halt point ranks that did not complete a node their peers completed.
 """
