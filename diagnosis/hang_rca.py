@@ -19,10 +19,10 @@ Combination (each rule's own docstring states its assumptions):
    min-data path: a min-op culprit is named by the ops alone).
 5. A stall that already recovered (`past_stall`: the longest gap between op completions, at
    least max(3 s, 4 × step time)) is analysed as of 3/4 into it, from the rows written after:
-   a call enqueued before that moment but started after it had not been reached
-   (last_logs.reached), so the rank whose GPU hung is the min-op culprit, not a peer waiting
-   beside it. `stalled_steps` lists the steps that stall overlaps, for slowdown analyses that
-   should not count the hang again as excess.
+   a call enqueued more than `stuck_ns` before that moment whose kernel started after it had
+   not been reached (last_logs.reached), so the rank whose GPU hung is the min-op culprit,
+   not a peer waiting beside it. `stalled_steps` lists the steps that stall overlaps, for
+   slowdown analyses that should not count the hang again as excess.
 Per-window work (string codes, each rank's last record) is computed once and shared
 (`columns.codes`, `Window.last_seen`).
 A rank that only waits is never blamed: Alg. 2 blames sinks of the waits-for graph, Table 4 rows
