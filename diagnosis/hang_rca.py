@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnosis.columns import codes, col, ints
+from diagnosis.columns import codes, col, distinct, ints
 from diagnosis.conclusion import Conclusion
 from diagnosis.rules.base import Component, Finding
 from diagnosis.rules.halt_point import halt_point, hung_step
@@ -279,7 +279,7 @@ def past_stall(w: Window) -> tuple[int, int] | None:
     ops = w.get("ops")
     if not ops:
         return None
-    ends = np.unique(ints(ops, "t_end"))
+    ends = distinct(ints(ops, "t_end"))
     ends = ends[ends > 0]
     if ends.size < 2:
         return None
@@ -304,7 +304,7 @@ def stalled_steps(w: Window) -> np.ndarray:
     end = start + sum(ints(st, c, 0) for c in ("data_next_wait", "model_fwd_loss",
                                                 "model_backward", "callbacks", "optim_step",
                                                 "step_other"))
-    return np.unique(ints(st, "step")[(start < b) & (end > a)])
+    return distinct(ints(st, "step")[(start < b) & (end > a)])
 
 
 def analyze_past_stall(w: Window, now_ns: int) -> Conclusion | None:
@@ -330,4 +330,4 @@ def stuck_ranks(w: Window, now_ns: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
     stuck = (t_end == 0) & (now_ns - enq > max(int(1.5 * w.step_ns), SECOND))
-    return np.unique(ints(ops, "rank")[stuck])
+    return distinct(ints(ops, "rank")[stuck])

@@ -53,6 +53,7 @@ import numpy as np
 
 from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.conclusion import Conclusion, Suspicion
+from diagnosis.hang_rca import stalled_steps
 from diagnosis.rules.base import Component, Finding, Kind
 from diagnosis.rules.pipeline_ops import OpsIndex, pass_times, pp_call_microbatch
 from diagnosis.window import Window, assign_steps
@@ -251,6 +252,9 @@ def _recent(w: Window, cfg: SlowConfig) -> tuple[Array, float]:
     step = ints(st, "step")
     steps, counts = np.unique(step, return_counts=True)
     full = steps[counts >= 0.9 * max(int(counts.max()), 1)] if steps.size else steps
+    # a recovered stall is a transient hang (hang_rca.analyze_past_stall): its steps' excess
+    # is that hang again, not a slowdown
+    full = full[~np.isin(full, stalled_steps(w))]
     recent = full[-cfg.recent:]
     tot = sum(ints(st, c, 0) for c in ("data_next_wait", "model_fwd_loss", "model_backward",
                                        "callbacks", "optim_step", "step_other"))

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import numpy as np
 
-from diagnosis.columns import Columns, codes, col, group_key, ints, last_per_group
+from diagnosis.columns import Columns, codes, col, distinct, group_key, ints, last_per_group
 from diagnosis.groups import Grid, grid_of
 from diagnosis.rules.pipeline_ops import PipelineSpec
 from ingest.records import JobTopology
@@ -118,7 +118,7 @@ class Window:
             return 1e9
         r, ts = ints(b, "rank"), ints(b, "ts")
         sel = r == r[0]
-        t = np.unique(ts[sel])
+        t = distinct(ts[sel])
         return float(np.median(np.diff(t))) if t.size > 2 else 1e9
 
 
@@ -128,7 +128,7 @@ def _distinct_ints(x: Array) -> Array:
     lo, hi = int(x.min()), int(x.max())
     if hi - lo < 4 * x.size + 1024:
         return np.flatnonzero(np.bincount(x - lo, minlength=hi - lo + 1)) + lo
-    return np.unique(x)
+    return distinct(x)
 
 
 def last_record_ns(ops: Columns, beats: Columns, world: int, now_ns: int) -> Array:

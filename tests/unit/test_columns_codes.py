@@ -7,7 +7,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnosis.columns import _dict_codes, coded_column, codes, last_per_group, object_ids
+from diagnosis.columns import (
+    _dict_codes,
+    coded_column,
+    codes,
+    distinct,
+    last_per_group,
+    object_ids,
+)
 
 
 def _per_row(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -76,3 +83,12 @@ def test_last_per_group_is_the_stable_lexsort_answer(rows, huge):
     g = group[idx]
     expected = idx[np.r_[g[1:] != g[:-1], True]]
     assert last_per_group(group, order).tolist() == expected.tolist()
+
+
+@given(st.lists(st.integers(-2**62, 2**62), max_size=200), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_distinct_is_np_unique(values, few):
+    x = np.asarray(values, dtype=np.int64)
+    if few:
+        x = x % 7
+    np.testing.assert_array_equal(distinct(x), np.unique(x))
