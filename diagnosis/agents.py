@@ -39,12 +39,12 @@ from faust.streams import Stream
 from faust.types import StreamT
 
 from diagnosis.analyst import Analyst, AnalystConfig
-from diagnosis.columns import Columns, ints
+from diagnosis.columns import Columns, coded_column, ints
 from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch
 from diagnosis.window import Window, latest_op_rows
-from ingest.batch import BatchError, decode_batch
+from ingest.batch import BatchError, Coded, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
 from streams.db import ClickHouseError, Database
@@ -117,11 +117,14 @@ def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int) -> 
         if kind == "ops":
             where = (f"({where}) OR (job_id = {{j:String}} AND toUnixTimestamp64Nano(t_end) = 0"
                      " AND t_start >= fromUnixTimestamp64Nano({lo2:Int64}, 'UTC'))")
-        res = db.query_columns(f"SELECT {sel} FROM {kind} WHERE {where}",
-                               {"j": topo.job_id, "lo": lo, "hi": now_ns,
-                                "lo2": start_ns - 3600 * SECOND})
+        res = db.query_coded(f"SELECT {sel} FROM {kind} WHERE {where}",
+                             {"j": topo.job_id, "lo": lo, "hi": now_ns,
+                              "lo2": start_ns - 3600 * SECOND})
         if res and len(next(iter(res.values()))):
-            tables[kind] = {k.removesuffix("__ns"): np.asarray(v) for k, v in res.items()}
+            # LowCardinality columns arrive dictionary-encoded: the rules' factorization of
+            # them (columns.codes) then costs nothing
+            tables[kind] = {k.removesuffix("__ns"): coded_column(v.values, v.codes)
+                            if isinstance(v, Coded) else np.asarray(v) for k, v in res.items()}
     if "ops" in tables:
         tables["ops"] = latest_op_rows(tables["ops"])
     return Window(topo, tables, start_ns, now_ns)

@@ -1,0 +1,73 @@
+"""The root-cause agent's read of a job's window from ClickHouse (diagnosis.agents.read_window).
+
+A small simulated job is stored through the worker's writer; the window read back must hold the
+same rows as the simulator produced, with LowCardinality string columns (comm_id, op, kernel)
+arriving dictionary-encoded and their factorization (`columns.codes`) already known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from diagnosis.agents import read_topology, read_window
+from diagnosis.columns import _CODES_MEMO, codes
+from ingest.batch import decode_batch
+from ingest.sim.config import JobConfig
+from ingest.sim.simulation import Simulation, collect
+from streams.db import Database
+from streams.writer import ClickHouseWriter, dedup_token
+
+
+def _store(db: Database, sim: Simulation) -> None:
+    writer = ClickHouseWriter(db)
+    by_kind: dict[str, list[Any]] = {}
+    topos = []
+    for _, kind, data in sim.batches():
+        if kind == "jobs":
+            continue
+        by_kind.setdefault(kind, []).append(decode_batch(data))
+    topos.append(sim.topology())
+
+    async def go() -> None:
+        await writer.write_topologies(topos, "topo:test")
+        for i, (kind, batches) in enumerate(sorted(by_kind.items())):
+            await writer.write(kind, batches, dedup_token(f"rw.{kind}", 0, i, i))
+
+    asyncio.run(go())
+
+
+def test_window_strings_arrive_coded_and_equal_the_records(clickhouse_db: Database) -> None:
+    cfg = JobConfig(job_id="win-coded", tp=2, pp=2, dp=2, microbatches=2, steps=4,
+                    kernel_every=1)
+    sim = Simulation(cfg, [])
+    _store(clickhouse_db, sim)
+    want = collect(Simulation(cfg, []).batches())
+
+    topo = read_topology(clickhouse_db, "win-coded")
+    assert topo is not None and topo.world_size == 8
+    now = int(want["ops"]["t_end"].max())
+    w = read_window(clickhouse_db, topo, 0, now)
+
+    ops = w.get("ops")
+    assert ops is not None and len(ops["rank"]) > 0
+    # the same multiset of (rank, comm_id, op_seq, op) rows as the simulator published
+    got_rows = sorted(zip(ops["rank"].tolist(), ops["comm_id"].tolist(),
+                          ops["op_seq"].tolist(), ops["op"].tolist(), strict=True))
+    src = want["ops"]
+    keep = src["t_start"] <= now
+    want_rows = sorted(zip(src["rank"][keep].tolist(), [str(c) for c in src["comm_id"][keep]],
+                           src["op_seq"][keep].tolist(), [str(o) for o in src["op"][keep]],
+                           strict=True))
+    assert got_rows == want_rows
+    kernels = w.get("kernels")
+    assert kernels is not None
+    for column in (kernels["kernel"],):
+        assert column.dtype == object
+        assert id(column) in _CODES_MEMO  # coded by the reader, not re-factorized
+        uniq, inv = codes(column)
+        ref_u, ref_i = np.unique(column.astype(str), return_inverse=True)
+        np.testing.assert_array_equal(uniq, ref_u)
+        np.testing.assert_array_equal(inv, ref_i.reshape(-1))
