@@ -276,18 +276,10 @@ def _min_data(blamed: list[Finding], halt: list[Finding],
 def past_stall(w: Window) -> tuple[int, int] | None:
     """The longest gap between consecutive op completions in the window, if it is a stall
     (≥ max(3 s, 4 × step time)): (start, end) ns."""
-    ops = w.get("ops")
-    if not ops:
+    gap = w.longest_completion_gap
+    if gap is None or gap[1] - gap[0] < max(3 * SECOND, 4 * w.step_ns):
         return None
-    ends = distinct(ints(ops, "t_end"))
-    ends = ends[ends > 0]
-    if ends.size < 2:
-        return None
-    gaps = np.diff(ends)
-    i = int(np.argmax(gaps))
-    if gaps[i] < max(3 * SECOND, 4 * w.step_ns):
-        return None
-    return int(ends[i]), int(ends[i + 1])
+    return gap
 
 
 def stalled_steps(w: Window) -> np.ndarray:

@@ -99,6 +99,20 @@ class Window:
         return float(np.median(np.asarray(tot)))
 
     @cached_property
+    def longest_completion_gap(self) -> tuple[int, int] | None:
+        """(a, b): the longest gap between consecutive op completions (`t_end`) in the window,
+        None with fewer than two; the hang and slowdown analyses both ask (a recovered stall)."""
+        ops = self.get("ops")
+        if not ops:
+            return None
+        ends = distinct(ints(ops, "t_end"))
+        ends = ends[ends > 0]
+        if ends.size < 2:
+            return None
+        i = int(np.argmax(np.diff(ends)))
+        return int(ends[i]), int(ends[i + 1])
+
+    @cached_property
     def _last_seen_memo(self) -> dict[int, Array]:
         return {}
 
