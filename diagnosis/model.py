@@ -92,8 +92,11 @@ class Diagnosis(_Model):
     analysis_ms: float = 0.0
 
     def conclusion(self) -> tuple[object, ...]:
-        """What makes two versions different (an update is published only when this changes)."""
-        return (self.kind, tuple(self.culprit_ranks), self.stage, self.component)
+        """What makes two versions different (an update is published only when this changes):
+        the primary culprit, and which further hosts are suspected of what — a second,
+        independent fault found on a later check is news even when the primary stays."""
+        others = frozenset((tuple(sorted(s.hosts)), s.component) for s in self.suspects)
+        return (self.kind, tuple(self.culprit_ranks), self.stage, self.component, others)
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()

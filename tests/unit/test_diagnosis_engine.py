@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from diagnosis import engine
 from diagnosis.incidents import IncidentBook
-from diagnosis.model import Diagnosis, json_schemas
+from diagnosis.model import Diagnosis, Suspect, json_schemas
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch, steps_from_stages
 from diagnosis.window import Window
@@ -111,6 +111,18 @@ def test_incident_open_update_resolve_and_restore() -> None:
     again2 = IncidentBook()
     again2.restore([first, upd, res])
     assert not again2.is_open("t", "hang")
+
+
+def test_a_new_suspect_on_another_host_is_an_update() -> None:
+    book = IncidentBook()
+    base = _d([13], "bwd mb=3 pp=3")
+    assert book.conclude(base) is not None
+    second = Suspect(ranks=[40], hosts=["h5"], stage="dp_allreduce", component="nic_rdma",
+                     score=1.0)
+    upd = book.conclude(base.model_copy(update={"suspects": [second]}))
+    assert upd is not None and (upd.status, upd.version) == ("updated", 2)
+    rescored = second.model_copy(update={"score": 0.5})  # same suspicion, new score: no news
+    assert book.conclude(base.model_copy(update={"suspects": [rescored]})) is None
 
 
 def test_schema_round_trip() -> None:
