@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import faust
@@ -44,7 +44,7 @@ from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch
 from diagnosis.window import Window, latest_op_rows
-from ingest.batch import BatchError, Coded, decode_batch
+from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
 from streams.db import ClickHouseError, Database
@@ -217,37 +217,34 @@ class DiagnosisAgents:
 
     # -- agents ------------------------------------------------------------------------------
 
-    async def _on_progress(self, stream: StreamT[Any]) -> None:
+    async def _feed(self, stream: StreamT[Any], what: str
+                    ) -> AsyncIterator[tuple[RecordBatch, JobWatch]]:
+        """The derived feed's batches with their job's watch (bad batches logged and skipped;
+        jobs without a stored topology are skipped)."""
         async for events in cast(Stream[bytes], stream).take_events(64, FEED_WITHIN_S):
             for e in events:
                 try:
                     b = decode_batch(e.message.value or b"")
                 except BatchError as err:
-                    log.warning("bad progress batch: %s", err)
+                    log.warning("bad %s batch: %s", what, err)
                     continue
                 w = await self._watch(b.job_id)
-                if w is None:
-                    continue
-                ops, beats = progress_as_ops(b.cols)
-                we = ints(b.cols, "window_end")
-                now = max(self.watermark.get(b.job_id, 0), int(we.max()) if we.size else 0)
-                self.watermark[b.job_id] = now
-                await self._publish_triggers(w.observe(now, ops=ops, beats=beats))
+                if w is not None:
+                    yield b, w
+
+    async def _on_progress(self, stream: StreamT[Any]) -> None:
+        async for b, w in self._feed(stream, "progress"):
+            ops, beats = progress_as_ops(b.cols)
+            we = ints(b.cols, "window_end")
+            now = max(self.watermark.get(b.job_id, 0), int(we.max()) if we.size else 0)
+            self.watermark[b.job_id] = now
+            await self._publish_triggers(w.observe(now, ops=ops, beats=beats))
 
     async def _on_iterations(self, stream: StreamT[Any]) -> None:
-        async for events in cast(Stream[bytes], stream).take_events(64, FEED_WITHIN_S):
-            for e in events:
-                try:
-                    b = decode_batch(e.message.value or b"")
-                except BatchError as err:
-                    log.warning("bad iterations batch: %s", err)
-                    continue
-                w = await self._watch(b.job_id)
-                if w is None:
-                    continue
-                steps = iterations_as_steps(b.cols)
-                now = self.watermark.get(b.job_id) or int(steps["t_end"].max(initial=0))
-                await self._publish_triggers(w.observe(now, steps=steps))
+        async for b, w in self._feed(stream, "iterations"):
+            steps = iterations_as_steps(b.cols)
+            now = self.watermark.get(b.job_id) or int(steps["t_end"].max(initial=0))
+            await self._publish_triggers(w.observe(now, steps=steps))
 
     async def _on_triggers(self, stream: StreamT[Any]) -> None:
         async for events in cast(Stream[bytes], stream).take_events(16, FEED_WITHIN_S):
