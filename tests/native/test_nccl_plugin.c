@@ -395,6 +395,35 @@ static void test_snapshot_thread_concurrency(void)
 	rw_ring__free(r);
 }
 
+/* The snapshot thread keeps its period: one in-flight flow held for ~400 ms with a 50 ms period
+ * gives about 8 snapshots, not one per loop of a spinning thread (the thread waits on a
+ * CLOCK_MONOTONIC deadline; a condition variable on the default clock returned at once). */
+static void test_snapshot_period(void)
+{
+	void *ctx;
+	int mask;
+	union nccl_ev_body cb = { .coll = { .func = "AllReduce", .count = 1024,
+					    .datatype = "ncclFloat32", .n_channels = 1 } };
+
+	setenv("RANKWATCH_JOB_ID", "period", 1);
+	setenv("RANKWATCH_NCCL_SNAPSHOT_MS", "50", 1);
+	CHECK_EQ(v5->init(&ctx, 3, &mask, "p", 1, 2, 0, logger), NCCL_OK);
+	struct rw_ring *r = attach("period");
+	void *op = start(ctx, NCCL_EV_COLL, NULL, cb);
+	void *f = proxy_op(ctx, op, 0, 1, 1);
+	struct timespec ms400 = { 0, 400000000 };
+	nanosleep(&ms400, NULL);
+	stop(f);
+	stop(op);
+	CHECK_EQ(v5->finalize(ctx), NCCL_OK);
+	drain(r);
+	int snaps = count(RW_REC_CHUNK, 0);
+	printf("  %d chunk snapshots in 400 ms at a 50 ms period\n", snaps);
+	CHECK(snaps >= 3 && snaps <= 12);
+	unsetenv("RANKWATCH_NCCL_SNAPSHOT_MS");
+	rw_ring__free(r);
+}
+
 int main(int argc, char **argv)
 {
 	const char *path = argc > 1 ? argv[1] : getenv("RANKWATCH_NCCL_PLUGIN");
@@ -421,8 +450,9 @@ int main(int argc, char **argv)
 	RUN(test_ring_allreduce_with_stall);
 	RUN(test_full_pools_v4);
 	RUN(test_snapshot_thread_concurrency);
-	const char *jobs[] = { "allreduce", "pools", "threads" };
-	for (int i = 0; i < 3; i++) {
+	RUN(test_snapshot_period);
+	const char *jobs[] = { "allreduce", "pools", "threads", "period" };
+	for (int i = 0; i < 4; i++) {
 		char name[256];
 
 		rw_ring__name(name, sizeof(name), prefix, jobs[i], 0, "nccl");
