@@ -13,7 +13,7 @@
  *  - decoupled paths: the completion callback only queues the buffer; a worker thread parses it
  *    into the ring and flushes CUPTI every RANKWATCH_CUPTI_FLUSH_MS.
  *
- * libcupti is opened with dlopen (RANKWATCH_CUPTI_LIB, default libcupti.so.12), so this file
+ * libcupti is opened with dlopen (RANKWATCH_CUPTI_LIB, else libcupti.so.13, .so.12, .so), so this file
  * builds from headers alone. Nothing here may stop training: any failure disables tracing.
  */
 #include <dlfcn.h>
@@ -202,10 +202,18 @@ static int load_cupti(void)
 	char path[256];
 	void *lib;
 
-	rw_env__str("RANKWATCH_CUPTI_LIB", "libcupti.so.12", path, sizeof(path), NULL);
-	lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
-	if (!lib)
-		lib = dlopen("libcupti.so", RTLD_NOW | RTLD_GLOBAL);
+	/* An explicit RANKWATCH_CUPTI_LIB first, then CUDA 13's and CUDA 12's sonames, then the
+	 * unversioned development link. The kernel fields read are at the same offsets in
+	 * CUpti_ActivityKernel9 (CUPTI 12) and CUpti_ActivityKernel10 (CUPTI 13; checked against
+	 * the CUDA 13.0 headers on an H100), and records are walked with CUPTI's own
+	 * cuptiActivityGetNextRecord, so either library works. */
+	static const char *const sonames[] = { "libcupti.so.13", "libcupti.so.12", "libcupti.so" };
+
+	lib = NULL;
+	if (rw_env__str("RANKWATCH_CUPTI_LIB", "", path, sizeof(path), NULL) && path[0])
+		lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+	for (size_t i = 0; !lib && i < sizeof(sonames) / sizeof(sonames[0]); i++)
+		lib = dlopen(sonames[i], RTLD_NOW | RTLD_GLOBAL);
 	if (!lib)
 		return -ENOENT;
 	*(void **)&inj.api.register_callbacks = dlsym(lib, "cuptiActivityRegisterCallbacks");
