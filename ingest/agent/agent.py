@@ -76,6 +76,7 @@ class RankRing:
 class Counters:
     read: int = 0
     unattributed: int = 0  # records of rings without a rank
+    detached: int = 0  # NCCL flow/chunk records whose op is unknown (op_seq not known)
 
 
 #: kind in the ring -> (contract kind, columns builder)
@@ -156,8 +157,17 @@ class Agent:
         self._add_ops(r, r.join.feed(parts["op"], now_ns))
         self._append(r.job, "stages", decode.stage_columns(parts["stage"], r.rank))
         for kind, (contract, build_cols) in _SIMPLE.items():
-            if len(parts[kind]):
-                self._append(r.job, contract, build_cols(parts[kind], r.rank, r.names))
+            recs = parts[kind]
+            if len(recs) and kind in ("flow", "chunk"):
+                # The plugin could not tie these to an op (e.g. the first op of a process, which
+                # ends before NCCL's first kernel-channel event): no op_seq, so they cannot join
+                # their op and the contract refuses them. Counted, not published.
+                detached = (recs["flags"] & ring.F_DETACHED) != 0
+                if detached.any():
+                    self.counters.detached += int(detached.sum())
+                    recs = recs[~detached]
+            if len(recs):
+                self._append(r.job, contract, build_cols(recs, r.rank, r.names))
         return len(raw)
 
     def _add_ops(self, r: RankRing, rows: np.ndarray) -> None:
@@ -261,7 +271,7 @@ class Agent:
             "ring_backlog": sum(st.pending for st in stats),
             "tracer_dropped": sum(st.drops for st in stats),
             "torn": sum(st.torn for st in stats), "unattributed": c.unattributed,
-            **self.out.stats(),
+            "detached": c.detached, **self.out.stats(),
         }
 
     def write_stats(self) -> None:

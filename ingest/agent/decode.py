@@ -98,7 +98,10 @@ class OpJoin:
             fill = done_rows[e_idx]
             done_rows[e_idx] = np.where(fill > 0, fill, pend[matched])
             done_rows[e_idx, 5] = ends[e_idx, 5]
-        late = ~matched & ~shown & (pend[:, 4] < now_ns - self.inflight_ns)
+        # an op's age runs from its enqueue (the NCCL plugin's start records have t_start 0:
+        # the kernel has not started yet); the Python tracer's starts carry both
+        issued = np.where(pend[:, 3] > 0, pend[:, 3], pend[:, 4])
+        late = ~matched & ~shown & (issued < now_ns - self.inflight_ns)
         late_rows = pend[late].copy()
         late_rows[:, 5] = 0
         self.open, self.shown = pend[~matched], (shown | late)[~matched]

@@ -91,3 +91,16 @@ def test_columns_encode_to_valid_batches() -> None:
     k["name_hash"] = [fnv1a64("sgemm"), 12345]
     kc = kernel_columns(k, 0, names(a="sgemm"))
     assert kc["kernel"].tolist() == ["sgemm", "0x3039"]  # unknown hash shown as hex
+
+
+def test_an_nccl_start_is_not_in_flight_before_its_time() -> None:
+    """The plugin's start records carry t_enqueue and t_start 0 (the kernel has not started):
+    an op 40 ms old whose end is in the next drain must not be published in flight (seen on a
+    real NCCL 2.28 job: every op went out once in flight, then again complete)."""
+    j = OpJoin(inflight_ns=2 * S)
+    assert len(j.feed(ops({**start(7, 100 * S), "t_start": 0}), 100 * S + 40_000_000)) == 0
+    done = j.feed(ops(end(7, 100 * S + 60_000_000, t_start=100 * S + 1)), 100 * S + 70_000_000)
+    assert done[:, 5].tolist() == [100 * S + 60_000_000]
+    j.feed(ops({**start(8, 200 * S), "t_start": 0}), 200 * S)
+    assert len(j.feed(ops(), 201 * S)) == 0
+    assert j.feed(ops(), 203 * S)[:, 1].tolist() == [8]  # past 2 s: shown in flight once
