@@ -14,8 +14,8 @@ from rankwatch import __version__
 from rankwatch.settings import Settings, SettingsError
 
 #: Command modules under rankwatch/commands/, in the order `--help` lists them.
-COMMANDS = ("stack", "db", "sql", "worker", "publish", "simulate", "bench", "agent", "import_",
-            "eval", "tail")
+COMMANDS = ("stack", "db", "sql", "worker", "publish", "simulate", "bench", "agent", "replay",
+            "import_", "eval", "tail")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,11 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(f"rankwatch.commands.{name}")
         except ModuleNotFoundError as e:
-            if e.name != f"rankwatch.commands.{name}":
-                raise
+            if e.name == f"rankwatch.commands.{name}":
+                continue
+            # A host that only runs the agent need not install the worker's dependencies
+            # (faust, chdb): the other commands stay usable and this one says what is missing.
+            _unavailable(sub, name.rstrip("_"), str(e.name))
             continue
         module.register(sub)
     return parser
+
+
+def _unavailable(sub: argparse._SubParsersAction, command: str,  # type: ignore[type-arg]
+                 missing: str) -> None:
+    p = sub.add_parser(command, help=f"(unavailable here: needs {missing})", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def refuse(_args: argparse.Namespace, _settings: Settings) -> int:
+        print(f"rankwatch {command}: this installation lacks the Python package {missing!r}; "
+              "install rankwatch with its dependencies (`pip install -e .` in the repository) "
+              "to use it", file=sys.stderr)
+        return 2
+
+    p.set_defaults(func=refuse)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,7 @@
-"""`rankwatch agent`: drain this host's tracer rings and publish their records to Kafka."""
+"""`rankwatch agent`: drain this host's tracer rings and publish their records to Kafka.
+
+With `--capture FILE` the batches go to a file instead (a host without a broker; replay it with
+`rankwatch replay FILE`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ingest.agent.agent import Agent, AgentConfig
-from ingest.publish import BatchPublisher
+from ingest.agent.capture import CaptureWriter
+from ingest.agent.outbox import Publisher
 from ingest.ring import DEFAULT_PREFIX
 from ingest.torch.session import DEFAULT_RING_DIR
 from rankwatch.settings import Settings
@@ -36,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--duration", type=float, default=0, help="stop after N seconds (0: never)")
     p.add_argument("--exit-when-idle", type=float, default=0,
                    help="stop once rings existed and none is left for N seconds")
+    p.add_argument("--capture", metavar="FILE",
+                   help="write the batches to FILE instead of Kafka (replay: rankwatch replay)")
+    p.add_argument("--capture-mb", type=int, default=1024,
+                   help="largest capture file; later batches are dropped and counted")
     p.add_argument("--json", action="store_true", help="print final stats as JSON")
     p.set_defaults(func=run)
 
@@ -49,8 +57,20 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                       linger_s=args.linger,
                       beat_s=args.beat, inflight_s=args.inflight,
                       spill_bytes=args.spill_mb << 20, remove_dead=not args.keep_dead)
-    pub = BatchPublisher(settings.bootstrap, settings.topics, block_s=0.0, config={
-        "message.timeout.ms": 15000, "queue.buffering.max.kbytes": 32 * 1024})
+    pub: Publisher
+    if args.capture:
+        try:
+            capture = CaptureWriter(args.capture, max_bytes=args.capture_mb << 20)
+        except OSError as e:
+            print(f"rankwatch agent: cannot write the capture file: {e}", file=sys.stderr)
+            return 2
+        pub, target = capture, args.capture
+    else:
+        from ingest.publish import BatchPublisher  # confluent-kafka: not needed to capture
+
+        pub = BatchPublisher(settings.bootstrap, settings.topics, block_s=0.0, config={
+            "message.timeout.ms": 15000, "queue.buffering.max.kbytes": 32 * 1024})
+        target = f"{settings.bootstrap} ({settings.topics.ops}, …)"
     agent = Agent(cfg, pub)
     stopping = False
 
@@ -76,10 +96,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                 return True
         return stopping or now >= t_end
 
-    print(f"rankwatch agent: {cfg.prefix}.* rings -> {settings.bootstrap} "
-          f"({settings.topics.ops}, …)", file=sys.stderr, flush=True)
+    print(f"rankwatch agent: {cfg.prefix}.* rings -> {target}", file=sys.stderr, flush=True)
     agent.run(stop)
     stats = agent.stats()
+    if args.capture:
+        capture.close()
+        stats["capture"] = {"file": args.capture, "batches": capture.stats.batches,
+                            "bytes": capture.stats.bytes, "refused": capture.stats.refused}
     if args.json:
         print(json.dumps(stats))
     else:
