@@ -17,6 +17,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -24,6 +25,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from ingest.agent.capture import read_capture
 from ingest.batch import BatchError, decode_batch, encode_batch, encode_topology
 from ingest.publish import BatchPublisher
 from ingest.records import Communicator, JobTopology
@@ -241,3 +243,53 @@ def test_rankwatch_sql_answers_while_the_worker_owns_the_database(pipeline: Pipe
                            timeout=60)
     assert write.returncode == 1 and "readonly" in write.stderr.lower()
     assert np.int64(pipeline.count("ops")) == 16
+
+
+GPU_CAPTURE = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-nccl-2.28.9-loopback.rwcap"
+
+
+def test_a_capture_of_a_real_gpu_job_replays_into_the_tables(pipeline: Pipeline,
+                                                             tmp_path: Path) -> None:
+    """Records of a real job, captured on an H100 by `native/gpu/check.sh`: two ranks on one
+    GPU as two NCCL "hosts" (socket transport), 50 steps of matmuls and a 64 MiB AllReduce,
+    NCCL 2.28.9's profiler plugin, CUDA 13's CUPTI injector and the Python tracer, drained by
+    `rankwatch agent --capture`. `rankwatch replay` puts them in the tables as if the agent had
+    been connected, and refuses to replay the same file to the same broker twice."""
+    want: dict[str, int] = {}
+    for frame in read_capture(GPU_CAPTURE):
+        if frame.kind != "jobs":
+            want[frame.kind] = want.get(frame.kind, 0) + decode_batch(frame.data).n
+    assert set(want) == {"ops", "flows", "chunks", "kernels", "stages", "beats"}
+    env = stack.child_env(pipeline.settings)
+    capture = tmp_path / GPU_CAPTURE.name
+    capture.write_bytes(GPU_CAPTURE.read_bytes())
+    replay = [sys.executable, "-m", "rankwatch", "replay", str(capture), "--json"]
+    out = subprocess.run(replay, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["undelivered"] == 0
+    again = subprocess.run(replay, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "records twice" in again.stderr
+    for kind, n in want.items():
+        assert pipeline.wait_count(kind, n, "job_id = 'gpu-capture'") == n, kind
+    assert pipeline.wait_count("jobs", 1, "job_id = 'gpu-capture'") >= 1
+    time.sleep(2)  # nothing more arrives
+    for kind, n in want.items():
+        assert pipeline.count(kind, "job_id = 'gpu-capture'") == n, kind
+    q = pipeline.sql
+    # NCCL's ops (communicator comm-<hash>): every one but each rank's first has its kernel
+    # start from the plugin's kernel-channel events, and ends after it starts
+    nccl = "job_id = 'gpu-capture' AND startsWith(comm_id, 'comm-')"
+    n_nccl = int(q(f"SELECT count() FROM ops WHERE {nccl}"))
+    assert n_nccl > 0
+    assert q(f"SELECT countIf(t_start = 0 OR t_end < t_start) FROM ops WHERE {nccl} "
+             "AND op_seq > 0") == "0"
+    # one NCCL AllReduce kernel (CUPTI) per NCCL op, per rank
+    assert q("SELECT rank, count() FROM kernels WHERE job_id = 'gpu-capture' AND "
+             "kernel LIKE '%ncclDevKernel_AllReduce%' GROUP BY rank ORDER BY rank") == q(
+        f"SELECT rank, count() FROM ops WHERE {nccl} GROUP BY rank ORDER BY rank")
+    # every flow belongs to a stored op; chunk counters never pass the transfer's chunks
+    assert q("SELECT count() FROM flows AS f LEFT ANTI JOIN ops AS o ON o.job_id = f.job_id "
+             "AND o.rank = f.rank AND o.comm_id = f.comm_id AND o.op_seq = f.op_seq "
+             "WHERE f.job_id = 'gpu-capture'") == "0"
+    assert q("SELECT countIf(rdma_done > total_chunks OR gpu_ready > total_chunks) FROM chunks "
+             "WHERE job_id = 'gpu-capture'") == "0"
