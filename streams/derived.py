@@ -21,9 +21,14 @@ Flow per tick (a Faust timer, every `tick_s`):
    in the window's rows.
 
 Restart: the checkpoint says which windows are closed; every raw row is durable before it is
-observed, so the windows after the checkpoint are computed from complete raw data; a window that
-was written but not checkpointed is computed again, its insert dropped by the token (no duplicate
-row) and its message published again (consumers key on (job_id, window) — see docs/records.md).
+observed, so the windows after the checkpoint are computed from complete raw data. The checkpoints
+are loaded (`restore_windows`, once) before the first batch is observed — by whichever comes
+first, a raw sink's write or the runner's first tick: Faust starts the agents and the timers
+together. A batch observed on a state not restored yet would open its job's windows at that
+batch, and its late mark would store that state as the job's checkpoint, newer than the previous
+worker's: the windows between the two would never be closed. A window that was written but not
+checkpointed is computed again, its insert dropped by the token (no duplicate row) and its
+message published again (consumers key on (job_id, window) — see docs/records.md).
 Late iterations: a batch older than the closed windows marks them; they are recomputed and the new
 rows replace the old ones (ReplacingMergeTree on (job_id, rank, step), newest ingest_ts). The
 mark is made durable before the raw sink returns (`ObservingStore.write` stores the job's
@@ -84,7 +89,8 @@ def checkpoint_columns(rows: Sequence[Checkpoint], now: int) -> dict[str, np.nda
 class ObservingStore(ClickHouseStore):
     """The raw sinks' store; reports each stored batch's event-time range, producer and kind to
     `windows`. A batch that marks closed windows late has the mark stored (the job's checkpoint)
-    before `write` returns, i.e. before the raw sink acks the batch."""
+    before `write` returns, i.e. before the raw sink acks the batch. The stored checkpoints are
+    loaded into `windows` before the first batch is observed (`restore_windows`)."""
 
     def __init__(self, writer: ClickHouseWriter, windows: Windows) -> None:
         super().__init__(writer)
@@ -92,6 +98,8 @@ class ObservingStore(ClickHouseStore):
 
     async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
                     sources: Sequence[tuple[int, int]]) -> int:
+        # a failure here fails the write (nothing stored yet): the raw sink retries it
+        await restore_windows(self.writer.db, self.windows)
         n = await super().write(kind, batches, token, sources=sources)
         marked: set[str] = set()
         try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
@@ -141,6 +149,19 @@ SELECT comm_ids, comm_kinds FROM jobs FINAL WHERE job_id = {job:String} LIMIT 1
 STATE_SQL = "SELECT job_id, kind, next_start, max_ns FROM stream_state FINAL"
 
 
+async def restore_windows(db: Database, windows: Windows) -> None:
+    """Load the stored checkpoints into `windows`, once, before anything is observed or closed:
+    called by the raw sinks' store before its first write and by the runner before its first
+    tick, whichever comes first (module docstring, "Restart")."""
+    if windows.restored:
+        return
+    rows = await db.aquery_columns(STATE_SQL)
+    if windows.restored:  # another caller restored them while this one read
+        return
+    windows.restore([Checkpoint(str(j), str(k), int(s), int(m)) for j, k, s, m in zip(
+        rows["job_id"], rows["kind"], rows["next_start"], rows["max_ns"], strict=True)])
+
+
 @dataclass
 class RunnerStats:
     windows: dict[str, int] = field(default_factory=dict)
@@ -173,16 +194,16 @@ class DerivedRunner:
         self._lock = asyncio.Lock()
 
     async def restore(self) -> None:
-        """Resume from the stored checkpoints (call once, before the first tick)."""
-        rows = await self.db.aquery_columns(STATE_SQL)
-        self.windows.restore([Checkpoint(str(j), str(k), int(s), int(m)) for j, k, s, m in zip(
-            rows["job_id"], rows["kind"], rows["next_start"], rows["max_ns"], strict=True)])
+        """Resume from the stored checkpoints (once; later calls, and the first tick, find them
+        loaded)."""
+        await restore_windows(self.db, self.windows)
 
     async def tick(self) -> int:
         """Close every due window of every job; returns the windows closed."""
         if self._lock.locked():
             return 0
         async with self._lock:
+            await self.restore()
             done = 0
             for job in list(self.windows.jobs):
                 try:

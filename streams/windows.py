@@ -40,7 +40,10 @@ Contract:
 - State per job is O(kinds + sources + late marks): no events are held here, and nothing grows
   with the length of the run. `checkpoint()` / `restore()` carry it across restarts (the
   `stream_state` table); sources are not checkpointed: after a restart they start over, at
-  `lateness_ns`, until they have sent `warmup_batches` again. See docs/architecture.md,
+  `lateness_ns`, until they have sent `warmup_batches` again. `restore()` must come before the
+  first `observe()` of a restarted worker (streams/derived.py, `restore_windows`): a batch
+  observed first would open its job's windows at that batch, and a checkpoint taken then (a late
+  mark's) would skip the windows the previous worker had not closed. See docs/architecture.md,
   "Derived streams".
 """
 
@@ -148,6 +151,8 @@ class Windows:
         self.clock = clock
         self.jobs: dict[str, JobState] = {}
         self.dropped_late = 0
+        #: Whether `restore()` ran (streams/derived.py restores once, before the first batch).
+        self.restored = False
 
     def observe(self, job: str, t_min: int, t_max: int, *, source: str = "",
                 kind: str = "") -> bool:
@@ -277,6 +282,7 @@ class Windows:
     def restore(self, rows: list[Checkpoint]) -> None:
         """Resume from stored checkpoints (before any batch is observed). A stored span of late
         marks is marked again whole (recomputing a window twice is harmless)."""
+        self.restored = True
         spans = [r for r in rows if r.kind.endswith(LATE_SUFFIX)]
         for r in rows:
             if r.kind not in self.specs:
