@@ -14,9 +14,10 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   previews when a step's records are stored, and with their window (streams/derived.py);
   JobWatch counts each step once. The feed agents wait at most `FEED_WITHIN_S` to fill a
   buffer. Triggers go to `rw.triggers` (`TriggerRecord` JSON, keyed by job).
-  Mycroft's throughput/interval straggler test needs ≥ 3 completions per rank and window, which
-  one progress row per window does not give: on this feed it does not fire (step-time triggers
-  and the root-cause sweep cover slowdowns).
+  The progress rows also go to JobWatch as they are: Mycroft's throughput/interval straggler
+  test runs on them per sampled (rank, comm) over spans of several steps
+  (diagnosis/triggers/mycroft_progress.py) — the per-op test needs ≥ 3 completions per rank
+  and window, which one progress row per window does not give.
 - root-cause agent on `rw.triggers`: `Analyst` (diagnosis/analyst.py) reads the job's window
   from ClickHouse (`read_window`: all ranks, raw tables) and runs the engine in a worker thread;
   every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
@@ -238,7 +239,7 @@ class DiagnosisAgents:
             we = ints(b.cols, "window_end")
             now = max(self.watermark.get(b.job_id, 0), int(we.max()) if we.size else 0)
             self.watermark[b.job_id] = now
-            await self._publish_triggers(w.observe(now, ops=ops, beats=beats))
+            await self._publish_triggers(w.observe(now, ops=ops, beats=beats, progress=b.cols))
 
     async def _on_iterations(self, stream: StreamT[Any]) -> None:
         async for b, w in self._feed(stream, "iterations"):

@@ -4,9 +4,10 @@
 published for its job and `summarize` turns many scenarios into the figures `rankwatch eval`
 prints. The same scoring serves the real pipeline (diagnoses read back from rw.diagnoses) and
 the fast in-process mode (`run_in_process`: the simulator's batches decoded in release order,
-`JobWatch` on the sampled ranks, `Analyst` over a window of everything released so far, the
-clock = simulated time), which is the development loop; reported figures come from the
-real pipeline (`rankwatch eval`, not `--in-process`).
+`JobWatch` on the sampled ranks — fed their ops, beats, steps and, as on the real pipeline,
+1 s progress rows (`ProgressRows`, computed here in numpy) —, `Analyst` over a window of
+everything released so far, the clock = simulated time), which is the development loop;
+reported figures come from the real pipeline (`rankwatch eval`, not `--in-process`).
 
 Matching, per fault with expect_diagnosis: an incident matches when its culprit ranks (or a
 suspect's) overlap the fault's ranks and it opened no earlier than 2 s before the onset; the
@@ -29,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from diagnosis.analyst import Analyst, AnalystConfig
-from diagnosis.columns import Columns
+from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.model import Diagnosis
 from diagnosis.triggers.watch import JobWatch, steps_from_stages
-from diagnosis.window import Window
+from diagnosis.window import Window, latest_op_rows
 
 COMPONENT_OF_TRUTH = {"gpu": "gpu_compute", "nic": "nic_rdma", "pcie": "pcie_host",
                       "dataloader": "data_loader", "host": "host_software",
@@ -229,6 +230,77 @@ def window_of(store: _Store, topo: Any, start_ns: int, now_ns: int) -> Window:
     return Window(topo, tables, start_ns, now_ns)
 
 
+class ProgressRows:
+    """The progress feed of the sampled ranks for the in-process mode: what streams/progress.py
+    computes in ClickHouse (completed calls, their bytes/s and interval, calls in flight and the
+    oldest one's age) for every (rank, comm_id) seen, one row per `window_ns` window, a window
+    `lag_ns` after its end (the real feed waits for the records' lateness)."""
+
+    def __init__(self, window_ns: int = SECOND, lag_ns: int = SECOND) -> None:
+        self.window_ns, self.lag_ns = window_ns, lag_ns
+        self.ops: dict[str, np.ndarray] = {}
+        self.keys: dict[tuple[int, str], None] = {}
+        self.next_ws = -1
+
+    def add(self, ops: Columns, ranks: np.ndarray) -> None:
+        keep = np.isin(ints(ops, "rank"), ranks)
+        if not keep.any():
+            return
+        new = {k: np.asarray(ops[k])[keep] for k in ("rank", "comm_id", "op_seq", "bytes",
+                                                      "t_start", "t_end")}
+        for r, c in zip(new["rank"].tolist(), new["comm_id"].tolist(), strict=True):
+            self.keys.setdefault((int(r), str(c)), None)
+        self.ops = {k: np.concatenate([self.ops[k], v]) for k, v in new.items()} if self.ops \
+            else new
+        if self.next_ws < 0:
+            self.next_ws = int(new["t_start"].min()) // self.window_ns * self.window_ns
+
+    def windows(self, now_ns: int) -> dict[str, np.ndarray] | None:
+        parts = []
+        while self.ops and self.next_ws >= 0 and self.next_ws + self.window_ns + self.lag_ns \
+                <= now_ns:
+            parts.append(self._window(self.next_ws, self.next_ws + self.window_ns))
+            self.next_ws += self.window_ns
+        if self.ops:  # keep one row per op, and only what a later window can still count
+            ops = latest_op_rows(self.ops)
+            e = ints(ops, "t_end")
+            live = (e == 0) | (e >= self.next_ws)
+            self.ops = {k: np.asarray(v)[live] for k, v in ops.items()}
+        if not parts:
+            return None
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def _window(self, ws: int, we: int) -> dict[str, np.ndarray]:
+        kr = np.asarray([k[0] for k in self.keys], np.int64)
+        kc = np.asarray([k[1] for k in self.keys], dtype=object)
+        n = kr.size
+        ops = latest_op_rows(self.ops)
+        _, code = codes(np.concatenate([kc, col(ops, "comm_id")]).astype(object))
+        key = (code.astype(np.int64) << 32) | np.concatenate([kr, ints(ops, "rank")])
+        order = np.argsort(key[:n])
+        pos = order[np.searchsorted(key[:n], key[n:], sorter=order)]
+        t0, t1, nb = ints(ops, "t_start"), ints(ops, "t_end"), ints(ops, "bytes", 0)
+        done = (t1 >= ws) & (t1 < we)
+        infl = (t0 < we) & ((t1 == 0) | (t1 >= we))
+        completed = np.bincount(pos[done], minlength=n)
+        done_bytes = np.bincount(pos[done], weights=nb[done].astype(np.float64), minlength=n)
+        first = np.full(n, np.iinfo(np.int64).max)
+        last = np.zeros(n, np.int64)
+        np.minimum.at(first, pos[done], t1[done])
+        np.maximum.at(last, pos[done], t1[done])
+        many = completed > 1
+        interval = np.full(n, -1, np.int64)
+        interval[many] = (last[many] - first[many]) // (completed[many] - 1)
+        oldest = np.full(n, we, np.int64)
+        np.minimum.at(oldest, pos[infl], t0[infl])
+        return {"window_end": np.full(n, we, np.int64), "rank": kr, "comm_id": kc,
+                "completed_ops": completed.astype(np.int64),
+                "bytes_per_s": (done_bytes * SECOND / (we - ws)).astype(np.int64),
+                "op_interval_ns": interval,
+                "inflight_ops": np.bincount(pos[infl], minlength=n).astype(np.int64),
+                "oldest_inflight_age_ns": we - oldest}
+
+
 def run_in_process(scenario: Any, config: AnalystConfig | None = None
                    ) -> tuple[list[Diagnosis], list[Any], list[float]]:
     """Simulate `scenario`, run triggers + engine on its records in release order; returns
@@ -243,6 +315,7 @@ def run_in_process(scenario: Any, config: AnalystConfig | None = None
     analyst = Analyst(lambda job, a, b: window_of(store, topo[0], a, b) if topo else None,
                       config or AnalystConfig())
     watch: list[JobWatch] = []
+    feed = ProgressRows()
     fresh: dict[str, list[dict[str, np.ndarray]]] = {}
     diags: list[Diagnosis] = []
 
@@ -253,7 +326,10 @@ def run_in_process(scenario: Any, config: AnalystConfig | None = None
         new = {k: {c: np.concatenate([p[c] for p in v]) for c in v[0]} for k, v in fresh.items()}
         fresh.clear()
         steps = steps_from_stages(new["stages"]) if "stages" in new else None
-        for t in watch[0].observe(now, ops=new.get("ops"), beats=new.get("beats"), steps=steps):
+        if "ops" in new:
+            feed.add(new["ops"], watch[0].ranks)
+        for t in watch[0].observe(now, ops=new.get("ops"), beats=new.get("beats"), steps=steps,
+                                  progress=feed.windows(now)):
             diags.extend(analyst.on_trigger(t, now))
         diags.extend(analyst.tick(now))
 

@@ -7,6 +7,8 @@
 - Mycroft Alg. 1 (`mycroft.mycroft_trigger`) on the sampled ranks' ops: failure and straggler.
   Δ is adapted to the job: max(3 × expected step time, 2 s) once the step time is known (the
   paper's 10 s otherwise) — a 10 s Δ alone would miss the ≤ 5 s detection target on 1 s steps;
+- Mycroft's straggler test on the progress feed (`mycroft_progress.progress_straggler_trigger`,
+  per sampled (rank, comm), over spans of ≥ 3 expected steps): what the real pipeline feeds;
 - VenusTrace/MegaTrace heartbeat (`heartbeat.heartbeat_trigger`): no op call or completion for
   n × expected step time → hang; the expected time is learned from the sampled ranks' steps,
   each step once its time is final (a later step has arrived);
@@ -21,7 +23,8 @@
   run: a run is identified by its first step.
 
 Inputs per call (all optional, any ranks — rows of unsampled ranks are ignored): `ops` rows
-(rank, comm_id, op_seq, bytes, t_enqueue, t_start, t_end), `beats` rows (rank, ts) and `steps`
+(rank, comm_id, op_seq, bytes, t_enqueue, t_start, t_end), `beats` rows (rank, ts), `progress`
+rows (streams/progress.py: window_end, rank, comm_id, completed_ops, bytes_per_s) and `steps`
 rows (rank, step, step_ns, t_end) — the `iterations` kind, or `stages` rows converted with
 `steps_from_stages`. The clock is the explicit `now_ns`. De-duplication: each trigger module fires
 once per episode; the caller keeps incidents (diagnosis.incidents).
@@ -43,6 +46,7 @@ from diagnosis.triggers.heartbeat import (
     observe_steps,
 )
 from diagnosis.triggers.mycroft import MycroftTriggerConfig, MycroftTriggerState, mycroft_trigger
+from diagnosis.triggers.mycroft_progress import ProgressStragglerState, progress_straggler_trigger
 from diagnosis.triggers.sampling import Sample, sample_ranks
 from ingest.records import JobTopology
 
@@ -78,6 +82,7 @@ class JobWatch:
     sample: Sample = field(init=False)
     heartbeat: HeartbeatState = field(init=False)
     mycroft: MycroftTriggerState = field(init=False)
+    progress: ProgressStragglerState = field(init=False)
     step_ns: dict[int, float] = field(default_factory=dict)  # step -> max over sampled ranks
     step_end: dict[int, int] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
@@ -91,6 +96,7 @@ class JobWatch:
                                         self.config.heartbeat)
         self.mycroft = MycroftTriggerState(self.topo.job_id, np.asarray(self.sample.ranks),
                                            MycroftTriggerConfig())
+        self.progress = ProgressStragglerState(self.topo.job_id)
 
     @property
     def ranks(self) -> np.ndarray:
@@ -107,7 +113,8 @@ class JobWatch:
         return {k: np.asarray(v)[keep] for k, v in cols.items()}
 
     def observe(self, now_ns: int, *, ops: Columns | None = None, beats: Columns | None = None,
-                steps: Columns | None = None) -> list[Trigger]:
+                steps: Columns | None = None, progress: Columns | None = None
+                ) -> list[Trigger]:
         """Fold new rows in and evaluate every trigger at `now_ns`."""
         out: list[Trigger] = []
         s = self._mine(steps)
@@ -122,6 +129,10 @@ class JobWatch:
         if not o:
             o = {k: np.zeros(0, dtype=np.int64) for k in ("rank", "bytes", "t_start", "t_end")}
         out += mycroft_trigger(self.mycroft, o, now_ns)
+        p = self._mine(progress)
+        if p:
+            out += progress_straggler_trigger(self.progress, p, now_ns, step_ns=exp,
+                                              delta_ns=self.mycroft.config.delta_ns)
         hb = heartbeat_trigger(self.heartbeat, o, b, now_ns)
         out += hb
         for t in hb:
