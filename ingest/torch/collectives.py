@@ -9,8 +9,12 @@ peer, enqueue time, step) and arranges an OP_END at completion:
   ``Work.is_completed()`` at its next touchpoint (an intercepted call or a stage boundary) and
   records the time it first sees it done;
 - synchronous calls on gloo/CPU return complete: the end is the return time;
-- synchronous collectives on NCCL are issued asynchronously and waited, exactly what torch does
-  inside, so the future's callback sees the GPU completion instead of the enqueue.
+- NCCL work (synchronous collectives are issued asynchronously and waited, exactly what torch
+  does inside) is polled with ``Work.is_completed()``, which queries the work's CUDA end event
+  without blocking. Not its future: on a real GPU (PyTorch 2.11, NCCL 2.28, H100) an NCCL
+  future completes on the CPU as soon as the kernel is enqueued, so a callback would time every
+  collective at ~0.2 ms — a rank stuck 8 s in an AllReduce looked complete. The end is the
+  first touchpoint that sees the GPU done (a step's stages are touchpoints).
 
 DDP's gradient all-reduces happen in C++ and bypass this API; `ddp.py` routes them through it
 with a comm hook. Calls the table below does not name (gather, scatter, object collectives built
@@ -97,13 +101,13 @@ def _wrap(tracer: Tracer, name: str, spec: Spec, orig: Callable[..., Any]) -> Ca
             kwargs["async_op"] = True
             args = args[: spec.async_at]
             work = orig(*args, **kwargs)
-            _on_done(tracer, work, track(comm, seq), callbacks)
+            _on_done(tracer, work, track(comm, seq), callbacks, poll=True)
             if work is not None:
                 work.wait()
             return None
         result = orig(*args, **kwargs)
         if wants_async:
-            _on_done(tracer, result, track(comm, seq), callbacks)
+            _on_done(tracer, result, track(comm, seq), callbacks, poll=nccl[comm])
         else:
             end_now(comm, seq)
         return result
@@ -111,8 +115,12 @@ def _wrap(tracer: Tracer, name: str, spec: Spec, orig: Callable[..., Any]) -> Ca
     return traced
 
 
-def _on_done(tracer: Tracer, work: Any, slot: int, callbacks: list[Callable[[Any], None]]) -> None:
+def _on_done(tracer: Tracer, work: Any, slot: int, callbacks: list[Callable[[Any], None]],
+             *, poll: bool = False) -> None:
     if slot < 0 or work is None:
+        return
+    if poll:  # NCCL: the GPU's completion, not the future's (module docstring)
+        tracer.polled[slot] = work
         return
     try:
         work.get_future().add_done_callback(callbacks[slot])

@@ -10,9 +10,10 @@ Threading contract — the ring has ONE producer, the training thread:
 - the training thread *harvests* finished slots into op end records at its next intercepted call
   or stage boundary. Timestamps are the completion times, however late the harvest.
 
-Work without a future (gloo's point-to-point) is polled with ``Work.is_completed()`` at each
-harvest: its end is the time the training thread first saw it done (its next intercepted call or
-stage boundary after the work finished).
+Work without a future (gloo's point-to-point) and NCCL work (whose future completes at enqueue,
+collectives.py) are polled with ``Work.is_completed()`` at each harvest: its end is the time the
+training thread first saw it done (its next intercepted call or stage boundary after the work
+finished).
 
 Nothing here blocks, locks or raises into training: a full ring drops and counts (native ring), and
 more than `PENDING` outstanding async ops leave the excess untracked (counted in `untracked`).
@@ -47,7 +48,7 @@ class Tracer:
         self.callbacks: list[Callable[[Any], None]] = [self._make_cb(i) for i in range(PENDING)]
         self.group_of: Callable[[Any], int] = lambda g: 0  # set by collectives.install
         self.nccl: list[bool] = []  # per communicator: issue sync collectives async + wait
-        self.polled: dict[int, Any] = {}  # slot -> Work without a future (gloo p2p)
+        self.polled: dict[int, Any] = {}  # slot -> Work polled for completion (gloo p2p, NCCL)
         self.hosts: Any = None  # rank 0: comms.HostGather until the hosts are in
 
     def _make_cb(self, slot: int) -> Callable[[Any], None]:

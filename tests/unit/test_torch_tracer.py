@@ -241,10 +241,10 @@ def test_sampled_cuda_event_channel(world1: Path, prefix: str) -> None:
     assert begin.recorded == end.recorded == 2
 
 
-def test_sync_collective_on_an_nccl_group_completes_through_its_future(
+def test_sync_collective_on_an_nccl_group_completes_when_its_work_does(
         world1: Path, prefix: str) -> None:
     """NCCL's sync collectives return before the GPU finishes: the tracer issues them async,
-    waits, and takes the end from the future. The same path, forced on a gloo group."""
+    waits, and polls the work's completion. The same path, forced on a gloo group."""
     import torch
     import torch.distributed as dist
 
@@ -258,3 +258,38 @@ def test_sync_collective_on_an_nccl_group_completes_through_its_future(
     d = Drained(prefix, "t1")
     assert d.starts["op_seq"].tolist() == [0] and d.ends["op_seq"].tolist() == [0]
     assert int(d.ends["t_end"][0]) >= int(d.starts["t_start"][0])
+
+
+def test_nccl_work_ends_when_the_gpu_is_done_not_when_its_future_is(
+        world1: Path, prefix: str) -> None:
+    """On a real GPU an NCCL future completes at enqueue while the kernel still runs (seen on
+    an H100: an AllReduce stuck 8 s was recorded as done in 0.2 ms). The end comes from
+    `is_completed()` (the work's CUDA event), first seen at a touchpoint."""
+    import torch
+
+    from ingest.torch.collectives import SPECS, _wrap
+
+    class GpuWork:
+        gpu_done = False
+
+        def get_future(self) -> Any:
+            raise AssertionError("an NCCL op's end must not come from its future")
+
+        def is_completed(self) -> bool:
+            return self.gpu_done
+
+        def wait(self) -> None:  # the current stream waits; the CPU does not
+            pass
+
+    tr = rwt.active_tracer()
+    tr.nccl[0] = True
+    work = GpuWork()
+    traced = _wrap(tr, "all_reduce", SPECS["all_reduce"], lambda *a, **k: work)
+    assert traced(torch.ones(4)) is None
+    with rwt.stages.step():
+        pass
+    assert not len(Drained(prefix, "t1").ends)  # the GPU is still busy: no end yet
+    work.gpu_done = True
+    with rwt.stages.step():
+        pass
+    assert Drained(prefix, "t1").ends["op_seq"].tolist() == [0]
