@@ -14,15 +14,19 @@ Combination (each rule's own docstring states its assumptions):
    step's DP collectives. If its `stages` record of that previous step is missing (peers have
    theirs) it never finished the optimizer → "optim"; if present, it stopped before its first
    call of the new step → "data" (the loader runs first). Neither paper has this; the stage
-   record is what tells the two apart.
+   record is what tells the two apart. Without a 1F1B schedule (a plain data-parallel job) the
+   hung step is the one the waiting ranks' calls carry; only calls issued by the analysis
+   moment count.
 4. `mycroft_flow.slow_flows`'s "flow_incomplete" corroborates NIC hangs (computed only on the
    min-data path: a min-op culprit is named by the ops alone).
 5. A stall that already recovered (`past_stall`: the longest gap between op completions, at
    least max(3 s, 4 × step time)) is analysed as of 3/4 into it, from the rows written after:
    a call enqueued more than `stuck_ns` before that moment whose kernel started after it had
    not been reached (last_logs.reached), so the rank whose GPU hung is the min-op culprit,
-   not a peer waiting beside it. `stalled_steps` lists the steps that stall overlaps, for
-   slowdown analyses that should not count the hang again as excess.
+   not a peer waiting beside it. The culprit's `stages` record of the stalled step, written once
+   the step ended, confirms the stage when one stage holds at least half the stall.
+   `stalled_steps` lists the steps that stall overlaps, for slowdown analyses that should not
+   count the hang again as excess.
 Per-window work (string codes, each rank's last record) is computed once and shared
 (`columns.codes`, `Window.last_seen`).
 A rank that only waits is never blamed: Alg. 2 blames sinks of the waits-for graph, Table 4 rows
@@ -57,11 +61,12 @@ def normalize_stage(stage: str | None) -> str | None:
     return stage
 
 
-def _between_steps(w: Window, rank: int, step: int) -> str | None:
+def _between_steps(w: Window, rank: int, step: int, now_ns: int) -> str | None:
     ops = w.get("ops")
     if not ops or step < 0:
         return None
-    mine = ints(ops, "rank") == rank
+    # calls issued by now (a recovered stall is analysed at a past moment: later rows exist)
+    mine = (ints(ops, "rank") == rank) & (ints(ops, "t_enqueue") <= now_ns)
     if (mine & (ints(ops, "step", -1) == step)).any():
         return None
     st = w.get("stages")
@@ -70,6 +75,39 @@ def _between_steps(w: Window, rank: int, step: int) -> str | None:
     have = (ints(st, "rank") == rank) & (ints(st, "step") == step - 1)
     peers = (ints(st, "step") == step - 1).any()
     return "data" if have.any() or not peers else "optim"
+
+
+def _waiters_step(w: Window, top: Finding, now_ns: int) -> int:
+    """The step the waiting ranks are in, from their calls issued by `now_ns` that carry a step
+    (the Python tracer's; the NCCL plugin's ops have none): used when no 1F1B schedule is known
+    to place the hang (a plain data-parallel job). -1 when none says."""
+    ops = w.get("ops")
+    waiters = np.asarray(top.evidence.get("direct_waiters") or [], dtype=np.int64)
+    if not ops or waiters.size == 0:
+        return -1
+    step = ints(ops, "step", -1)
+    keep = np.isin(ints(ops, "rank"), waiters) & (ints(ops, "t_enqueue") <= now_ns) & (step >= 0)
+    return int(step[keep].max()) if keep.any() else -1
+
+
+def _stall_stage(w: Window, ranks: tuple[int, ...], a: int, b: int) -> tuple[str, float] | None:
+    """The stage that held a recovered stall [a, b) on the culprit: its `stages` record that
+    overlaps the stall, and in it the stage with the largest time when that covers at least half
+    of the stall. (stage column, seconds) or None. Only a recovered stall has this record: a
+    step's record is written when the step ends."""
+    st = w.get("stages")
+    if not st or not ranks:
+        return None
+    cols = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step")
+    start = ints(st, "t_start")
+    parts = np.stack([ints(st, c, 0) for c in cols], axis=1)
+    end = start + parts.sum(axis=1) + ints(st, "step_other", 0)
+    rows = np.flatnonzero(np.isin(ints(st, "rank"), ranks) & (start < b) & (end > a))
+    if rows.size == 0:
+        return None
+    best = np.unravel_index(int(np.argmax(parts[rows])), (rows.size, len(cols)))
+    ns = int(parts[rows[best[0]], best[1]])
+    return (cols[best[1]], ns / 1e9) if 2 * ns >= b - a else None
 
 
 def analyze(w: Window, now_ns: int) -> Conclusion | None:
@@ -160,12 +198,14 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
         stage = hp.stage if hp and hp.stage else normalize_stage(top.stage)
         comp = hp.component if hp else top.component
         k = int(hp.evidence.get("step", -1)) if hp else -1  # type: ignore[call-overload]
+        if k < 0:  # the step the waiting ranks' own calls name, else the schedule's guess
+            k = _waiters_step(w, top, now_ns)
         if k < 0:
             try:
                 k = hung_step(w.get("ops"), w.grid, w.spec)
             except (ValueError, IndexError):
                 k = -1
-        between = _between_steps(w, x, k)
+        between = _between_steps(w, x, k, now_ns)
         if between is not None and (hp is None or "min_tp_calls" in hp.labels
                                     or "no_tp_calls_in_pass" in hp.labels
                                     or hp.stage in ("between_steps", "data")):
@@ -310,9 +350,13 @@ def analyze_past_stall(w: Window, now_ns: int) -> Conclusion | None:
     if c is None:
         return None
     from dataclasses import replace
-    return replace(c, labels=(*c.labels, "transient", "recovered"),
-                   summaries=(*c.summaries, ("rankwatch.past_stall", f"the job stalled "
-                              f"{(b - a) / 1e9:.1f} s and recovered")))
+    summaries = (*c.summaries, ("rankwatch.past_stall", f"the job stalled "
+                                f"{(b - a) / 1e9:.1f} s and recovered"))
+    held = _stall_stage(w, c.ranks, a, b)
+    if held is not None:
+        summaries = (*summaries, ("rankwatch.stall_stage", f"the culprit's own stage record of "
+                                  f"the stalled step shows {held[1]:.1f} s in {held[0]}"))
+    return replace(c, labels=(*c.labels, "transient", "recovered"), summaries=summaries)
 
 
 def stuck_ranks(w: Window, now_ns: int) -> np.ndarray:
