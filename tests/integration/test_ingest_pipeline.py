@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -293,3 +294,37 @@ def test_a_capture_of_a_real_gpu_job_replays_into_the_tables(pipeline: Pipeline,
              "WHERE f.job_id = 'gpu-capture'") == "0"
     assert q("SELECT countIf(rdma_done > total_chunks OR gpu_ready > total_chunks) FROM chunks "
              "WHERE job_id = 'gpu-capture'") == "0"
+
+
+GPU_STALL = GPU_CAPTURE.with_name("h100-nccl-2.28.9-data-stall.rwcap")
+
+
+def test_a_real_gpu_stall_is_diagnosed_by_the_worker(pipeline: Pipeline, tmp_path: Path) -> None:
+    """The whole pipeline on a real GPU fault: rank 1's data loading stalled 8 s at step 25
+    (H100 capture, native/gpu/check.sh) while rank 0 waited in the step's AllReduce. Replayed,
+    the worker's triggers fire in event time and the root-cause agent publishes a hang of rank
+    1 in data loading — transient, recovered — to rw.diagnoses and the diagnoses table."""
+    capture = tmp_path / GPU_STALL.name
+    capture.write_bytes(GPU_STALL.read_bytes())
+    out = subprocess.run([sys.executable, "-m", "rankwatch", "replay", str(capture)],
+                         env=stack.child_env(pipeline.settings), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    where = "job_id = 'gpu-stall' AND kind = 'hang'"
+    assert pipeline.wait_count("diagnoses", 1, where, timeout=90) >= 1
+    first = pipeline.sql(f"SELECT culprit_ranks, stage, component FROM diagnoses WHERE {where} "
+                         "ORDER BY detected_ns, version LIMIT 1")
+    assert first == "[1]\tdata\tdata_loader", first
+    c = Consumer({"bootstrap.servers": pipeline.settings.bootstrap, "group.id": "diag-check",
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([pipeline.settings.topics.diagnoses])
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        m = c.poll(1.0)
+        if m is not None and not m.error():
+            got.append(orjson.loads(m.value()))
+    c.close()
+    d = got[0] if got else {}
+    assert (d.get("job_id"), d.get("kind"), d.get("culprit_ranks"), d.get("stage"),
+            d.get("component")) == ("gpu-stall", "hang", [1], "data", "data_loader"), d
