@@ -19,7 +19,9 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   (diagnosis/triggers/mycroft_progress.py) — the per-op test needs ≥ 3 completions per rank
   and window, which one progress row per window does not give.
 - root-cause agent on `rw.triggers`: `Analyst` (diagnosis/analyst.py) reads the job's window
-  from ClickHouse (`read_window`: all ranks, raw tables) and runs the engine in a worker thread;
+  from ClickHouse (`read_window`: all ranks, raw tables) up to the job's progress watermark —
+  event time, the moment up to which its records are stored — and runs the engine in a worker
+  thread;
   every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
   (sql/003_diagnoses.sql). A timer re-checks open incidents and sweeps jobs (`Analyst.tick`).
   On start the incident book is restored from the `diagnoses` table.
@@ -151,7 +153,8 @@ class DiagnosisAgents:
         self.watches: dict[str, JobWatch] = {}
         self.watermark: dict[str, int] = {}  # per job: newest progress window_end (event time)
         self.topos: dict[str, JobTopology] = {}
-        self.analyst = Analyst(self._read, config or AnalystConfig())
+        self.analyst = Analyst(self._read, config or AnalystConfig(),
+                               event_clock=self._event_time)
         self.lock = asyncio.Lock()
         self.restored = False
         self.published: list[Diagnosis] = []
@@ -168,6 +171,12 @@ class DiagnosisAgents:
         app.timer(tick_s)(self._tick)
 
     # -- I/O helpers -------------------------------------------------------------------------
+
+    def _event_time(self, job_id: str, now_ns: int) -> int:
+        """Up to when the job's records are complete: its progress watermark (the feed closes
+        a window once every source is past it), never later than the wall clock; the wall
+        clock for a job the feed has not reached yet."""
+        return min(self.watermark.get(job_id, now_ns), now_ns)
 
     def _read(self, job_id: str, start_ns: int, now_ns: int) -> Window | None:
         topo = self.topos.get(job_id) or read_topology(self.db, job_id)

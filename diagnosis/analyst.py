@@ -2,7 +2,13 @@
 
 `Analyst` owns the incident book and decides *when* the engine runs; the caller supplies the
 job's window through `read(job_id, start_ns, now_ns) -> Window | None` (ClickHouse in the agent,
-the simulator's records in the in-process evaluation) and the clock.
+the simulator's records in the in-process evaluation) and the clock. Two clocks: `now_ns` (the
+caller's, wall time in the worker) says when a diagnosis is published and paces re-checks and
+sweeps; `event_clock(job, now_ns)` says up to which moment of the job's own time its records
+are complete — the analysis reads and judges the window ending there (the worker passes the
+job's progress watermark). Judged at wall time, a feed that lags (or a capture replayed later)
+would show every rank silent and a rank whose rows are not stored yet as dead, and the
+incidents of a finished job would drift to "process died".
 
 - `on_trigger`: a trigger for a class with an open incident is absorbed (de-duplicated) — the
   periodic re-check keeps that incident current; otherwise the engine runs over the last
@@ -59,9 +65,10 @@ class Analyst:
     triggers: dict[tuple[str, str], Trigger] = field(default_factory=dict)
     resolved_hangs: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
     analysis_ms: list[float] = field(default_factory=list)
+    event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
 
-    def _window(self, job_id: str, now_ns: int) -> Window | None:
-        return self.read(job_id, now_ns - int(self.config.window_s * SECOND), now_ns)
+    def _window(self, job_id: str, at_ns: int) -> Window | None:
+        return self.read(job_id, at_ns - int(self.config.window_s * SECOND), at_ns)
 
     def _run(self, fn: Callable[[Window, int], Conclusion | None], w: Window,
              now_ns: int) -> tuple[Conclusion | None, float]:
@@ -76,10 +83,11 @@ class Analyst:
         cls = "hang" if t.kind in ("hang", "failure") else "performance"
         if self.book.is_open(t.job_id, cls) or self.book.is_open(t.job_id, "hang"):
             return []
-        w = self._window(t.job_id, now_ns)
+        at = self.event_clock(t.job_id, now_ns)
+        w = self._window(t.job_id, at)
         if w is None:
             return []
-        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, now_ns)
+        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
         if c is None:
             return []
         return self._publish(c, w, t, now_ns, ms)
@@ -122,22 +130,26 @@ class Analyst:
             elif not self.book.is_open(job, "performance") and not self.book.is_open(job, "hang") \
                     and now_ns - self.last_sweep.get(job, 0) >= self.config.sweep_s * SECOND:
                 self.last_sweep[job] = now_ns
-                t = Trigger(job, now_ns, "straggler", (), {"rule": "rankwatch.sweep"})
-                w = self._window(job, now_ns)
-                if w is not None:
-                    c, ms = self._run(slow_rca.analyze, w, now_ns)
+                at = self.event_clock(job, now_ns)
+                t = Trigger(job, at, "straggler", (), {"rule": "rankwatch.sweep"})
+                w = self._window(job, at)
+                # a stall in progress is the hang analysis' business (its trigger follows): a
+                # slowdown read off the stalled step would open a second, wrong incident
+                if w is not None and not hang_rca.stuck_ranks(w, at).size:
+                    c, ms = self._run(slow_rca.analyze, w, at)
                     if c is not None:
                         out += self._publish(c, w, t, now_ns, ms)
         return out
 
     def _recheck(self, job: str, classes: list[str], now_ns: int) -> list[Diagnosis]:
-        w = self._window(job, now_ns)
+        at = self.event_clock(job, now_ns)
+        w = self._window(job, at)
         if w is None:
             return []
         out: list[Diagnosis] = []
         for cls in classes:
             fn = hang_rca.analyze if cls == "hang" else slow_rca.analyze
-            c, ms = self._run(fn, w, now_ns)
+            c, ms = self._run(fn, w, at)
             if c is None or incident_class(c.kind) != cls:
                 r = self.book.clear(job, cls, now_ns)
                 if r is not None:
@@ -146,7 +158,7 @@ class Analyst:
                         self.resolved_hangs[job] = (frozenset(r.culprit_ranks), now_ns)
                     out.append(r)
             else:
-                t = self.triggers.get((job, cls)) or Trigger(job, now_ns, "straggler", (),
+                t = self.triggers.get((job, cls)) or Trigger(job, at, "straggler", (),
                                                              {"rule": "rankwatch.recheck"})
                 out += self._publish(c, w, t, now_ns, ms)
         return out

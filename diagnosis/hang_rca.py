@@ -194,6 +194,8 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
         stage, comp = "process", "host_software"
         alt = hp.stage if hp else normalize_stage(top.stage)
         conf = 0.9
+    elif "no_records" in top.labels:  # nothing of the culprit is stored: name it, no more
+        stage, comp, alt, conf = normalize_stage(top.stage), None, None, 0.3
     else:
         stage = hp.stage if hp and hp.stage else normalize_stage(top.stage)
         comp = hp.component if hp else top.component
@@ -218,7 +220,9 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
     labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))
     summ = [(top.rule, f"rank {x} never reached the op its peers wait in "
              f"({top.evidence.get('waited_in')}); {top.evidence.get('ranks_waiting')} ranks wait"
-             + ("; its records stopped (process gone)" if dead else "; it is alive (beats)"))]
+             + ("; its records stopped (process gone)" if dead else
+                "; none of its records is stored yet" if "no_records" in top.labels else
+                "; it is alive (beats)"))]
     if hp is not None:
         summ.append((hp.rule, f"halt point {hp.evidence.get('node')} in replica "
                      f"{hp.evidence.get('replica')}, step {hp.evidence.get('step')}"))
@@ -365,5 +369,7 @@ def stuck_ranks(w: Window, now_ns: int) -> np.ndarray:
     if not ops:
         return np.zeros(0, dtype=np.int64)
     t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
-    stuck = (t_end == 0) & (now_ns - enq > max(int(1.5 * w.step_ns), SECOND))
+    # an end after now_ns was not there yet (a window read at a past moment holds later rows)
+    stuck = ((t_end == 0) | (t_end > now_ns)) & (enq <= now_ns) & (
+        now_ns - enq > max(int(1.5 * w.step_ns), SECOND))
     return distinct(ints(ops, "rank")[stuck])

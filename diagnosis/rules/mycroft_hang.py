@@ -27,6 +27,8 @@ How we implement it, from the ops of all ranks in the job's window at `now_ns`:
    component host_software (records stop: Mycroft #1 sees the culprit "stop earlier than the
    others"). Otherwise the process is alive (beats continue) but never issued its next op: a
    compute-side hang, gpu_compute, labels "live_hang" (and "no_beats" when no beats were given).
+   A culprit with no record at all in the window is neither: label "no_records" (its rows are
+   not stored yet, or it never started), component undecided.
 
 Never blaming waiters: a rank is blamed only as a sink (it is not waiting on anyone in the ops)
 or by its own chunk counters; an in-flight op, however long, only adds outgoing edges. The stage
@@ -116,12 +118,16 @@ def _min_op(x: int, ll: LastLogs, edges: dict[int, set[int]], waiting: int, n_st
     stage = _stage(grid, comm, str(ll.op[first])) if first >= 0 else None
     mine = np.flatnonzero(ll.rank == x)
     last = mine[np.argmax(ll.t_enqueue[mine])] if mine.size else -1
-    dead = (now_ns - seen[x] > cfg.death_gap_ns) and (median_seen - seen[x] > cfg.death_gap_ns)
-    labels = ("min_op", "records_stopped") if dead else \
-        ("min_op", "live_hang", *(() if have_beats else ("no_beats",)))
+    # a rank with no record at all in the window did not "stop earlier": its rows are not
+    # stored (yet), so death cannot be told from a live hang (label "no_records")
+    dead = bool(seen[x] > 0) and (now_ns - seen[x] > cfg.death_gap_ns) and (
+        median_seen - seen[x] > cfg.death_gap_ns)
+    labels = ("min_op", "records_stopped") if dead else ("min_op", "no_records") if not seen[x] \
+        else ("min_op", "live_hang", *(() if have_beats else ("no_beats",)))
     return Finding(
         rule="mycroft.alg2.min_op", culprit_ranks=(x,), kind="hang",
-        stage="process" if dead else stage, component="host_software" if dead else "gpu_compute",
+        stage="process" if dead else stage,
+        component="host_software" if dead else None if not seen[x] else "gpu_compute",
         score=(waiting + 1) / max(n_stuck, 1), labels=labels,
         onset_ns=int(seen[x]) if dead else (int(ll.t_enqueue[first]) if first >= 0 else None),
         evidence={

@@ -18,7 +18,9 @@
 # Settings: OUT, PYTHON (a Python with torch; default python3), STEPS (200), REPEATS (3),
 # WHEELS (a directory of wheels for an offline install of orjson and pydantic), DEPS,
 # CUDA_HOME (/usr/local/cuda), CAPTURE_STEPS (30: the short run whose capture becomes the
-# replay fixture, traced with everything).
+# replay fixture, traced with everything), TRAIN_ARGS (train_loop.py options of the overhead
+# runs, e.g. "--mb 1 --matmuls 1" for ~1 ms steps). A fault run (job gpu-stall: rank 1's data loading
+# stalls 8 s at step 25) is captured too, as a diagnosis fixture.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-check}
@@ -57,8 +59,9 @@ AGENT=$!
 trap 'kill $AGENT 2>/dev/null || true' EXIT
 
 port=29600
-pair() {  # variant steps job
+pair() {  # variant steps job [train_loop args…]
   local variant=$1 steps=$2 job=$3 pids=() env=()
+  shift 3
   port=$((port + 1))
   case $variant in
     baseline) ;;
@@ -71,7 +74,7 @@ pair() {  # variant steps job
     env "${env[@]}" RANK=$r LOCAL_RANK=0 NCCL_HOSTID="rw-gpu-check-$r" MASTER_PORT=$port \
       RANKWATCH_JOB_ID="$job" \
       "$PY" native/gpu/train_loop.py --steps "$steps" --variant "$variant" --job "$job" \
-      --out "$OUT/steps.jsonl" >>"$OUT/ranks.log" 2>&1 &
+      --out "$OUT/steps.jsonl" "$@" >>"$OUT/ranks.log" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || { tail -40 "$OUT/ranks.log"; exit 1; }; done
@@ -79,10 +82,13 @@ pair() {  # variant steps job
 
 log "capture run: $CAPTURE_STEPS steps, everything traced (job gpu-capture)"
 pair full "$CAPTURE_STEPS" gpu-capture
+log "fault run: rank 1's data loading stalls 8 s at step 25 of 40 (job gpu-stall)"
+pair full 40 gpu-stall --warmup 0 --stall-rank 1 --stall-step 25 --stall-s 8
 for rep in $(seq 1 "$REPEATS"); do
   for variant in baseline native full; do
     log "repeat $rep/$REPEATS: $variant, $STEPS steps"
-    pair "$variant" "$STEPS" "gpu-$variant-$rep"
+    # shellcheck disable=SC2086 # TRAIN_ARGS is a list of train_loop.py options
+    pair "$variant" "$STEPS" "gpu-$variant-$rep" ${TRAIN_ARGS:-}
   done
 done
 sleep 3  # the agent's last drain and inflight window

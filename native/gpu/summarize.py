@@ -8,7 +8,7 @@ alternate, so slow drift of the machine falls on both); the figure is the median
 capture file decoded batch by batch, rows per (job, kind), plus checks a user would make — every
 op has an end, op sequence numbers are dense per (rank, communicator), each kernel has a name
 and a positive duration, chunk counters never exceed the transfer's chunk total. The short
-capture run's batches are written to OUT_DIR/fixture.rwcap (a replay fixture).
+capture run's and the fault run's batches are written to OUT_DIR/fixture-<job>.rwcap (fixtures).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ingest.batch import BatchError, decode_batch
 def overhead(steps: list[dict[str, Any]]) -> dict[str, Any]:
     by: dict[tuple[str, int], list[float]] = defaultdict(list)
     for r in steps:
-        if r["job"].startswith("gpu-capture"):
+        if r["job"] in FIXTURE_JOBS:
             continue
         rep = int(r["job"].rsplit("-", 1)[1])
         by[(r["variant"], rep)].append(r["median_ms"])
@@ -46,14 +46,17 @@ def overhead(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def records(capture: Path, fixture: Path) -> dict[str, Any]:
+FIXTURE_JOBS = ("gpu-capture", "gpu-stall")
+
+
+def records(capture: Path, out: Path) -> dict[str, Any]:
     rows: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     cols: dict[tuple[str, str], list[dict[str, np.ndarray]]] = defaultdict(list)
-    fix = CaptureWriter(fixture)
+    fix = {job: CaptureWriter(out / f"fixture-{job}.rwcap") for job in FIXTURE_JOBS}
     for fr in read_capture(capture):
         job = fr.key.split(b":", 1)[0].decode()
-        if job == "gpu-capture":
-            fix.publish(fr.kind, fr.data, fr.key)
+        if job in fix:
+            fix[job].publish(fr.kind, fr.data, fr.key)
         if fr.kind == "jobs":
             rows[job]["jobs"] += 1
             continue
@@ -66,7 +69,8 @@ def records(capture: Path, fixture: Path) -> dict[str, Any]:
         rows[job][fr.kind] += b.n
         if fr.kind in ("ops", "kernels", "chunks", "flows"):
             cols[(job, fr.kind)].append(b.cols)
-    fix.close()
+    for f in fix.values():
+        f.close()
     checks: dict[str, Any] = {}
     for (job, kind), parts in cols.items():
         c = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -98,7 +102,7 @@ def main() -> int:
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x]
     agent = json.loads((out / "agent.json").read_text() or "{}")
     summary = {"versions": (out / "versions.txt").read_text().strip(), "overhead": overhead(steps),
-               **records(out / "capture.rwcap", out / "fixture.rwcap"), "agent": agent}
+               **records(out / "capture.rwcap", out), "agent": agent}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if "--json" in sys.argv:
         print(json.dumps(summary, default=str))

@@ -31,6 +31,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", default="")
     ap.add_argument("--job", default="")
+    ap.add_argument("--stall-rank", type=int, default=-1,
+                    help="this rank's data loading stalls once (a fault to diagnose)")
+    ap.add_argument("--stall-step", type=int, default=25)
+    ap.add_argument("--stall-s", type=float, default=8.0)
     a = ap.parse_args()
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -58,6 +62,8 @@ def main() -> None:
         with ctx("step"):
             with ctx("data"):
                 y = x
+                if step == a.stall_step and dist.get_rank() == a.stall_rank:
+                    time.sleep(a.stall_s)
             with ctx("fwd"):
                 for _ in range(a.matmuls // 2):
                     y = torch.tanh(y @ w)
