@@ -19,9 +19,9 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   (diagnosis/triggers/mycroft_progress.py) — the per-op test needs ≥ 3 completions per rank
   and window, which one progress row per window does not give.
 - root-cause agent on `rw.triggers`: `Analyst` (diagnosis/analyst.py) reads the job's window
-  from ClickHouse (`read_window`: all ranks, raw tables) up to the job's progress watermark —
-  event time, the moment up to which its records are stored — and runs the engine in a worker
-  thread;
+  from ClickHouse (`read_window`: all ranks, raw tables) up to the wall clock capped at the
+  job's progress watermark plus the feed's largest lateness (`_event_time`) and runs the engine
+  in a worker thread;
   every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
   (sql/003_diagnoses.sql). A timer re-checks open incidents and sweeps jobs (`Analyst.tick`).
   On start the incident book is restored from the `diagnoses` table.
@@ -51,6 +51,7 @@ from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
 from streams.db import ClickHouseError, Database
+from streams.windows import WatermarkParams
 
 log = logging.getLogger(__name__)
 SECOND = 1_000_000_000
@@ -173,10 +174,13 @@ class DiagnosisAgents:
     # -- I/O helpers -------------------------------------------------------------------------
 
     def _event_time(self, job_id: str, now_ns: int) -> int:
-        """Up to when the job's records are complete: its progress watermark (the feed closes
-        a window once every source is past it), never later than the wall clock; the wall
-        clock for a job the feed has not reached yet."""
-        return min(self.watermark.get(job_id, now_ns), now_ns)
+        """Up to when the job's records are stored: the wall clock, but never more than the
+        feed's largest lateness past the job's progress watermark (the feed closes a window
+        once every source is past it). Live, the watermark trails the wall clock by less than
+        that, so this is the wall clock; for a replayed capture or a job that has ended it is
+        the job's own last moment, which re-checks then judge again and again the same."""
+        wm = self.watermark.get(job_id)
+        return now_ns if wm is None else min(now_ns, wm + WatermarkParams().lateness_ns)
 
     def _read(self, job_id: str, start_ns: int, now_ns: int) -> Window | None:
         topo = self.topos.get(job_id) or read_topology(self.db, job_id)

@@ -5,10 +5,11 @@ job's window through `read(job_id, start_ns, now_ns) -> Window | None` (ClickHou
 the simulator's records in the in-process evaluation) and the clock. Two clocks: `now_ns` (the
 caller's, wall time in the worker) says when a diagnosis is published and paces re-checks and
 sweeps; `event_clock(job, now_ns)` says up to which moment of the job's own time its records
-are complete — the analysis reads and judges the window ending there (the worker passes the
-job's progress watermark). Judged at wall time, a feed that lags (or a capture replayed later)
-would show every rank silent and a rank whose rows are not stored yet as dead, and the
-incidents of a finished job would drift to "process died".
+are stored — the analysis reads and judges the window ending there (the worker passes the wall
+clock capped at the job's progress watermark plus the feed's largest lateness). Judged at wall
+time alone, a capture replayed later (or a feed behind by more than the window) would show
+every rank silent and a rank whose rows are not stored yet as dead, and the incidents of a
+finished job would drift to "process died".
 
 - `on_trigger`: a trigger for a class with an open incident is absorbed (de-duplicated) — the
   periodic re-check keeps that incident current; otherwise the engine runs over the last
