@@ -320,10 +320,7 @@ def _min_data(blamed: list[Finding], halt: list[Finding],
 def past_stall(w: Window) -> tuple[int, int] | None:
     """The longest gap between consecutive op completions in the window, if it is a stall
     (≥ max(3 s, 4 × step time)): (start, end) ns."""
-    gap = w.longest_completion_gap
-    if gap is None or gap[1] - gap[0] < max(3 * SECOND, 4 * w.step_ns):
-        return None
-    return gap
+    return w.completion_gap(max(3 * SECOND, int(4 * w.step_ns)))
 
 
 def stalled_steps(w: Window) -> np.ndarray:

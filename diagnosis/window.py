@@ -99,18 +99,53 @@ class Window:
         return float(np.median(np.asarray(tot)))
 
     @cached_property
-    def longest_completion_gap(self) -> tuple[int, int] | None:
-        """(a, b): the longest gap between consecutive op completions (`t_end`) in the window,
-        None with fewer than two; the hang and slowdown analyses both ask (a recovered stall)."""
+    def _gap_memo(self) -> dict[int, tuple[int, int] | None]:
+        return {}
+
+    def completion_gap(self, min_ns: int) -> tuple[int, int] | None:
+        """(a, b): the longest gap between consecutive op completions (`t_end`) in the window
+        if it is at least `min_ns` long, else None (the hang and slowdown analyses both ask: a
+        recovered stall). O(n), no sort of the completions: with bins of width h = min_ns / 2,
+        such a gap contains a whole empty bin, so only the completions in the bins next to runs
+        of empty bins can bound one; the gap across a run is (first completion after it) −
+        (last before it). Cached per `min_ns`."""
+        memo = self._gap_memo
+        if min_ns not in memo:
+            memo[min_ns] = self._completion_gap(min_ns)
+        return memo[min_ns]
+
+    def _completion_gap(self, min_ns: int) -> tuple[int, int] | None:
         ops = self.get("ops")
-        if not ops:
+        if not ops or min_ns < 2:
             return None
-        ends = distinct(ints(ops, "t_end"))
+        ends = ints(ops, "t_end")
         ends = ends[ends > 0]
         if ends.size < 2:
             return None
-        i = int(np.argmax(np.diff(ends)))
-        return int(ends[i]), int(ends[i + 1])
+        h = min_ns // 2
+        t0 = int(ends.min())
+        b = (ends - t0) // h
+        counts = np.bincount(b)
+        empty = counts == 0
+        if not empty.any():
+            return None
+        # bins just before and just after a run of empty bins; the completions in them
+        edge = np.zeros(counts.size, dtype=bool)
+        edge[:-1] |= empty[1:] & ~empty[:-1]
+        edge[1:] |= empty[:-1] & ~empty[1:]
+        sel = edge[b]
+        x, xb = ends[sel], b[sel]
+        order = np.argsort(x, kind="stable")
+        x, xb = x[order], xb[order]
+        # consecutive edge completions straddle one run when every bin between them is empty
+        n_empty = np.concatenate([[0], np.cumsum(empty)])
+        between = xb[1:] - xb[:-1] - 1
+        across = (between > 0) & (n_empty[xb[1:]] - n_empty[xb[:-1] + 1] == between)
+        gaps = np.where(across, x[1:] - x[:-1], -1)
+        if gaps.size == 0 or int(gaps.max()) < min_ns:
+            return None
+        i = int(np.argmax(gaps))
+        return int(x[i]), int(x[i + 1])
 
     @cached_property
     def _last_seen_memo(self) -> dict[int, Array]:

@@ -47,3 +47,29 @@ def test_stalled_steps_are_the_steps_the_stall_overlaps() -> None:
     assert (st["t_start"][hit] < b).all()  # every named step began before the stall ended
     clean, _ = window("hang rank=11 stage=bwd mb=2 at=3s for=10ms")
     assert hang_rca.past_stall(clean) is None and hang_rca.stalled_steps(clean).size == 0
+
+
+def test_completion_gap_matches_the_sorted_definition() -> None:
+    """`Window.completion_gap` (binned, no sort of all completions) against the definition:
+    the largest difference between consecutive sorted completion times, if ≥ min_ns."""
+    w0, _ = window("hang rank=3 stage=bwd mb=1 at=5s for=4s")
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(2, 400))
+        ends = rng.integers(1, 10**6, n) * int(rng.choice([1, 1000, 10**6]))
+        if trial % 3 == 0:  # a planted stall
+            ends = np.concatenate([ends, ends.max() + rng.integers(10**3, 10**9, 5)])
+        ends[rng.random(ends.size) < 0.1] = 0  # in flight
+        min_ns = int(rng.integers(2, 10**9))
+        w = Window(w0.topo, {"ops": {"rank": np.zeros(ends.size, np.int64), "t_end": ends}}, 0,
+                   int(ends.max()) + 1)
+        s = np.unique(ends[ends > 0])
+        want = None
+        if s.size >= 2 and int(np.diff(s).max()) >= min_ns:
+            i = int(np.argmax(np.diff(s)))
+            want = (int(s[i]), int(s[i + 1]))
+        got = w.completion_gap(min_ns)
+        if want is None:
+            assert got is None, (trial, got)
+        else:  # ties may pick another gap of the same length
+            assert got is not None and got[1] - got[0] == want[1] - want[0], (trial, got, want)
