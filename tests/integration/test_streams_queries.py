@@ -119,18 +119,23 @@ def test_windows_survive_a_restart_without_loss_or_duplicates(clickhouse_db: Dat
     asyncio.run(_resume(clickhouse_db, cfg, cut))
     ref = f"{job}_ref"
     asyncio.run(load(clickhouse_db, JobConfig(**{**cfg.__dict__, "job_id": ref})))
+    assert_same_as_reference(clickhouse_db, job, ref)
+
+
+
+def assert_same_as_reference(db: Database, job: str, ref: str) -> None:
+    """The derived tables of `job` (a run cut by a crash) hold the rows of `ref` (the same job
+    run without one), each once."""
     for table, key in (("progress", "window_end, rank, comm_id"),
                        ("iterations", "rank, step"),
                        ("kernel_summaries", "window_start, rank, stream, kernel, cluster")):
-        a = clickhouse_db.query(f"SELECT count(), uniqExact({key}) FROM {table} FINAL "
-                                f"WHERE job_id = '{job}'").result_rows[0]
-        b = clickhouse_db.query(f"SELECT count(), uniqExact({key}) FROM {table} FINAL "
-                                f"WHERE job_id = '{ref}'").result_rows[0]
+        a = db.query(f"SELECT count(), uniqExact({key}) FROM {table} FINAL "
+                     f"WHERE job_id = '{job}'").result_rows[0]
+        b = db.query(f"SELECT count(), uniqExact({key}) FROM {table} FINAL "
+                     f"WHERE job_id = '{ref}'").result_rows[0]
         assert a == b, table
-        dup = clickhouse_db.query(f"SELECT count() - uniqExact({key}) FROM {table} "
-                                  f"WHERE job_id = '{job}'").result_rows[0][0]
-        assert dup == 0, table
-
+        assert db.query(f"SELECT count() - uniqExact({key}) FROM {table} "
+                        f"WHERE job_id = '{job}'").result_rows[0][0] == 0, table
 
 async def _resume(db: Database, cfg: JobConfig, cut: float) -> None:
     """A new worker: fresh runner restored from stream_state; the raw rows stored before the
@@ -179,16 +184,7 @@ def test_batches_stored_before_the_restore_do_not_lose_windows(clickhouse_db: Da
     assert got and got[0] < before < got[-1]  # the crash cut the run
     assert np.all(np.diff(got) == SEC), "progress windows missing after the restart"
     assert got == want
-    for table, key in (("progress", "window_end, rank, comm_id"),
-                       ("iterations", "rank, step"),
-                       ("kernel_summaries", "window_start, rank, stream, kernel, cluster")):
-        a = db.query(f"SELECT count(), uniqExact({key}) FROM {table} FINAL "
-                     f"WHERE job_id = '{job}'").result_rows[0]
-        b = db.query(f"SELECT count(), uniqExact({key}) FROM {table} FINAL "
-                     f"WHERE job_id = '{ref}'").result_rows[0]
-        assert a == b, table
-        assert db.query(f"SELECT count() - uniqExact({key}) FROM {table} "
-                        f"WHERE job_id = '{job}'").result_rows[0][0] == 0, table
+    assert_same_as_reference(db, job, ref)
 
 
 async def _resume_early(db: Database, cfg: JobConfig, cut: float) -> None:
