@@ -1,12 +1,39 @@
-"""Derived streams throughput: how fast the derived runner turns stored raw rows into progress
-windows, iteration rows and kernel summaries (streams/derived.py), per core.
+"""Streams throughput and worker memory, end to end from the broker, per record kind.
 
-    rankwatch bench streams [--ranks 1024] [--kernel-events 4000000] [--ops-per-s 500000] [--json]
+    rankwatch bench streams [--tp 8 --pp 4 --dp 32] [--comm-steps 48] [--kernel-steps 24] [--json]
+    rankwatch bench streams --in-process [--ranks 1024] [--kernel-events 4000000] [--json]
 
-In-process, on a private embedded ClickHouse: raw rows are inserted directly (not through the
-broker: `rankwatch bench ingest` measures that path), then each derived computation is timed on
-the windows they fill. Figures are the derived stage's own cost — the raw ingest's cost adds to
-it on the same cores. Run with OMP_NUM_THREADS=1 for per-core numbers.
+End to end (the default): starts a private local stack (the code of `rankwatch up`: a KRaft
+broker and the whole worker — raw agents, derived windows at the default widths, diagnosis) and
+runs two simulated jobs one after the other, each published from a separate process by
+`rankwatch simulate --speed max --kinds …`:
+
+1. **op/flow/chunk**: a job's ops, flows and chunk snapshots only. The worker stores them and
+   derives the progress feed (1 s windows) and iteration rows (10 s windows; steps inferred from
+   the DP gradient collective, there are no stage records) and runs the trigger agents on them.
+2. **kernels**: the same job shape's kernel events only, stored raw and summarized (ARGUS §5.2
+   KDE clusters per (rank, stream, kernel), 60 s windows).
+
+Per phase it reads the worker process's CPU time (utime + stime of every thread, /proc) before
+the first record is published, when the last raw record is queryable ("ingest") and when the
+last derived row is written ("ingest + derived"). Derived rows are counted every 0.25 s; counts
+are final once unchanged for the watermark's idle close (10 s) plus 3 s, and the CPU reading is
+the one taken with the first sample that showed them. That span includes the worker's idle
+ticking while the job's last windows wait for the idle close; the worker's background rate,
+measured over 3 s before each phase, is reported so it can be judged. Records per worker
+CPU-second is the "per worker core" figure: it does not depend on how busy the simulator and
+the broker kept the machine's other cores.
+
+Checks, not figures: every published record is stored exactly once, and the kernel windows
+account for every published kernel event (`kernel_windows.events`).
+
+Memory: the worker's resident set (VmRSS) is sampled with every poll. For the op/flow/chunk job
+it is reported when 25, 50, 75 and 100 % of the records are stored, and its peak: a flat series
+means memory does not grow with the run's length.
+
+`--in-process` times the derived stage alone, on raw rows inserted straight into a private
+embedded ClickHouse (no broker, no raw ingest): how much of the per-core budget each derived
+computation takes.
 """
 
 from __future__ import annotations
@@ -14,19 +41,160 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from bench.ingest import sql
 from bench.kde import _window
+from bench.pipeline import RAW, counts, cpu_seconds
+from rankwatch import stack
+from rankwatch.settings import Settings
 from streams.db import Database, migrate
 from streams.derived import DerivedRunner
 from streams.kernel_summaries import KernelSummarizer
 
 T0 = 1_700_000_040_000_000_000  # a multiple of 60 s
 SEC = 1_000_000_000
+POLL_S = 0.5
+IDLE_CLOSE_S = 10.0  # streams.windows.WatermarkParams.idle_ns
+PHASES = {"op/flow/chunk": ("ops,flows,chunks", ("progress", "iterations")),
+          "kernels": ("kernels", ("kernel_summaries", "kernel_windows"))}
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set of `pid` in MiB (VmRSS of /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def derived_counts(settings: Settings, job: str, tables: tuple[str, ...]) -> dict[str, int]:
+    union = " UNION ALL ".join(
+        f"SELECT '{t}', count() FROM {t} FINAL WHERE job_id = '{job}'" for t in tables)
+    return {k: int(v) for k, v in (line.split("\t") for line in sql(settings, union).splitlines())}
+
+
+@dataclass
+class Phase:
+    name: str
+    kinds: str
+    tables: tuple[str, ...]
+    published: dict[str, int] = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def run_phase(settings: Settings, pid: int, phase: Phase, args: argparse.Namespace,
+              steps: int, say: Any) -> dict[str, Any]:
+    job = f"benchs-{phase.kinds.split(',')[0]}-{int(time.time())}"
+    cpu_a, t_a = cpu_seconds(pid), time.time()
+    time.sleep(3.0)
+    idle_rate = (cpu_seconds(pid) - cpu_a) / (time.time() - t_a)
+    rss0 = rss_mib(pid)
+    say(f"{phase.name}: simulating tp{args.tp}·pp{args.pp}·dp{args.dp}, {steps} steps "
+        f"(--kinds {phase.kinds}), max speed…")
+    cpu0, t0 = cpu_seconds(pid), time.time()
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "rankwatch.cli", "simulate", "--tp", str(args.tp), "--pp",
+         str(args.pp), "--dp", str(args.dp), "--steps", str(steps), "--job-id", job,
+         "--kinds", phase.kinds, "--speed", "max", "--out", "kafka", "--json", "--quiet"],
+        env=stack.child_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rss: list[tuple[int, float]] = []  # (records stored, RSS MiB)
+    expected: int | None = None
+    stored, last_note = 0, 0.0
+    try:
+        while expected is None or stored < expected:
+            if expected is None and sim.poll() is not None:
+                out, err = sim.communicate()
+                if sim.returncode:
+                    raise RuntimeError(f"simulate failed: {err.strip()[-2000:]}")
+                summary = json.loads(out)
+                phase.published = {k: int(v) for k, v in summary["rows_by_kind"].items()}
+                expected = sum(phase.published.values())
+                t_published = time.time()
+            got = counts(settings, job)
+            stored = sum(got.values())
+            rss.append((stored, rss_mib(pid)))
+            if time.time() - last_note > 3:
+                say(f"  {stored:,} records queryable" + (f" of {expected:,}" if expected else ""))
+                last_note = time.time()
+            if expected is not None and time.time() - t_published > 900:
+                raise RuntimeError(f"only {stored:,} of {expected:,} stored after 900 s")
+            time.sleep(POLL_S)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+            sim.wait()
+    t_stored, cpu_stored = time.time(), cpu_seconds(pid)
+    if got != {k: phase.published.get(k, 0) for k in RAW}:
+        raise RuntimeError(f"stored {got}, published {phase.published}: lost or duplicated")
+    say(f"  all {expected:,} stored; waiting for the last derived windows (idle close)…")
+    final: dict[str, int] = {}
+    at = (t_stored, cpu_stored)
+    while True:
+        now_counts = derived_counts(settings, job, phase.tables)
+        sample = (time.time(), cpu_seconds(pid))
+        rss.append((stored, rss_mib(pid)))
+        if now_counts != final:
+            final, at = now_counts, sample
+        elif all(final.values()) and sample[0] - at[0] > IDLE_CLOSE_S + 3:
+            break
+        if sample[0] - t_stored > 300:
+            raise RuntimeError(f"derived rows still changing 300 s after the last raw row: {final}")
+        time.sleep(POLL_S)
+    records = sum(phase.published.values())
+    ingest_cpu, total_cpu = cpu_stored - cpu0, at[1] - cpu0
+    res: dict[str, Any] = {
+        "job": job, "steps": steps, "records": records, "by_kind": phase.published,
+        "derived_rows": final, "wall_to_stored_s": round(t_stored - t0, 2),
+        "derived_done_after_stored_s": round(at[0] - t_stored, 2),
+        "worker_idle_cpu_per_s": round(idle_rate, 3),
+        "ingest_worker_cpu_s": round(ingest_cpu, 2),
+        "ingest_records_per_worker_cpu_s": round(records / ingest_cpu),
+        "total_worker_cpu_s": round(total_cpu, 2),
+        "records_per_worker_cpu_s": round(records / total_cpu),
+        "rss_mib_before": round(rss0, 1),
+        "rss_mib_peak": round(max(r for _, r in rss), 1),
+    }
+    fractions = {}
+    for q in (25, 50, 75, 100):
+        first = next(r for n, r in rss if n >= records * q / 100)
+        fractions[f"{q}%"] = round(first, 1)
+    res["rss_mib_at_stored"] = fractions
+    if "kernel_windows" in phase.tables:
+        kw = sql(settings, "SELECT sum(events), sum(keys), sum(summary_rows), "
+                 "round(avg(compression_ratio), 1) FROM kernel_windows FINAL "
+                 f"WHERE job_id = '{job}'").split("\t")
+        events, keys, rows, ratio = int(kw[0]), int(kw[1]), int(kw[2]), float(kw[3])
+        if events != phase.published.get("kernels", 0):
+            raise RuntimeError(f"kernel windows summarized {events:,} events, "
+                               f"{phase.published.get('kernels', 0):,} published")
+        res.update(kernel_windows_events=events, kernel_keys=keys, kernel_summary_rows=rows,
+                   kernel_compression=ratio)
+    return res
+
+
+def run_end_to_end(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
+    settings = stack.private_settings(home, topic_prefix="benchs")
+    stack.up(settings, progress=say)
+    try:
+        pid = stack.worker_daemon(settings).pid()
+        if pid is None:
+            raise RuntimeError("the worker is not running")
+        out: dict[str, Any] = {"ranks": args.tp * args.pp * args.dp}
+        for name, (kinds, tables) in PHASES.items():
+            steps = args.comm_steps if name == "op/flow/chunk" else args.kernel_steps
+            out[name] = run_phase(settings, pid, Phase(name, kinds, tables), args, steps, say)
+        return out
+    finally:
+        stack.down(settings, progress=say)
 
 
 def insert_kernels(db: Database, ranks: int, events: int) -> None:
@@ -62,7 +230,7 @@ def insert_ops(db: Database, ranks: int, per_s: int, seconds: int) -> int:
     return total
 
 
-async def run(ranks: int, kernel_events: int, ops_per_s: int) -> dict[str, float]:
+async def run_in_process(ranks: int, kernel_events: int, ops_per_s: int) -> dict[str, float]:
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="rankwatch-bench-streams-") as d:
         db = Database(f"chdb://{d}", "bench")
@@ -102,18 +270,68 @@ async def run(ranks: int, kernel_events: int, ops_per_s: int) -> dict[str, float
     return out
 
 
+def print_end_to_end(r: dict[str, Any]) -> None:
+    print(f"streams, end to end from the broker ({r['ranks']:,}-rank simulated job; "
+          "simulator, broker and worker on this machine; per worker CPU-second):")
+    for name in PHASES:
+        p = r[name]
+        kinds = ", ".join(f"{k} {v:,}" for k, v in p["by_kind"].items())
+        print(f"  {name}: {p['records']:,} records ({kinds}), {p['steps']} steps")
+        print(f"    ingest (broker -> ClickHouse): {p['ingest_worker_cpu_s']} CPU-s = "
+              f"{p['ingest_records_per_worker_cpu_s']:,} records per worker CPU-second")
+        derived = ", ".join(f"{k} {v:,}" for k, v in p["derived_rows"].items())
+        print(f"    ingest + derived ({derived}; last row {p['derived_done_after_stored_s']} s "
+              f"after the last raw row): {p['total_worker_cpu_s']} CPU-s = "
+              f"{p['records_per_worker_cpu_s']:,} records per worker CPU-second")
+        if "kernel_compression" in p:
+            print(f"    kernel windows: {p['kernel_windows_events']:,} events summarized into "
+                  f"{p['kernel_summary_rows']:,} rows over {p['kernel_keys']:,} keys, "
+                  f"compression {p['kernel_compression']}x")
+        rss = ", ".join(f"{q} {v:.0f}" for q, v in p["rss_mib_at_stored"].items())
+        print(f"    worker RSS MiB: before {p['rss_mib_before']:.0f}; at records stored {rss}; "
+              f"peak {p['rss_mib_peak']:.0f} (background CPU {p['worker_idle_cpu_per_s']} "
+              "CPU-s/s)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rankwatch bench streams", description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--kernel-events", type=int, default=4_000_000)
-    p.add_argument("--ops-per-s", type=int, default=500_000)
+    p = argparse.ArgumentParser(prog="rankwatch bench streams",
+                                description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--dp", type=int, default=32)
+    p.add_argument("--comm-steps", type=int, default=48,
+                   help="steps of the op/flow/chunk job (default 48)")
+    p.add_argument("--kernel-steps", type=int, default=24,
+                   help="steps of the kernel job (default 24)")
+    p.add_argument("--in-process", action="store_true",
+                   help="the derived stage alone, in process, without broker or raw ingest")
+    p.add_argument("--ranks", type=int, default=1024, help="--in-process: ranks")
+    p.add_argument("--kernel-events", type=int, default=4_000_000,
+                   help="--in-process: kernel events in the window")
+    p.add_argument("--ops-per-s", type=int, default=500_000, help="--in-process: op rate")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    r = asyncio.run(run(a.ranks, a.kernel_events, a.ops_per_s))
+    for name in ("tp", "pp", "dp", "comm_steps", "kernel_steps", "ranks", "kernel_events",
+                 "ops_per_s"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not a.in_process:
+        def say(message: str) -> None:
+            if not a.json:
+                print(message, file=sys.stderr, flush=True)
+
+        with tempfile.TemporaryDirectory(prefix="rankwatch-bench-") as home:
+            res = run_end_to_end(a, Path(home), say)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            print_end_to_end(res)
+        return 0
+    r = asyncio.run(run_in_process(a.ranks, a.kernel_events, a.ops_per_s))
     if a.json:
         print(json.dumps(r))
         return 0
-    print(f"streams (derived stage, in process, {a.ranks} ranks):")
+    print(f"streams (derived stage alone, in process, {a.ranks} ranks):")
     print(f"  kernel summaries: {r['kernel_events']:,} events in one 60 s window read and "
           f"summarized in {r['kernel_s']} s = {r['kernel_events_per_s']:,} events/s, "
           f"compression {r['kernel_compression']}x")

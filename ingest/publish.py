@@ -18,7 +18,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from ingest.topics import Topics
+from ingest.topics import MAX_MESSAGE_BYTES, Topics
 
 
 @dataclass
@@ -54,7 +54,7 @@ class BatchPublisher:
             "partitioner": "murmur2_random",
             "linger.ms": linger_ms,
             "batch.size": 1 << 20,
-            "message.max.bytes": 16 << 20,
+            "message.max.bytes": MAX_MESSAGE_BYTES,
             "queue.buffering.max.kbytes": 256 * 1024,
         }
         conf.update(config or {})

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+#: Largest message the broker takes (docker-compose.yml KAFKA_MESSAGE_MAX_BYTES, the local
+#: broker's message.max.bytes) and the producers may send.
+MAX_MESSAGE_BYTES = 16 << 20
+
 
 @dataclass(frozen=True)
 class TopicSpec:

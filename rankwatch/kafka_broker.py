@@ -36,7 +36,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic  # the class confluent_kafka.admin re-exports
 
-from ingest.topics import TopicSpec
+from ingest.topics import MAX_MESSAGE_BYTES, TopicSpec
 from rankwatch.settings import Settings
 
 Progress = Callable[[str], None]
@@ -376,7 +376,7 @@ class Broker:
             "transaction.state.log.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
             # Record batches aim at 64 KiB–1 MiB compressed; headroom as in docker-compose.yml.
-            "message.max.bytes": str(16 * 1024 * 1024),
+            "message.max.bytes": str(MAX_MESSAGE_BYTES),
             "num.network.threads": "2",
             "num.io.threads": "4",
         }

@@ -26,7 +26,7 @@ from faust.types import StreamT
 
 from ingest.batch import BatchError, decode_batch
 from ingest.records import MODELS
-from ingest.topics import Topics
+from ingest.topics import MAX_MESSAGE_BYTES, Topics
 from streams.ownership import owned_jobs
 from streams.raw_sink import DeadLetter, Message, RawSink
 from streams.store import ClickHouseStore
@@ -69,6 +69,9 @@ class StreamsApp:
             broker_commit_interval=cfg.commit_interval_s,
             topic_disable_leader=True,
             producer_compression_type="zstd",
+            # the broker's message.max.bytes (rankwatch/kafka_broker.py): a raw message of any
+            # size the broker took can be forwarded to the dead-letter topic
+            producer_max_request_size=MAX_MESSAGE_BYTES,
         )
         self.dlq_topic = self.app.topic(cfg.topics.dlq, value_serializer="raw",
                                         key_serializer="raw")

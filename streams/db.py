@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 import re
 import threading
 import time
@@ -47,6 +48,8 @@ from clickhouse_connect.driver.query import QueryResult
 
 from ingest.batch import Coded
 from streams import native
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -395,11 +398,14 @@ class Database:
                 return dict(self._described(sql, params))
             try:
                 return native.read_columns(data, coded=coded)[0]
-            except native.Unsupported:
+            except native.Unsupported as e:
                 # a type streams.native does not read: this SQL goes the generic way from now on
+                # (several times slower: worth a CAST in the SQL when it runs every tick)
                 if len(self._generic_sql) > 1024:
                     self._generic_sql.clear()
                 self._generic_sql.add(sql)
+                log.info("query result type %s is read by the generic reader: %.120s", e,
+                         " ".join(sql.split()))
         ctx = self._client.create_query_context(query=sql, parameters=params, use_numpy=True)
         result: Any = self._client.query(context=ctx)  # a NumpyResult for a numpy context
         arr, names = result.np_result, result.column_names

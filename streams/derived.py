@@ -73,8 +73,12 @@ class DerivedConfig:
     preview_iterations: bool = True
     preview_reach_ns: int = 10 * SEC
     tick_s: float = 0.25
+    #: A job whose windows fail is retried after tick_s, then twice as long each time, up to this.
+    max_retry_s: float = 30.0
     max_windows_per_tick: int = 16
     publish_rows: int = 20_000
+    #: Largest encoded message published to rw.<kind>: a batch over it is split (by rows).
+    publish_max_bytes: int = 1 << 20
 
 
 def checkpoint_columns(rows: Sequence[Checkpoint], now: int) -> dict[str, np.ndarray]:
@@ -137,7 +141,7 @@ SELECT rank,
        toInt8(transform(toString(comm_id), {ids:Array(String)}, {codes:Array(Int8)},
               multiIf(startsWith(comm_id, 'tp'), 0, startsWith(comm_id, 'pp'), 1,
                       startsWith(comm_id, 'dp'), 2, 3))) AS kind,
-       op IN ('AllReduce', 'ReduceScatter') AS grad_op, op_seq, step, bytes,
+       CAST(op IN ('AllReduce', 'ReduceScatter') AS UInt8) AS grad_op, op_seq, step, bytes,
        toUnixTimestamp64Nano(t_start) AS start_ns, toUnixTimestamp64Nano(t_end) AS end_ns
 FROM ops WHERE job_id = {job:String}
   AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
@@ -192,6 +196,8 @@ class DerivedRunner:
         self.stats = RunnerStats()
         self._topology: dict[str, tuple[list[str], list[int]]] = {}
         self._lock = asyncio.Lock()
+        #: job -> (monotonic time of its next try, the wait that set it) after failed ticks
+        self._backoff: dict[str, tuple[float, float]] = {}
 
     async def restore(self) -> None:
         """Resume from the stored checkpoints (once; later calls, and the first tick, find them
@@ -205,15 +211,23 @@ class DerivedRunner:
         async with self._lock:
             await self.restore()
             done = 0
+            now = time.monotonic()
             for job in list(self.windows.jobs):
+                retry_at, wait = self._backoff.get(job, (0.0, 0.0))
+                if now < retry_at:
+                    continue
                 try:
                     done += await self._job(job)
+                    self._backoff.pop(job, None)
                 except Exception as e:  # a failing job must not stall the others
                     log.debug("derived failure", exc_info=True)
                     self.stats.errors += 1
                     self.stats.last_error = f"{job}: {type(e).__name__}: {e}"
-                    log.warning("derived windows of %s failed (%s); retrying next tick",
-                                job, self.stats.last_error)
+                    # a lasting failure must not recompute the job's windows on every tick
+                    wait = min(self.cfg.max_retry_s, max(self.cfg.tick_s, 2 * wait))
+                    self._backoff[job] = (time.monotonic() + wait, wait)
+                    log.warning("derived windows of %s failed (%s); retrying in %.2g s",
+                                job, self.stats.last_error, wait)
             return done
 
     async def _job(self, job: str) -> int:
@@ -307,12 +321,20 @@ class DerivedRunner:
         self.stats.rows[kind] = self.stats.rows.get(kind, 0) + len(cols["rank"])
 
     async def _publish(self, kind: str, job: str, ws: int, cols: dict[str, np.ndarray]) -> None:
+        """rw.<kind> messages of at most `publish_rows` rows and `publish_max_bytes` encoded (a
+        part over the size is halved until it fits: wide rows, e.g. long kernel names)."""
         step = self.cfg.publish_rows
         n = len(cols["rank"])
-        for lo in range(0, n, step):
-            part = {k: v[lo:lo + step] for k, v in cols.items()}
+        todo = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+        while todo:
+            lo, hi = todo.pop(0)
+            part = {k: v[lo:hi] for k, v in cols.items()}
             data = encode_batch(kind, job, part, producer="rankwatch/streams", seq=ws // SEC,
                                 validate=False)
+            if len(data) > self.cfg.publish_max_bytes and hi - lo > 1:
+                mid = (lo + hi) // 2
+                todo[:0] = [(lo, mid), (mid, hi)]
+                continue
             await self.publish(kind, job, data)
 
     async def _insert(self, table: str, job: str, cols: dict[str, np.ndarray], token: str) -> None:

@@ -24,9 +24,12 @@ Contract:
   the job's largest event − `min_lateness_ns` (a late heartbeat in them only makes a liveness
   reading older; a late input record is late data as always); with no live source at all,
   the job's largest event time minus `lateness_ns` (the old rule: also right after a restart,
-  before any source is known), and once every source has been quiet for `idle_ns` the job has
-  stopped sending (it ended, or every host is gone): its windows close up to its largest event
-  time minus `min_lateness_ns`, so the last windows of a job are not left open. A window
+  before any source is known), and once every source has been quiet for `idle_ns` of wall clock
+  (counted from the restore for a job restored without any batch since) the job has stopped
+  sending (it ended, or every host is gone): every window up to and including the one holding
+  its largest event closes, so the last windows of a job — the partial window its final records
+  fall in — are not left open. (A job that sends again after such a pause finds those windows
+  closed: its records in them are late data, as below.) A window
   `[s, s+W)` is due once `s + W <= watermark`. The watermark never goes back (per job and
   derived kind).
 - A derived kind's windows close in order: `next_start` is the first window not yet closed, and
@@ -118,6 +121,8 @@ class JobState:
     max_ns: int
     kinds: dict[str, KindState] = field(default_factory=dict)
     sources: dict[tuple[str, str], Source] = field(default_factory=dict)
+    #: Wall clock of the restore that created this state (None: created by a batch).
+    restored_wall_ns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -214,13 +219,15 @@ class Windows:
         now, p = self.clock(), self.params
         live = {key: s for key, s in st.sources.items() if now - s.seen_wall_ns <= p.silent_ns}
         mine = [s.max_ns - s.lateness(p) for (_, k), s in live.items() if not inputs or k in inputs]
-        # the inputs are quiet while other sources go on, or the whole job is quiet: the inputs
-        # are as complete as they will be waited for
-        newest = max((s.seen_wall_ns for s in st.sources.values()), default=None)
-        quiet = bool(live) or (newest is not None and now - newest > p.idle_ns)
+        newest = max((s.seen_wall_ns for s in st.sources.values()),
+                     default=st.restored_wall_ns)
+        idle = newest is not None and now - newest > p.idle_ns
         if mine:
             wm = min(mine)
-        elif quiet:
+        elif idle:  # the job stopped sending: everything it sent is in, the last window too
+            wm = st.max_ns if kind is None else (
+                window_start(st.max_ns, self.specs[kind].width_ns) + self.specs[kind].width_ns)
+        elif live:  # the inputs are quiet while other sources go on: as complete as waited for
             wm = st.max_ns - p.min_lateness_ns
         else:
             wm = st.max_ns - self.lateness_ns
@@ -289,7 +296,8 @@ class Windows:
                 continue
             st = self.jobs.get(r.job_id)
             if st is None:
-                st = self.jobs[r.job_id] = JobState(r.next_start, r.max_ns)
+                st = self.jobs[r.job_id] = JobState(r.next_start, r.max_ns,
+                                                    restored_wall_ns=self.clock())
             st.max_ns = max(st.max_ns, r.max_ns)
             st.first_ns = min(st.first_ns, r.next_start)
             st.kinds[r.kind] = KindState(r.next_start)

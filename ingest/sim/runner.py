@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,7 +105,8 @@ class RunStats:
         return {
             "job_id": sim.cfg.job_id, "world": sim.layout.world, "steps": sim.steps_done,
             "stalled_at_s": sim.stalled_at, "sim_s": round(self.sim_s, 3),
-            "wall_s": round(self.wall_s, 3), "rows": sim.rows, "bytes": self.bytes,
+            "wall_s": round(self.wall_s, 3), "rows": sim.rows,
+            "rows_by_kind": dict(sim.rows_by_kind), "bytes": self.bytes,
             "batches": dict(self.batches),
             "rank_s_per_wall_s": round(sim.layout.world * self.sim_s / max(self.wall_s, 1e-9),
                                        1),
@@ -115,14 +116,16 @@ class RunStats:
 
 def run(sim: Simulation, sink: Sink, speed: str = "max",
         progress: Callable[[str], None] | None = None, sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic) -> RunStats:
-    """Drive `sim` into `sink`; returns counts and timings. `progress` gets a line now and then."""
+        clock: Callable[[], float] = time.monotonic,
+        kinds: Collection[str] | None = None) -> RunStats:
+    """Drive `sim` into `sink`; returns counts and timings. `progress` gets a line now and then;
+    `kinds` keeps only those raw kinds (benchmarks of one kind's path)."""
     if speed not in ("max", "realtime"):
         raise ValueError(f"speed={speed!r}: expected max or realtime")
     stats = RunStats()
     t0 = clock()
     last_note = t0
-    for release, kind, data in sim.batches():
+    for release, kind, data in sim.batches(kinds=kinds):
         if speed == "realtime":
             wait = release - (clock() - t0)
             if wait > 0:

@@ -15,12 +15,13 @@ run records `hang_tail_s` more seconds of heartbeats and snapshots, then ends.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterator, Sequence
 
 import numpy as np
 
 from ingest.batch import encode_batch, encode_topology
-from ingest.records import JobTopology
+from ingest.records import MODELS, JobTopology
 from ingest.sim.config import JobConfig
 from ingest.sim.emit import Clock, Cols, StepEmitter, comm_dictionary
 from ingest.sim.engine import Engine, OpGroup, StepResult, fault_onsets
@@ -56,6 +57,7 @@ class Simulation:
         self.t_last = 0.0
         self.truth: list[TruthRecord] = []
         self.rows = 0
+        self.rows_by_kind: Counter[str] = Counter()
 
     def topology(self) -> JobTopology:
         return self.layout.topology(self.cfg.job_id, self.cfg.epoch_ns, self.cfg.microbatches)
@@ -160,16 +162,25 @@ class Simulation:
                                    self.cfg.epoch_ns)
 
     # ------------------------------------------------------------------ batches
-    def batches(self, producer: str = "") -> Iterator[tuple[float, str, bytes]]:
+    def batches(self, producer: str = "", kinds: Collection[str] | None = None
+                ) -> Iterator[tuple[float, str, bytes]]:
         """Encoded record batches of at most `batch_rows` rows, merged per kind across calls
-        and flushed at each release time; the topology batch comes first."""
+        and flushed at each release time; the topology batch comes first. `kinds` keeps only
+        those raw kinds (the others are simulated, not encoded or counted in `rows`)."""
         producer = producer or f"sim/{self.cfg.job_id}"
+        if kinds is not None:
+            unknown = set(kinds) - set(MODELS)
+            if unknown:
+                raise ValueError(f"unknown record kinds {sorted(unknown)}; "
+                                 f"expected some of {', '.join(MODELS)}")
         yield 0.0, "jobs", encode_topology(self.topology(), producer=producer)
         seq = 0
         pending: dict[str, list[Cols]] = {}
         sizes: dict[str, int] = {}
         current = 0.0
         for release, kind, cols in self.records():
+            if kinds is not None and kind not in kinds:
+                continue
             if release != current:
                 for k in list(pending):
                     for data in self._encode(k, pending.pop(k), producer, seq):
@@ -193,6 +204,7 @@ class Simulation:
         cols = _concat(parts)
         n = len(cols["rank"])
         self.rows += n
+        self.rows_by_kind[kind] += n
         step = self.cfg.batch_rows
         for lo in range(0, n, step):
             part = {k: (v[0][lo:lo + step], v[1]) if isinstance(v, tuple) else v[lo:lo + step]

@@ -29,6 +29,10 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--job-id")
     p.add_argument("--clock-skew-ms", type=float)
+    p.add_argument("--kernel-every", type=int,
+                   help="kernel events every k-th step only (default 1: every step)")
+    p.add_argument("--kinds", help="publish only these raw kinds, comma-separated (e.g. "
+                   "ops,flows,chunks; default all): benchmarks of one kind's path")
     p.add_argument("--fault", action="append", default=[], help="fault spec (repeatable)")
     p.add_argument("--speed", choices=("realtime", "max"), default="max")
     p.add_argument("--out", default="kafka", help="'kafka' or a directory")
@@ -59,12 +63,21 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         else:
             cfg, faults = JobConfig(), []
         overrides = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatches", "steps",
-                                                   "seed", "job_id", "clock_skew_ms")
+                                                   "seed", "job_id", "clock_skew_ms",
+                                                   "kernel_every")
                      if getattr(args, k) is not None}
         if args.out == "kafka":  # live pipelines window and expire by wall-clock time
             overrides["epoch_ns"] = time.time_ns()
         cfg = cfg.with_(**overrides)
         faults += args.fault
+        kinds = None
+        if args.kinds:
+            from ingest.records import MODELS
+            kinds = frozenset(k.strip() for k in args.kinds.split(",") if k.strip())
+            unknown = sorted(kinds - set(MODELS))
+            if unknown or not kinds:
+                raise ValueError(f"--kinds {args.kinds!r}: unknown kinds {unknown}; expected "
+                                 f"some of {','.join(MODELS)}")
         for spec in faults:
             parse_fault(spec).target(cfg.layout)
     except FaultSpecError as e:
@@ -76,7 +89,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     sim = Simulation(cfg, faults)
     sink: Sink = (KafkaSink(settings.bootstrap, settings.topics, cfg.job_id)
                   if args.out == "kafka" else DirSink(args.out))
-    stats = run_sim(sim, sink, args.speed, None if args.quiet else stderr_progress)
+    stats = run_sim(sim, sink, args.speed, None if args.quiet else stderr_progress, kinds=kinds)
     summary = stats.summary(sim)
     if args.json:
         print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())

@@ -125,12 +125,30 @@ def test_windows_follow_other_sources_when_the_input_kind_stops() -> None:
 def test_a_quiet_job_closes_its_last_windows_and_a_restart_starts_cautious() -> None:
     wall = Wall()
     w = learning(wall)
-    feed(w, wall, "ops", 100 * S, 5)
-    wall.ns += 11 * S
-    assert w.watermark("j", "p") == 104 * S - S // 10
+    feed(w, wall, "ops", 100 * S + S // 2, 5)  # events up to 104.5 s
+    assert w.due("j", "p", 100)[-1] < 104 * S  # the window holding the last event waits
+    wall.ns += 11 * S  # every source quiet for longer than idle_ns: the job stopped
+    assert w.watermark("j", "p") == 105 * S
+    assert w.due("j", "p", 100)[-1] == 104 * S  # ... and its last, partial window closes
     fresh = learning(wall)
     fresh.restore(w.checkpoint("j"))
-    assert fresh.watermark("j", "p") == 104 * S - 2 * S  # no source known yet
+    assert fresh.watermark("j", "p") == 104 * S + S // 2 - 2 * S  # no source known yet
+    wall.ns += 11 * S  # nothing came after the restore either: the job is idle
+    assert fresh.watermark("j", "p") == 105 * S
+
+
+def test_a_job_that_sends_again_after_an_idle_close_is_late_only_where_it_was_closed() -> None:
+    wall = Wall()
+    w = Windows([WindowSpec("it", 10 * S, late_marks=True)], 2 * S,
+                WatermarkParams(idle_ns=10 * S), clock=wall)
+    w.observe("j", 100 * S, 103 * S, source="h1", kind="ops")
+    wall.ns += 11 * S
+    for s in w.due("j", "it"):
+        w.closed("j", "it", s)
+    assert w.open_window("j", "it")[0] == 110 * S  # [100, 110) closed on idle
+    assert w.observe("j", 104 * S, 112 * S, source="h1", kind="ops")  # marks [100, 110) late
+    assert w.late("j", "it") == [100 * S]
+    assert w.watermark("j", "it") == 110 * S  # never goes back
 
 
 def test_late_marks_are_reported_and_survive_a_restart() -> None:

@@ -1,0 +1,87 @@
+"""The derived runner's rw.<kind> messages stay under the size limit, whatever the row width.
+
+A 1,024-rank job's kernel summaries (60 s window, long kernel names) once made one 20,000-row
+message of 1.35 MB, over the Faust producer's request limit: the window's publish failed on every
+tick and its kernel_windows row was never written (found by `rankwatch bench streams`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+import numpy as np
+
+from ingest.batch import decode_batch
+from streams.db import Database
+from streams.derived import DerivedConfig, DerivedRunner
+
+
+def summaries(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    names = np.array([f"ampere_sgemm_{i}_" + "x" * 120 for i in range(64)], dtype=object)
+    return {"window_start": np.full(n, 60 * 10**9, np.int64),
+            "rank": rng.integers(0, 1024, n).astype(np.int32),
+            "stream": rng.integers(0, 4, n).astype(np.int64),
+            "kernel": names[rng.integers(0, 64, n)],
+            "cluster": rng.integers(0, 3, n).astype(np.int32),
+            "count": rng.integers(1, 1000, n).astype(np.int64),
+            "p50_ns": rng.integers(1000, 10**6, n).astype(np.int64),
+            "p99_ns": rng.integers(10**6, 10**7, n).astype(np.int64)}
+
+
+def publish(cols: dict[str, np.ndarray], **cfg: int) -> list[bytes]:
+    sent: list[bytes] = []
+
+    async def capture(kind: str, job: str, data: bytes) -> None:
+        assert (kind, job) == ("kernel_summaries", "j")
+        sent.append(data)
+
+    runner = DerivedRunner(cast(Database, None), capture, DerivedConfig(**cfg))
+    asyncio.run(runner._publish("kernel_summaries", "j", 60 * 10**9, cols))
+    return sent
+
+
+def test_wide_rows_are_split_under_the_size_limit_and_nothing_is_lost() -> None:
+    cols = summaries(5_000)
+    sent = publish(cols, publish_rows=20_000, publish_max_bytes=64 * 1024)
+    assert len(sent) > 1
+    assert max(len(m) for m in sent) <= 64 * 1024
+    parts = [decode_batch(m) for m in sent]
+    for k, v in cols.items():
+        got = np.concatenate([p.cols[k] for p in parts])
+        assert np.array_equal(got, v), k  # every row once, in order
+
+
+def test_small_batches_go_in_row_chunks_as_before() -> None:
+    cols = summaries(250)
+    sent = publish(cols, publish_rows=100, publish_max_bytes=1 << 20)
+    assert [len(decode_batch(m).cols["rank"]) for m in sent] == [100, 100, 50]
+
+
+def test_a_job_whose_windows_keep_failing_is_retried_with_backoff(monkeypatch) -> None:
+    """A lasting failure (here: every tick raises) is retried after tick_s, then 2x, 4x … up to
+    max_retry_s, not recomputed on every tick; the other jobs go on."""
+    now = [1000.0]
+    monkeypatch.setattr("streams.derived.time.monotonic", lambda: now[0])
+    runner = DerivedRunner(cast(Database, None), lambda *a: None,  # type: ignore[arg-type,return-value]
+                           DerivedConfig(tick_s=0.25, max_retry_s=2.0))
+    runner.windows.restored = True
+    runner.windows.observe("bad", 10**9, 2 * 10**9)
+    runner.windows.observe("good", 10**9, 2 * 10**9)
+    calls: list[tuple[float, str]] = []
+
+    async def job(name: str) -> int:
+        calls.append((now[0], name))
+        if name == "bad":
+            raise RuntimeError("publish failed")
+        return 0
+
+    monkeypatch.setattr(runner, "_job", job)
+    for _ in range(40):  # 10 s of ticks
+        asyncio.run(runner.tick())
+        now[0] += 0.25
+    bad = [t - 1000.0 for t, n in calls if n == "bad"]
+    assert bad == [0.0, 0.25, 0.75, 1.75, 3.75, 5.75, 7.75, 9.75]
+    assert sum(n == "good" for _, n in calls) == 40
+    assert runner.stats.errors == len(bad)
