@@ -142,9 +142,12 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
 
 def iteration_rows(stages: Mapping[str, np.ndarray], ops: OpFrame, ws: int, we: int, *,
                    max_step_ns: int, grad_collectives_per_step: int = 1,
-                   preview: bool = False) -> dict[str, np.ndarray]:
+                   preview: bool = False, report: dict[str, int] | None = None
+                   ) -> dict[str, np.ndarray]:
     """Iteration columns (the `iterations` contract, without job_id) for steps ending in
-    [ws, we); `preview` keeps only exactly known rows. See the module docstring."""
+    [ws, we); `preview` keeps only exactly known rows. See the module docstring. `report`, when
+    given, gets "estimated": how many of the rows have a start estimated (a rank's first step
+    in the frame) — 0 means the frame reached back far enough for every row."""
     s_rank = stages["rank"].astype(np.int64)
     s_step = stages["step"].astype(np.int64)
     durations = np.stack([stages[n].astype(np.int64) for n in STAGE_NAMES]) if len(s_rank) \
@@ -158,6 +161,9 @@ def iteration_rows(stages: Mapping[str, np.ndarray], ops: OpFrame, ws: int, we: 
     d_keep = ~np.isin(d_key, s_key)
     if preview:
         d_keep &= d_exact & ~np.isin(d_rank, s_rank)
+    if report is not None:
+        d_in = d_keep & (d_t1 >= ws) & (d_t1 < we)
+        report["estimated"] = int((d_in & ~d_exact).sum())
     rank = np.r_[s_rank, d_rank[d_keep]]
     step = np.r_[s_step, d_step[d_keep]]
     t0 = np.r_[s_t0, d_t0[d_keep]]

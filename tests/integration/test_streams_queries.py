@@ -50,12 +50,13 @@ CLOCK = Clock()
 
 
 async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ignore[assignment]
-               runner: DerivedRunner | None = None, upto: float = 1.0) -> DerivedRunner:
+               runner: DerivedRunner | None = None, upto: float = 1.0,
+               kinds: frozenset[str] | None = None) -> DerivedRunner:
     clock = CLOCK
     runner = runner or DerivedRunner(db, _nothing, config(), clock=clock)
     await runner.restore()
     store = ObservingStore(ClickHouseWriter(db), runner.windows)
-    batches = list(Simulation(cfg, faults).batches())
+    batches = list(Simulation(cfg, faults).batches(kinds=kinds))
     stop = int(len(batches) * upto)
     for i, (_, kind, data) in enumerate(batches[:stop]):
         b = decode_batch(data)
@@ -295,3 +296,38 @@ def test_a_late_mark_survives_a_crash_before_the_recomputation(clickhouse_db: Da
     assert step4() == (8, 0)  # inferred from the DP collective while the stage records were out
     asyncio.run(second())
     assert step4() == (8, 8)
+
+
+@pytest.mark.parametrize("kinds", [None, frozenset({"ops", "beats"})],
+                         ids=["stage records", "steps from the DP collective"])
+def test_short_iteration_frames_give_the_rows_of_full_frames(clickhouse_db: Database,
+                                                             kinds: frozenset[str] | None) -> None:
+    """Iteration windows are read from a frame reaching twice the recent step time back, not
+    max_step_ns (60 s), when that gives the same rows: every stored window equals its full-frame
+    recomputation, with a slowdown and a hang in the job (steps longer than the reach fall back)."""
+    job = "frames" if kinds is None else "frames-dp"
+    cfg = JobConfig(job_id=job, tp=2, pp=2, dp=2, steps=40, microbatches=4, seed=4,
+                    hang_tail_s=15)
+    faults = ["gpu_slow rank=3 factor=4.0 at=6s", "hang rank=6 stage=bwd mb=2 at=14s"]
+    runner = asyncio.run(load(clickhouse_db, cfg, faults, kinds=kinds))
+    assert runner.stats.short_frames >= 2 and runner.stats.full_frames >= 1
+    names = ("rank", "step", "source", "t_start", "t_end", "step_ns", "compute_ns",
+             "tp_comm_ns", "pp_comm_ns", "dp_comm_ns", "ops", "op_bytes")
+    select = ", ".join(f"toUnixTimestamp64Nano({n})" if n in ("t_start", "t_end") else n
+                       for n in names)
+    width = 5 * SEC
+    windows = sorted({int(r[0]) // width * width for r in clickhouse_db.query(
+        f"SELECT toUnixTimestamp64Nano(t_end) FROM iterations WHERE job_id = '{job}'"
+    ).result_rows})
+    assert len(windows) >= 3
+    for ws in windows:
+        full = asyncio.run(runner._iterations(job, ws))
+        order = np.lexsort((full["step"], full["rank"]))
+        want = [tuple(full[n][i].item() if isinstance(full[n][i], np.generic) else full[n][i]
+                      for n in names) for i in order]
+        got = clickhouse_db.query(
+            f"SELECT {select} FROM iterations FINAL WHERE job_id = '{job}' "
+            "AND toUnixTimestamp64Nano(t_end) >= {ws:Int64} "
+            "AND toUnixTimestamp64Nano(t_end) < {we:Int64} ORDER BY rank, step",
+            {"ws": ws, "we": ws + width}).result_rows
+        assert [tuple(r) for r in got] == want, ws
