@@ -156,7 +156,10 @@ SELECT
      AND t_start < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
      AND t_end >= fromUnixTimestamp64Nano({t0:Int64}, 'UTC')
      AND t_end < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
-     AND toString(comm_id) IN {dp:Array(String)} AND op IN ('AllReduce', 'ReduceScatter')) AS ops,
+     AND op IN ('AllReduce', 'ReduceScatter')
+     AND transform(toString(comm_id), {ids:Array(String)}, {codes:Array(Int8)},
+                   multiIf(startsWith(comm_id, 'tp'), 0, startsWith(comm_id, 'pp'), 1,
+                           startsWith(comm_id, 'dp'), 2, 3)) = 2) AS ops,
   (SELECT count() FROM stages WHERE job_id = {job:String}
      AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
      AND t_start < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
@@ -323,14 +326,11 @@ class DerivedRunner:
         """Whether a stored record can end a step in [t0, t1): a DP gradient collective or a
         stage record (starting at or after `lo`). A count over a few columns, so a preview tick
         with nothing new does not read and recompute its whole frame (most ticks: a step has
-        one gradient collective per rank, ticks come every 0.25 s). True when the job's
-        communicators are not known yet."""
+        one gradient collective per rank, ticks come every 0.25 s). Communicators are
+        classified as in `OPS_SQL`: the job's topology, else the name's prefix."""
         ids, codes = await self._comm_kinds(job)
-        dp = [i for i, c in zip(ids, codes, strict=True) if c == KIND_CODES["dp"]]
-        if not ids:
-            return True
         got = await self.db.aquery_columns(STEP_ENDS_SQL, {
-            "job": job, "lo": lo, "t0": t0, "t1": t1, "dp": dp})
+            "job": job, "lo": lo, "t0": t0, "t1": t1, "ids": ids, "codes": codes})
         return bool(int(got["ops"][0]) or int(got["stages"][0]))
 
     def _reach(self, job: str) -> int:

@@ -51,7 +51,7 @@ CLOCK = Clock()
 
 async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ignore[assignment]
                runner: DerivedRunner | None = None, upto: float = 1.0,
-               kinds: frozenset[str] | None = None) -> DerivedRunner:
+               kinds: frozenset[str] | None = None, topology: bool = True) -> DerivedRunner:
     clock = CLOCK
     runner = runner or DerivedRunner(db, _nothing, config(), clock=clock)
     await runner.restore()
@@ -61,7 +61,8 @@ async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ig
     for i, (_, kind, data) in enumerate(batches[:stop]):
         b = decode_batch(data)
         if kind == "jobs":
-            await store.write_topologies(b.topologies, f"jobs:{cfg.job_id}:{i}")
+            if topology:
+                await store.write_topologies(b.topologies, f"jobs:{cfg.job_id}:{i}")
         else:
             await store.write(kind, [b], f"{cfg.job_id}:{i}", sources=[(0, i)])
         clock.pause(0.05)
@@ -331,3 +332,32 @@ def test_short_iteration_frames_give_the_rows_of_full_frames(clickhouse_db: Data
             "AND toUnixTimestamp64Nano(t_end) < {we:Int64} ORDER BY rank, step",
             {"ws": ws, "we": ws + width}).result_rows
         assert [tuple(r) for r in got] == want, ws
+
+
+@pytest.mark.parametrize("topology", [True, False], ids=["topology", "comm names only"])
+def test_previews_publish_exact_step_rows_before_their_window(clickhouse_db: Database,
+                                                             topology: bool) -> None:
+    """Every tick previews the open iterations window (after a count says a step can have
+    ended): previewed rows are published before their window closes, and their bounds are
+    the stored rows'. Without the job's topology, communicators are told by name, as in the
+    window's own read."""
+    job = f"previews-{topology}"
+    published: list[RecordBatch] = []
+
+    async def capture(kind: str, job_id: str, data: bytes) -> None:
+        if kind == "iterations":
+            published.append(decode_batch(data))
+
+    runner = DerivedRunner(clickhouse_db, capture, config(), clock=CLOCK)
+    cfg = JobConfig(job_id=job, tp=2, pp=2, dp=2, steps=30, microbatches=4, seed=5)
+    asyncio.run(load(clickhouse_db, cfg, runner=runner, kinds=frozenset({"ops", "beats"}),
+                     topology=topology))
+    assert runner.stats.previews >= 2
+    stored = {(int(r[0]), int(r[1])): (int(r[2]), int(r[3])) for r in clickhouse_db.query(
+        "SELECT rank, step, toUnixTimestamp64Nano(t_start), toUnixTimestamp64Nano(t_end) "
+        f"FROM iterations FINAL WHERE job_id = '{job}'").result_rows}
+    rows = [(int(r), int(st), int(a), int(b)) for batch in published for r, st, a, b in zip(
+        batch.cols["rank"], batch.cols["step"], batch.cols["t_start"], batch.cols["t_end"],
+        strict=True)]
+    assert len(rows) > len(stored)  # previews, then every window's rows again
+    assert all(stored[(r, st)] == (a, b) for r, st, a, b in rows)
