@@ -34,8 +34,9 @@ class KernelParams:
 RANGE = """job_id = {job:String} AND t_start >= fromUnixTimestamp64Nano({ws:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')"""
 COUNT_SQL = f"SELECT count() AS n, min(rank) AS lo, max(rank) AS hi FROM kernels WHERE {RANGE}"
-NAMES_SQL = f"""SELECT DISTINCT cityHash64(kernel) AS h, toString(kernel) AS name FROM kernels
-WHERE {RANGE}"""
+# distinct names first (a LowCardinality column's dictionary), then one hash per name
+NAMES_SQL = f"""SELECT cityHash64(name) AS h, name FROM (
+SELECT DISTINCT toString(kernel) AS name FROM kernels WHERE {RANGE})"""
 EVENTS_SQL = f"""SELECT rank, stream, cityHash64(kernel) AS h, duration FROM kernels
 WHERE {RANGE} AND rank >= {{r0:Int32}} AND rank < {{r1:Int32}}"""
 
