@@ -178,6 +178,9 @@ _STRIP = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|`(?:[^`\\]|\\.)*`|--
                     r"""|/\*.*?\*/""", re.S)
 _HAS_FORMAT = re.compile(r"\bFORMAT\s+\w+\s*(?:SETTINGS\b.*)?;?\s*$", re.I | re.S)
 _ROWS = re.compile(r"^[\s(]*(SELECT|WITH|SHOW|DESC|DESCRIBE|EXPLAIN|EXISTS|CHECK)\b", re.I)
+#: Statements that change a connection handle's state (settings, current database, roles,
+#: temporary tables): run on a handle of their own by the SQL endpoint.
+_HANDLE_STATE = re.compile(r"^\s*(?:SET|USE|CREATE|DROP)\b", re.I)
 _FILE_WRITE = re.compile(r"\bINTO\s+OUTFILE\b|\bINTO\s+(?:TABLE\s+)?FUNCTION\b", re.I)
 
 
@@ -229,6 +232,8 @@ class Database:
         self.database = database
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
         self._thread: int | None = None
+        #: The SQL endpoint's shared read-only handle (embedded engine only; `_execute_sql`).
+        self._readonly_handle: Client | None = None
         self._shapes: dict[str, _TableShape] = {}
         self._generic_sql: set[str] = set()  # queries whose results streams.native cannot read
         self._empty_shapes: dict[str, list[tuple[str, np.dtype[Any]]]] = {}
@@ -326,10 +331,16 @@ class Database:
         statements that return rows and have no FORMAT clause; the reply is ClickHouse's text."""
         return self._call(self._execute_sql, sql, fmt, readonly)
 
+    def _drop_readonly_handle(self) -> None:
+        handle, self._readonly_handle = self._readonly_handle, None
+        if handle is not None:
+            handle.close()
+
     def close(self) -> None:
         if self._closed:
             return
         try:
+            self._call(self._drop_readonly_handle)
             self._call(self._client.close)
         finally:
             self._closed = True
@@ -494,8 +505,23 @@ class Database:
         out_fmt = fmt if wants_format(sql) else None
         if not self.target.embedded:  # HTTP: settings ride on this one request only
             return self._client.raw_query(sql, fmt=out_fmt, settings=settings)
-        # chdb: SET is per connection handle and readonly cannot be unset once set, so each call
-        # opens its own handle on the same engine (a few ms) and closes it.
+        # chdb: SET and USE are per connection handle and readonly cannot be unset once set.
+        # Read-only queries share one read-only handle (opening one costs ~11 ms of CPU:
+        # clickhouse-connect reads the server's settings); a statement that changes the
+        # handle's state (SET, USE, ...) and every writable call get a handle of their own,
+        # closed after the call, so nothing carries over from one call to the next.
+        if readonly and not _HANDLE_STATE.match(strip_sql(sql)):
+            if self._readonly_handle is None:
+                handle = self._connect(settings)
+                handle.database = self.database
+                self._readonly_handle = handle
+            try:
+                return self._readonly_handle.raw_query(sql, fmt=out_fmt)
+            except _DriverError:
+                raise  # the query failed, the handle is fine
+            except BaseException:
+                self._drop_readonly_handle()
+                raise
         session = self._connect(settings)
         try:
             session.database = self.database

@@ -320,6 +320,24 @@ def test_execute_sql_sessions_do_not_leak(clickhouse_db: Database) -> None:
     assert count(db, "beats") == 2
 
 
+def test_read_only_queries_share_one_handle_and_state_changes_do_not_reach_it(
+        clickhouse_db: Database) -> None:
+    """The endpoint's read-only queries reuse one read-only handle (opening one costs ~11 ms of
+    CPU); SET and USE run on handles of their own, so the shared one keeps its database and
+    settings, and stays read-only after a refused query."""
+    db = clickhouse_db
+    db.execute_sql("SELECT 1", "TSV")
+    shared = db._readonly_handle
+    assert shared is not None
+    db.execute_sql("SET max_threads = 1", "TSV")
+    db.execute_sql("USE system", "TSV")
+    with pytest.raises(ClickHouseError, match="READONLY"):
+        db.execute_sql("SELECT 1 SETTINGS readonly = 0", "TSV")
+    assert db.execute_sql("SELECT currentDatabase(), getSetting('max_threads') = 1, "
+                          "getSetting('readonly')", "TSV") == f"{db.database}\t0\t2\n".encode()
+    assert db._readonly_handle is shared
+
+
 def test_execute_sql_format_rules(clickhouse_db: Database) -> None:
     db = clickhouse_db
     assert db.execute_sql("SELECT 1 AS x", "JSONEachRow") == b'{"x":1}\n'
