@@ -14,8 +14,9 @@ Contract:
   codes + dictionary); int64 nanoseconds go into `DateTime64(9)` columns as raw ticks (no
   datetime objects anywhere).
 - `execute_sql` is the SQL endpoint's path: ClickHouse's formatted output as bytes, read-only by
-  default (ClickHouse's `readonly=2`), with each call in its own session so `SET`/`USE` never leak
-  into the writer's connection or the next caller's query.
+  default (ClickHouse's `readonly=2`). Read-only queries share one read-only session; `SET`,
+  `USE`, `CREATE`, `DROP` and writable calls each get a session of their own, so `SET`/`USE`
+  never leak into the writer's connection or the next caller's query.
 
 Migrations (`migrate`) are the numbered files in sql/ (see sql/README.md): applied in order, each
 recorded in `schema_migrations` with its checksum; editing an applied file is an error.
