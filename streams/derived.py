@@ -136,17 +136,23 @@ FROM stages WHERE job_id = {job:String}
   AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')
 """
+#: A communicator's kind code (iterations.KIND_CODES): from the job's topology (`ids` ->
+#: `codes`), else from the name's prefix.
+COMM_KIND_SQL = """toInt8(transform(toString(comm_id), {ids:Array(String)}, {codes:Array(Int8)},
+              multiIf(startsWith(comm_id, 'tp'), 0, startsWith(comm_id, 'pp'), 1,
+                      startsWith(comm_id, 'dp'), 2, 3)))"""
 OPS_SQL = """
 SELECT rank,
-       toInt8(transform(toString(comm_id), {ids:Array(String)}, {codes:Array(Int8)},
-              multiIf(startsWith(comm_id, 'tp'), 0, startsWith(comm_id, 'pp'), 1,
-                      startsWith(comm_id, 'dp'), 2, 3))) AS kind,
+       """ + COMM_KIND_SQL + """ AS kind,
        CAST(op IN ('AllReduce', 'ReduceScatter') AS UInt8) AS grad_op, op_seq, step, bytes,
        toUnixTimestamp64Nano(t_start) AS start_ns, toUnixTimestamp64Nano(t_end) AS end_ns
 FROM ops WHERE job_id = {job:String}
   AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')
 """
+#: A stage record's end (ns): its start plus the six durations (streams/iterations.py).
+STAGE_END_SQL = """(toUnixTimestamp64Nano(t_start) + data_next_wait + model_fwd_loss
+     + model_backward + callbacks + optim_step + step_other)"""
 #: Records that may end a step in [t0, t1) (streams/iterations.py: a DP gradient collective or
 #: a stage record), among those starting at or after `lo`.
 STEP_ENDS_SQL = """
@@ -157,16 +163,12 @@ SELECT
      AND t_end >= fromUnixTimestamp64Nano({t0:Int64}, 'UTC')
      AND t_end < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
      AND op IN ('AllReduce', 'ReduceScatter')
-     AND transform(toString(comm_id), {ids:Array(String)}, {codes:Array(Int8)},
-                   multiIf(startsWith(comm_id, 'tp'), 0, startsWith(comm_id, 'pp'), 1,
-                           startsWith(comm_id, 'dp'), 2, 3)) = 2) AS ops,
+     AND """ + COMM_KIND_SQL + """ = 2) AS ops,
   (SELECT count() FROM stages WHERE job_id = {job:String}
      AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
      AND t_start < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
-     AND toUnixTimestamp64Nano(t_start) + data_next_wait + model_fwd_loss + model_backward
-         + callbacks + optim_step + step_other >= {t0:Int64}
-     AND toUnixTimestamp64Nano(t_start) + data_next_wait + model_fwd_loss + model_backward
-         + callbacks + optim_step + step_other < {t1:Int64}) AS stages
+     AND """ + STAGE_END_SQL + """ >= {t0:Int64}
+     AND """ + STAGE_END_SQL + """ < {t1:Int64}) AS stages
 """
 #: Records that start before an iterations frame (from `far`, max_step_ns before the window, to
 #: `lo`) and end in or after the window: if any, the short frame misses a step's records.
@@ -179,8 +181,7 @@ SELECT
   (SELECT count() FROM stages WHERE job_id = {job:String}
      AND t_start >= fromUnixTimestamp64Nano({far:Int64}, 'UTC')
      AND t_start < fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
-     AND toUnixTimestamp64Nano(t_start) + data_next_wait + model_fwd_loss + model_backward
-         + callbacks + optim_step + step_other >= {ws:Int64}) AS stages
+     AND """ + STAGE_END_SQL + """ >= {ws:Int64}) AS stages
 """
 TOPOLOGY_SQL = """
 SELECT comm_ids, comm_kinds FROM jobs FINAL WHERE job_id = {job:String} LIMIT 1
