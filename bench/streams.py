@@ -89,7 +89,6 @@ class Phase:
     kinds: str
     tables: tuple[str, ...]
     published: dict[str, int] = field(default_factory=dict)
-    result: dict[str, Any] = field(default_factory=dict)
 
 
 def run_phase(settings: Settings, pid: int, phase: Phase, args: argparse.Namespace,
