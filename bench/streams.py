@@ -1,6 +1,7 @@
 """Streams throughput and worker memory, end to end from the broker, per record kind.
 
-    rankwatch bench streams [--tp 8 --pp 4 --dp 32] [--comm-steps 48] [--kernel-steps 24] [--json]
+    rankwatch bench streams [--tp 8 --pp 4 --dp 32] [--comm-steps 48] [--kernel-steps 24]
+                            [--only ops|kernels] [--json]
     rankwatch bench streams --in-process [--ranks 1024] [--kernel-events 4000000] [--json]
 
 End to end (the default): starts a private local stack (the code of `rankwatch up`: a KRaft
@@ -191,6 +192,8 @@ def run_end_to_end(args: argparse.Namespace, home: Path, say: Any) -> dict[str, 
             raise RuntimeError("the worker is not running")
         out: dict[str, Any] = {"ranks": args.tp * args.pp * args.dp}
         for name, (kinds, tables) in PHASES.items():
+            if name not in args.phases:
+                continue
             steps = args.comm_steps if name == "op/flow/chunk" else args.kernel_steps
             out[name] = run_phase(settings, pid, Phase(name, kinds, tables), args, steps, say)
         return out
@@ -275,6 +278,8 @@ def print_end_to_end(r: dict[str, Any]) -> None:
     print(f"streams, end to end from the broker ({r['ranks']:,}-rank simulated job; "
           "simulator, broker and worker on this machine; per worker CPU-second):")
     for name in PHASES:
+        if name not in r:
+            continue
         p = r[name]
         kinds = ", ".join(f"{k} {v:,}" for k, v in p["by_kind"].items())
         print(f"  {name}: {p['records']:,} records ({kinds}), {p['steps']} steps")
@@ -308,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps of the op/flow/chunk job (default 48)")
     p.add_argument("--kernel-steps", type=int, default=24,
                    help="steps of the kernel job (default 24)")
+    p.add_argument("--only", choices=("ops", "kernels"),
+                   help="run one phase: op/flow/chunk records or kernel events")
     p.add_argument("--in-process", action="store_true",
                    help="the derived stage alone, in process, without broker or raw ingest")
     p.add_argument("--ranks", type=int, default=1024, help="--in-process: ranks")
@@ -320,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                  "ops_per_s"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    a.phases = {"ops": ("op/flow/chunk",), "kernels": ("kernels",), None: tuple(PHASES)}[a.only]
     if not a.in_process:
         def say(message: str) -> None:
             if not a.json:

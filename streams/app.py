@@ -191,4 +191,6 @@ class StreamsApp:
         st = self.derived.stats
         return {"windows": dict(st.windows), "rows": dict(st.rows),
                 "late_recomputed": st.late_recomputed, "errors": st.errors,
+                "kernel_windows_from_memory": self.derived.kernels.buffer.hits,
+                "kernel_windows_read_back": self.derived.kernels.buffer.misses,
                 "last_error": st.last_error}

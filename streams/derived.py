@@ -50,7 +50,7 @@ import numpy as np
 from ingest.batch import TIME_COLUMN, RecordBatch, encode_batch
 from streams.db import Database
 from streams.iterations import KIND_CODES, OTHER_KIND, OpFrame, iteration_rows
-from streams.kernel_summaries import KernelParams, KernelSummarizer
+from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarizer
 from streams.progress import ProgressFeed, ProgressParams
 from streams.store import ClickHouseStore
 from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec
@@ -92,13 +92,16 @@ def checkpoint_columns(rows: Sequence[Checkpoint], now: int) -> dict[str, np.nda
 
 class ObservingStore(ClickHouseStore):
     """The raw sinks' store; reports each stored batch's event-time range, producer and kind to
-    `windows`. A batch that marks closed windows late has the mark stored (the job's checkpoint)
-    before `write` returns, i.e. before the raw sink acks the batch. The stored checkpoints are
-    loaded into `windows` before the first batch is observed (`restore_windows`)."""
+    `windows`, and hands stored kernel batches to `kernels` (the runner's `kernels.buffer`:
+    summaries from memory, streams/kernel_summaries.py). A batch that marks closed windows late
+    has the mark stored (the job's checkpoint) before `write` returns, i.e. before the raw sink
+    acks the batch. The stored checkpoints are loaded into `windows` before the first batch is
+    observed (`restore_windows`)."""
 
-    def __init__(self, writer: ClickHouseWriter, windows: Windows) -> None:
+    def __init__(self, writer: ClickHouseWriter, windows: Windows,
+                 kernels: KernelBuffer | None = None) -> None:
         super().__init__(writer)
-        self.windows = windows
+        self.windows, self.kernels = windows, kernels
 
     async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
                     sources: Sequence[tuple[int, int]]) -> int:
@@ -119,6 +122,10 @@ class ObservingStore(ClickHouseStore):
                 if self.windows.observe(b.job_id, int(known.min()), hi, source=b.producer,
                                         kind=kind):
                     marked.add(b.job_id)
+                if kind == "kernels" and self.kernels is not None:
+                    self.kernels.close(b.job_id, self.windows.open_window(
+                        b.job_id, "kernel_summaries")[0])
+                    self.kernels.add(b)
         except Exception:
             log.exception("derived windows: observing a %s write failed", kind)
         for job in sorted(marked):  # a failure here fails the write: the batch comes again

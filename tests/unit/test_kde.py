@@ -131,3 +131,21 @@ def test_cluster_counts_are_invariant_to_sample_order(
     other = kde.summarize(keys[perm], d[perm], params)
     np.testing.assert_array_equal(base.count, other.count)
     np.testing.assert_array_equal(base.p50, other.p50)
+
+
+@pytest.mark.parametrize("key_hi", [1 << 10, 1 << 40])
+def test_integer_durations_sorted_packed_give_the_general_paths_summaries(key_hi: int) -> None:
+    """Non-negative integer durations take the one-sort packed path (keys up to 2**10: it fits;
+    up to 2**40 with durations of 2**30: it does not and falls back); the result is the float
+    path's, which sorts by two argsorts."""
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, key_hi, 50)[rng.integers(0, 50, 20_000)]
+    d = np.rint(_mixture([2e4, 3e5], 0.2, 10_000, seed=5)).astype(np.int64)
+    d[:3] = [0, 1, 1 << 30]
+    assert (kde._packed_sort(keys.astype(np.int64), d) is None) == (key_hi > 1 << 20)
+    a = kde.summarize(keys, d)
+    b = kde.summarize(keys, d.astype(np.float64))
+    for f in ("key", "cluster", "count", "p50", "p99"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+    assert kde._packed_sort(np.array([-1, 2]), np.array([5, 6])) is None  # negative key
+    assert kde._packed_sort(np.array([1, 2]), np.array([-5, 6])) is None  # negative duration
