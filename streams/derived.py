@@ -280,6 +280,9 @@ class DerivedRunner:
 
     async def _job(self, job: str) -> int:
         w, limit, done = self.windows, self.cfg.max_windows_per_tick, 0
+        for kind in ("progress", "iterations", "kernel_summaries"):
+            if not w.fed(job, kind):  # no input record of the job yet: nothing to read
+                done += w.skip_due(job, kind)
         for ws in w.due(job, "progress", limit):
             await self._emit("progress", job, ws, await self.progress.compute(job, ws))
             w.closed(job, "progress", ws)
@@ -295,7 +298,7 @@ class DerivedRunner:
             await self._emit("iterations", job, ws, await self._window_iterations(job, ws))
             w.closed(job, "iterations", ws)
             done += 1
-        if self.cfg.preview_iterations:
+        if self.cfg.preview_iterations and w.fed(job, "iterations"):
             await self._preview(job)
         for ws in w.due(job, "kernel_summaries", 2):
             rows, window = await self.kernels.compute(job, ws)

@@ -237,6 +237,22 @@ class Windows:
         ks.watermark = max(ks.watermark, wm)
         return ks.watermark
 
+    def fed(self, job: str, kind: str) -> bool:
+        """Whether windows of derived `kind` of `job` can hold records: a batch of one of its
+        input kinds was observed, or the job's state was restored (what the previous worker
+        stored is unknown). False for a job whose batches so far were all of other kinds (a
+        kernel-only producer's job has no progress or iteration rows): the runner closes such
+        windows without reading them. (Not exact in one case: a job whose previous worker stored
+        input records but crashed before the job's first checkpoint, i.e. within its first
+        windows, and whose first batch after the restart is of another kind.)"""
+        st = self.jobs.get(job)
+        if st is None:
+            return False
+        if st.restored_wall_ns is not None:
+            return True
+        inputs = self.specs[kind].inputs
+        return not inputs or any(k in inputs for _, k in st.sources)
+
     def due(self, job: str, kind: str, limit: int = 64) -> list[int]:
         """Starts of windows of `kind` ready to close, oldest first, at most `limit`."""
         st = self.jobs.get(job)
@@ -271,6 +287,16 @@ class Windows:
             raise ValueError(f"{job}/{kind}: closing {start} but the next window is "
                              f"{ks.next_start}")
         ks.next_start = start + self.specs[kind].width_ns
+
+    def skip_due(self, job: str, kind: str) -> int:
+        """Close every due window of `kind` unread (`fed` is False); returns how many."""
+        n = len(self.due(job, kind, 1))
+        if n:
+            ks = self._kind(self.jobs[job], kind)
+            w = self.specs[kind].width_ns
+            n = max(0, (self.watermark(job, kind) - ks.next_start) // w)
+            ks.next_start += n * w
+        return n
 
     def recomputed(self, job: str, kind: str, start: int) -> None:
         self.jobs[job].kinds[kind].late.discard(start)

@@ -167,3 +167,22 @@ def test_late_marks_are_reported_and_survive_a_restart() -> None:
     for s in (170 * S, 180 * S):
         fresh.recomputed("j", "it", s)
     assert Checkpoint("j", "it" + LATE_SUFFIX, -1, -1) in fresh.checkpoint("j")
+
+
+def test_windows_of_a_kind_without_input_are_skipped_until_one_arrives() -> None:
+    """A job whose batches are all kernels has no op records: its progress windows are closed
+    unread (`fed`, `skip_due`); once an op batch is observed they are computed again, and a
+    restored job is always read (what the previous worker stored is unknown)."""
+    clock = [0]
+    w = Windows([WindowSpec("progress", S, inputs=("ops",)),
+                 WindowSpec("kernel_summaries", 10 * S, inputs=("kernels",))],
+                S, clock=lambda: clock[0])
+    w.observe("k", 5 * S, 9 * S, source="h", kind="kernels")
+    assert not w.fed("k", "progress") and w.fed("k", "kernel_summaries")
+    due = w.due("k", "progress")
+    assert due and w.skip_due("k", "progress") == len(due)
+    assert w.due("k", "progress") == [] and w.skip_due("k", "progress") == 0
+    w.observe("k", 9 * S, 12 * S, source="h", kind="ops")
+    assert w.fed("k", "progress")
+    w.restore([Checkpoint("r", "progress", 3 * S, 4 * S)])
+    assert w.fed("r", "progress")
