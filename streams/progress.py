@@ -3,9 +3,14 @@
 One window `[ws, we)` of one job (default 1 s) costs three GROUP BY queries in ClickHouse and one
 vectorized merge here, whatever the number of ranks:
 
-- A. ops with t_start in `[ws − op_lookback, we)`, grouped by (rank, comm_id): the highest op_seq
-  completed before `we`, the calls that completed inside the window (count, bytes, first and last
-  end), the calls in flight at `we` (started, and t_end = 0 or ≥ we) and the oldest one's start;
+- A. ops with t_start in `[ws − op_lookback, we)` still running at `ws` (t_end = 0 or ≥ ws),
+  grouped by (rank, comm_id): the highest op_seq completed in the window, the calls that
+  completed inside the window (count, bytes, first and last end), the calls in flight at `we`
+  (started, and t_end = 0 or ≥ we) and the oldest one's start. A call that ended before `ws` was
+  counted by an earlier window (the one holding its end; its start is in that window's range or
+  query B's), so the carried state already has its op_seq and start: the t_end minmax index lets
+  ClickHouse skip the lookback's granules of finished calls (94 → 60 ms per window of a
+  1,024-rank job at 500,000 ops/s, `rankwatch bench streams --in-process`);
 - B. calls that started before that range (up to `hang_horizon` back) and are still in flight
   (t_end = 0) or ended inside the window — a call longer than `op_lookback` counts as completed
   in the window where it ends, like any other; a minmax index on t_end makes this cheap: only
@@ -60,6 +65,7 @@ SELECT rank, toString(comm_id) AS comm,
 FROM ops
 WHERE job_id = {job:String}
   AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC') AND t_start < we_t
+  AND (t_end = fromUnixTimestamp64Nano(0, 'UTC') OR t_end >= ws_t)
 GROUP BY rank, comm
 """
 

@@ -397,3 +397,62 @@ def test_previews_publish_exact_step_rows_before_their_window(clickhouse_db: Dat
         strict=True)]
     assert len(rows) > len(stored)  # previews, then every window's rows again
     assert all(stored[(r, st)] == (a, b) for r, st, a, b in rows)
+
+
+def test_progress_rows_are_their_definition_over_the_raw_records(clickhouse_db: Database) -> None:
+    """Every stored progress row of a job with a hang (calls in flight for many windows) equals
+    the definition in ingest.records.Progress computed by brute force over the job's raw ops and
+    beats: the feed's window queries (which read only the calls still running or ending in the
+    window) and its carried state lose nothing."""
+    db = clickhouse_db
+    cfg = JobConfig(job_id="prog", tp=2, pp=2, dp=2, steps=16, microbatches=4, seed=3,
+                    hang_tail_s=12)
+    asyncio.run(load(db, cfg, ["hang rank=3 stage=bwd mb=2 at=3s"]))
+    ops = db.query_columns(
+        "SELECT rank, toString(comm_id) AS comm, op_seq, bytes, toUnixTimestamp64Nano(t_start) "
+        "AS t0, toUnixTimestamp64Nano(t_end) AS t1 FROM ops WHERE job_id = 'prog'")
+    beats = db.query_columns(
+        "SELECT rank, toString(comm_id) AS comm, toUnixTimestamp64Nano(ts) AS ts FROM beats "
+        "WHERE job_id = 'prog'")
+    rows = db.query_columns(
+        "SELECT toUnixTimestamp64Nano(window_end) AS we, rank, toString(comm_id) AS comm, "
+        "last_op_seq, completed_ops, bytes_per_s, op_interval_ns, inflight_ops, "
+        "oldest_inflight_age_ns, toUnixTimestamp64Nano(last_beat_ts) AS beat, "
+        "toUnixTimestamp64Nano(last_record_ts) AS rec FROM progress FINAL "
+        "WHERE job_id = 'prog' ORDER BY we, rank, comm")
+    assert (ops["t1"] == 0).any(), "the hang left no call in flight"
+    width = config().progress.window_ns
+    windows = np.unique(rows["we"])
+    assert len(windows) >= 10 and np.all(np.diff(windows) == width)
+    got = {(int(we), int(r), str(c)): tuple(int(rows[k][i]) for k in (
+        "last_op_seq", "completed_ops", "bytes_per_s", "op_interval_ns", "inflight_ops",
+        "oldest_inflight_age_ns", "beat", "rec"))
+        for i, (we, r, c) in enumerate(zip(rows["we"], rows["rank"], rows["comm"], strict=True))}
+    want: dict[tuple[int, int, str], tuple[int, ...]] = {}
+    keys = sorted({(int(r), str(c)) for r, c in zip(ops["rank"], ops["comm"], strict=True)}
+                  | {(int(r), str(c)) for r, c in zip(beats["rank"], beats["comm"], strict=True)})
+    for we in windows.tolist():
+        ws = we - width
+        for r, c in keys:
+            o = (ops["rank"] == r) & (ops["comm"] == c)
+            b = (beats["rank"] == r) & (beats["comm"] == c) & (beats["ts"] < we)
+            t0, t1, seq, nbytes = ops["t0"][o], ops["t1"][o], ops["op_seq"][o], ops["bytes"][o]
+            started = t0 < we
+            if not started.any() and not b.any():
+                continue  # not seen yet
+            done = (t1 > 0) & (t1 < we)
+            inside = (t1 >= ws) & (t1 < we)
+            running = started & ((t1 == 0) | (t1 >= we))
+            n = int(inside.sum())
+            ends = np.sort(t1[inside])
+            want[(we, r, c)] = (
+                int(seq[done].max()) if done.any() else -1, n,
+                int(nbytes[inside].sum()) * 1_000_000_000 // width,
+                int(ends[-1] - ends[0]) // (n - 1) if n > 1 else -1,
+                int(running.sum()), we - int(t0[running].min()) if running.any() else 0,
+                int(beats["ts"][b].max()) if b.any() else 0,
+                max(int(t0[started].max()) if started.any() else 0,
+                    int(beats["ts"][b].max()) if b.any() else 0))
+    assert set(got) == set(want)
+    bad = [(k, got[k], want[k]) for k in sorted(want) if got[k] != want[k]]
+    assert not bad, bad[:5]
