@@ -37,6 +37,7 @@ window after late records arrive yields the complete rows (streams/derived.py re
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,16 +76,39 @@ def comm_kind_codes(comm_ids: np.ndarray, kinds: Mapping[str, str]) -> np.ndarra
 def union_length(group: np.ndarray, start: np.ndarray, end: np.ndarray, n_groups: int
                  ) -> np.ndarray:
     """Per group, the length of the union of intervals [start, end) (int64 ns)."""
-    out = np.zeros(n_groups, np.int64)
     if not len(group):
+        return np.zeros(n_groups, np.int64)
+    order = _group_time_order(group, start)
+    return _union_sorted(group[order], start[order], end[order], n_groups)
+
+
+def _group_time_order(group: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """The permutation sorting by (group, start): one argsort of `group << b | start − base`
+    when both fit in 63 bits (about half a lexsort's time), else a lexsort."""
+    base = int(start.min())
+    span = int(start.max()) - base + 1
+    top = int(group.max()) if len(group) else 0
+    if int(group.min()) >= 0 and top.bit_length() + span.bit_length() <= 63:
+        return np.argsort((group.astype(np.int64) << span.bit_length()) + (start - base))
+    return np.lexsort((start, group))
+
+
+def _union_sorted(g: np.ndarray, s: np.ndarray, e: np.ndarray, n_groups: int) -> np.ndarray:
+    """`union_length` of intervals already in (group, start) order."""
+    out = np.zeros(n_groups, np.int64)
+    if not len(g):
         return out
-    order = np.lexsort((start, group))
-    g, s, e = group[order], start[order], end[order]
     base = int(s.min())
     span = int(max(e.max(), s.max()) - base) + 1
-    # running max of end within each group: shift groups apart so one accumulate suffices
-    shifted = g.astype(np.int64) * span + (e - base)
-    run = np.maximum.accumulate(shifted) - g.astype(np.int64) * span + base
+    if (int(g.max()) + 1) * span < 1 << 62:
+        # running max of end within each group: shift groups apart so one accumulate suffices
+        shifted = g.astype(np.int64) * span + (e - base)
+        run = np.maximum.accumulate(shifted) - g.astype(np.int64) * span + base
+    else:  # times spread too far to shift the groups apart in int64: one accumulate each
+        run = np.empty_like(e)
+        bounds = np.flatnonzero(np.r_[True, g[1:] != g[:-1], True])
+        for a, b in itertools.pairwise(bounds.tolist()):
+            run[a:b] = np.maximum.accumulate(e[a:b])
     prev = np.empty_like(run)
     prev[0] = np.iinfo(np.int64).min
     prev[1:] = run[:-1]
@@ -127,13 +151,18 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
     exact = start >= 0
     if len(need) and len(ops.rank):
         base = int(min(ops.t_start.min(), (end[need] - max_step_ns).min()))
-        o = np.lexsort((ops.t_start, ops.rank))
-        keys = _key(ops.rank[o], ops.t_start[o], base)
+        if int(ops.t_start.max()) - base < 1 << _SHIFT:  # keys hold the times exactly
+            keys = np.sort(_key(ops.rank, ops.t_start, base))  # (rank, t_start) order
+            at_rank, at_start = keys >> _SHIFT, (keys & ((1 << _SHIFT) - 1)) + base
+        else:
+            o = np.lexsort((ops.t_start, ops.rank))
+            keys = _key(ops.rank[o], ops.t_start[o], base)
+            at_rank, at_start = ops.rank[o].astype(np.int64), ops.t_start[o]
         i = np.searchsorted(keys, _key(rank[need], end[need] - max_step_ns, base), "left")
-        i_ok = i < len(o)
-        i = np.minimum(i, len(o) - 1)
-        first = ops.t_start[o][i]
-        ok = i_ok & (ops.rank[o][i] == rank[need]) & (first < end[need])
+        i_ok = i < len(keys)
+        i = np.minimum(i, len(keys) - 1)
+        first = at_start[i]
+        ok = i_ok & (at_rank[i] == rank[need]) & (first < end[need])
         start[need] = np.where(ok, first, end[need])
     elif len(need):
         start[need] = end[need]
@@ -206,9 +235,13 @@ def _comm_columns(rank: np.ndarray, t0: np.ndarray, t1: np.ndarray, ops: OpFrame
     row, kind = row[valid], ops.kind[valid].astype(np.int64)
     s = ops.t_start[valid]
     e = np.where(ops.t_end[valid] > 0, np.minimum(ops.t_end[valid], t1[row]), t1[row])
-    out = {f"{k}_comm_ns": union_length(row[kind == c], s[kind == c], e[kind == c], n)
-           for k, c in KIND_CODES.items()}
-    exposed = union_length(row, s, e, n)
+    order = _group_time_order(row, s)  # one sort; each kind's subset stays in order
+    row_o, s_o, e_o, kind_o = row[order], s[order], e[order], kind[order]
+    out = {}
+    for k, c in KIND_CODES.items():
+        m = kind_o == c
+        out[f"{k}_comm_ns"] = _union_sorted(row_o[m], s_o[m], e_o[m], n)
+    exposed = _union_sorted(row_o, s_o, e_o, n)
     out["compute_ns"] = np.maximum(t1 - t0 - exposed, 0)
     done = ops.t_end[valid] > 0
     out["ops"] = np.bincount(row[done], minlength=n).astype(np.int64)

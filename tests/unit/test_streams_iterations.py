@@ -44,6 +44,46 @@ def test_union_length_counts_overlaps_once() -> None:
     assert union_length(g, s, e, 3).tolist() == [20, 50, 0]
 
 
+def _union_brute(g: np.ndarray, s: np.ndarray, e: np.ndarray, n: int) -> list[int]:
+    out = []
+    for k in range(n):
+        spans = sorted(zip(s[g == k].tolist(), e[g == k].tolist(), strict=True))
+        total, reach = 0, None
+        for a, b in spans:
+            lo = a if reach is None else max(a, reach)
+            total += max(0, b - lo)
+            reach = b if reach is None else max(reach, b)
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("spread", [10_000, 1 << 62])  # packed argsort / lexsort fallback
+def test_union_length_is_the_union_of_each_groups_intervals(spread: int) -> None:
+    rng = np.random.default_rng(spread % 97)
+    g = rng.integers(0, 40, 3000)
+    s = rng.integers(0, spread // 2, 3000)
+    s[0] = 0
+    e = s + rng.integers(0, 500, 3000)
+    assert union_length(g, s, e, 41).tolist() == _union_brute(g, s, e, 41)
+
+
+def test_a_ranks_first_step_starts_at_its_first_op_in_frames_of_any_length(sim_tables) -> None:
+    """The first step of each rank in a frame starts at its earliest op within max_step_ns before
+    the step's end, both when (rank, time) fit one sortable key and when the frame is too long
+    for it (an op far in the past)."""
+    ops = sim_tables["ops"]
+    rows = iteration_rows(no_stages(), frame(ops), 0, 1 << 62, max_step_ns=30 * SEC)
+    far = {k: np.r_[v[:1], v] for k, v in ops.items()}
+    far["t_start"][0] = int(ops["t_start"].min()) - (1 << 41)  # a stray op ~37 min earlier
+    far["t_end"][0] = far["t_start"][0] + 1
+    rows_far = iteration_rows(no_stages(), frame(far), 0, 1 << 62, max_step_ns=30 * SEC)
+    first = np.r_[True, rows["rank"][1:] != rows["rank"][:-1]]
+    starts = {int(r): int(ops["t_start"][ops["rank"] == r].min()) for r in rows["rank"][first]}
+    assert rows["t_start"][first].tolist() == [starts[int(r)] for r in rows["rank"][first]]
+    for c in ("rank", "step", "t_start", "t_end"):
+        np.testing.assert_array_equal(rows[c], rows_far[c])
+
+
 def test_rows_from_stage_records_match_the_simulator(sim_tables) -> None:
     st, ops = sim_tables["stages"], sim_tables["ops"]
     truth = st["t_start"] + sum(st[k] for k in ("data_next_wait", "model_fwd_loss",
