@@ -334,7 +334,7 @@ def run_in_process(scenario: Any, config: AnalystConfig | None = None
         diags.extend(analyst.tick(now))
 
     current = 0.0
-    for release, kind, data in sim.batches():
+    for release, kind, data in sim.batches(framing="binary"):
         if release != current:
             process(current)
             while release - current > 1.0:  # the trigger agents' timer between releases

@@ -85,7 +85,7 @@ class Outbox:
                 cols[k] = v
         self.seq += 1
         data = encode_batch(kind, job, cols, producer=self.producer, seq=self.seq,
-                            validate=False)
+                            validate=False, framing="binary")  # docs/records.md
         self.send(Pending(kind, f"{job}:{self.producer}:{self.seq}".encode(), data, rows, t0))
 
     def send(self, item: Pending) -> None:

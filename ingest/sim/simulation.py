@@ -162,11 +162,12 @@ class Simulation:
                                    self.cfg.epoch_ns)
 
     # ------------------------------------------------------------------ batches
-    def batches(self, producer: str = "", kinds: Collection[str] | None = None
-                ) -> Iterator[tuple[float, str, bytes]]:
+    def batches(self, producer: str = "", kinds: Collection[str] | None = None,
+                framing: str = "json") -> Iterator[tuple[float, str, bytes]]:
         """Encoded record batches of at most `batch_rows` rows, merged per kind across calls
         and flushed at each release time; the topology batch comes first. `kinds` keeps only
-        those raw kinds (the others are simulated, not encoded or counted in `rows`)."""
+        those raw kinds (the others are simulated, not encoded or counted in `rows`);
+        `framing` is encode_batch's ("binary": framed batches, for Kafka)."""
         producer = producer or f"sim/{self.cfg.job_id}"
         if kinds is not None:
             unknown = set(kinds) - set(MODELS)
@@ -183,7 +184,7 @@ class Simulation:
                 continue
             if release != current:
                 for k in list(pending):
-                    for data in self._encode(k, pending.pop(k), producer, seq):
+                    for data in self._encode(k, pending.pop(k), producer, seq, framing):
                         seq += 1
                         yield current, k, data
                 sizes.clear()
@@ -191,16 +192,17 @@ class Simulation:
             pending.setdefault(kind, []).append(cols)
             sizes[kind] = sizes.get(kind, 0) + len(cols["rank"])
             if sizes[kind] >= self.cfg.batch_rows:
-                for data in self._encode(kind, pending.pop(kind), producer, seq):
+                for data in self._encode(kind, pending.pop(kind), producer, seq, framing):
                     seq += 1
                     yield current, kind, data
                 sizes[kind] = 0
         for k in list(pending):
-            for data in self._encode(k, pending.pop(k), producer, seq):
+            for data in self._encode(k, pending.pop(k), producer, seq, framing):
                 seq += 1
                 yield current, k, data
 
-    def _encode(self, kind: str, parts: list[Cols], producer: str, seq: int) -> Iterator[bytes]:
+    def _encode(self, kind: str, parts: list[Cols], producer: str, seq: int,
+                framing: str = "json") -> Iterator[bytes]:
         cols = _concat(parts)
         n = len(cols["rank"])
         self.rows += n
@@ -210,7 +212,7 @@ class Simulation:
             part = {k: (v[0][lo:lo + step], v[1]) if isinstance(v, tuple) else v[lo:lo + step]
                     for k, v in cols.items()}
             yield encode_batch(kind, self.cfg.job_id, part, producer=producer, seq=seq,
-                               validate=False)
+                               validate=False, framing=framing)
             seq += 1
 
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from confluent_kafka import Consumer
 
-from ingest.batch import decode_batch
+from ingest.batch import FRAME_MAGIC, decode_batch
 from ingest.sim.config import JobConfig
 from ingest.sim.runner import KafkaSink, run
 from ingest.sim.simulation import Simulation
@@ -48,6 +48,7 @@ def test_scenario_lands_on_the_broker(kafka: Any, topics: Topics) -> None:
     got = _drain(kafka.bootstrap, topics.ops, stats.batches["ops"])
     assert len(got) == stats.batches["ops"]
     for data in got:
+        assert data.startswith(FRAME_MAGIC)  # Kafka gets framed batches (docs/records.md)
         b = decode_batch(data)
         assert b.kind == "ops" and b.job_id == "sim-it"
     jobs = _drain(kafka.bootstrap, topics.jobs, 1)

@@ -15,7 +15,7 @@ import pytest
 
 from ingest import ring
 from ingest.agent.agent import Agent, AgentConfig
-from ingest.batch import decode_batch
+from ingest.batch import FRAME_MAGIC, decode_batch
 from ingest.torch.comms import CommTable
 from ingest.torch.events import OP_CODE
 from ingest.torch.sink import RingSink
@@ -91,6 +91,7 @@ def test_agent_publishes_ops_stages_beats_and_topology(tmp_path: Path, prefix: s
     agent.out.flush(force=True)
     pub.flush()
     ops = kinds(pub, "ops")
+    assert all(d.startswith(FRAME_MAGIC) for k, d in pub.got if k == "ops")  # framed batches
     assert sorted(r for c in ops for r in c["rank"].tolist()) == [0, 1]
     assert all(c["t_end"].min() == t + 5 for c in ops)
     assert {x for c in ops for x in c["comm_id"].tolist()} == {"world"}
