@@ -169,6 +169,9 @@ def run_phase(settings: Settings, pid: int, phase: Phase, args: argparse.Namespa
         first = next(r for n, r in rss if n >= records * q / 100)
         fractions[f"{q}%"] = round(first, 1)
     res["rss_mib_at_stored"] = fractions
+    diag = sql(settings, "SELECT kind, status, summary FROM diagnoses FINAL "
+               f"WHERE job_id = '{job}' ORDER BY detected_ns")
+    res["diagnoses"] = [line.split("\t") for line in diag.splitlines() if line]
     if "kernel_windows" in phase.tables:
         kw = sql(settings, "SELECT sum(events), sum(keys), sum(summary_rows), "
                  "round(avg(compression_ratio), 1) FROM kernel_windows FINAL "
@@ -297,6 +300,9 @@ def print_end_to_end(r: dict[str, Any]) -> None:
                 print(f"    {p['kernel_events_late']:,} kernel events were stored after their "
                       "window closed (late: at max speed event time runs ~10x faster than "
                       "wall time, so the 2 s allowed lateness is ~0.2 s of partition skew)")
+        if p["diagnoses"]:  # a healthy simulated job: every diagnosis is a false alarm
+            print(f"    diagnoses raised for this healthy job: {len(p['diagnoses'])} "
+                  f"({'; '.join(d[-1] for d in p['diagnoses'])[:300]})")
         rss = ", ".join(f"{q} {v:.0f}" for q, v in p["rss_mib_at_stored"].items())
         print(f"    worker RSS MiB: before {p['rss_mib_before']:.0f}; at records stored {rss}; "
               f"peak {p['rss_mib_peak']:.0f} (background CPU {p['worker_idle_cpu_per_s']} "
