@@ -230,7 +230,7 @@ class DerivedRunner:
         cfg = cfg or DerivedConfig()
         self.db, self.publish, self.cfg, self.clock = db, publish, cfg, clock
         self.windows = Windows([
-            WindowSpec("progress", cfg.progress.window_ns, inputs=("ops",)),
+            WindowSpec("progress", cfg.progress.window_ns, inputs=("ops",), reads=("beats",)),
             WindowSpec("iterations", cfg.iteration_window_ns, reach_ns=cfg.max_step_ns,
                        late_marks=True, inputs=("ops", "stages")),
             WindowSpec("kernel_summaries", cfg.kernels.window_ns, inputs=("kernels",)),

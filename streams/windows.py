@@ -77,6 +77,9 @@ class WindowSpec:
     max_late_windows: int = 360
     #: Raw kinds whose sources bound this kind's watermark (empty: every kind).
     inputs: tuple[str, ...] = ()
+    #: Other raw kinds the window's computation reads (progress: beats): a job with one of these
+    #: or of `inputs` has windows worth reading (`Windows.fed`).
+    reads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -238,20 +241,23 @@ class Windows:
         return ks.watermark
 
     def fed(self, job: str, kind: str) -> bool:
-        """Whether windows of derived `kind` of `job` can hold records: a batch of one of its
-        input kinds was observed, or the job's state was restored (what the previous worker
-        stored is unknown). False for a job whose batches so far were all of other kinds (a
-        kernel-only producer's job has no progress or iteration rows): the runner closes such
-        windows without reading them. (Not exact in one case: a job whose previous worker stored
-        input records but crashed before the job's first checkpoint, i.e. within its first
-        windows, and whose first batch after the restart is of another kind.)"""
+        """Whether windows of derived `kind` of `job` can hold records: a batch of a kind it
+        reads (`inputs`, `reads`) was observed, or the job's state was restored (what the
+        previous worker stored is unknown). False for a job whose batches so far were all of
+        other kinds (a kernel-only producer's job has no progress or iteration rows): the runner
+        closes such windows without reading them. (Not exact in one case: a job whose previous
+        worker stored input records but crashed before the job's first checkpoint, i.e. within
+        its first windows, and whose first batch after the restart is of another kind.)"""
         st = self.jobs.get(job)
         if st is None:
             return False
         if st.restored_wall_ns is not None:
             return True
-        inputs = self.specs[kind].inputs
-        return not inputs or any(k in inputs for _, k in st.sources)
+        spec = self.specs[kind]
+        if not spec.inputs:
+            return True
+        used = spec.inputs + spec.reads
+        return any(k in used for _, k in st.sources)
 
     def due(self, job: str, kind: str, limit: int = 64) -> list[int]:
         """Starts of windows of `kind` ready to close, oldest first, at most `limit`."""

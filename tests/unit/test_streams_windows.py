@@ -174,7 +174,7 @@ def test_windows_of_a_kind_without_input_are_skipped_until_one_arrives() -> None
     unread (`fed`, `skip_due`); once an op batch is observed they are computed again, and a
     restored job is always read (what the previous worker stored is unknown)."""
     clock = [0]
-    w = Windows([WindowSpec("progress", S, inputs=("ops",)),
+    w = Windows([WindowSpec("progress", S, inputs=("ops",), reads=("beats",)),
                  WindowSpec("kernel_summaries", 10 * S, inputs=("kernels",))],
                 S, clock=lambda: clock[0])
     w.observe("k", 5 * S, 9 * S, source="h", kind="kernels")
@@ -184,5 +184,8 @@ def test_windows_of_a_kind_without_input_are_skipped_until_one_arrives() -> None
     assert w.due("k", "progress") == [] and w.skip_due("k", "progress") == 0
     w.observe("k", 9 * S, 12 * S, source="h", kind="ops")
     assert w.fed("k", "progress")
+    # a job hung before its first call sends only beats: its progress windows are read
+    w.observe("b", 5 * S, 9 * S, source="h", kind="beats")
+    assert w.fed("b", "progress") and not w.fed("b", "kernel_summaries")
     w.restore([Checkpoint("r", "progress", 3 * S, 4 * S)])
     assert w.fed("r", "progress")
