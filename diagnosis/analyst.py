@@ -21,7 +21,9 @@ finished job would drift to "process died".
   rank's missing beats span one interval), so the first version is soon checked against more
   evidence. Every `sweep_s`, jobs without an open performance incident get one slowdown
   analysis (trigger kind "straggler", rule "rankwatch.sweep"): degradations the job's step time
-  absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers.
+  absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers. A job
+  whose event clock has not moved since its last sweep (it ended) is not swept again: the same
+  records would be judged the same (an ended 1,024-rank job cost 0.7 CPU-s every 10 s).
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
@@ -63,6 +65,9 @@ class Analyst:
     jobs: set[str] = field(default_factory=set)
     last_check: dict[str, int] = field(default_factory=dict)
     last_sweep: dict[str, int] = field(default_factory=dict)
+    #: job -> the event clock its last sweep judged: a job whose clock stands still (it ended,
+    #: or its feed stopped) is not swept again over the same records
+    swept_at: dict[str, int] = field(default_factory=dict)
     triggers: dict[tuple[str, str], Trigger] = field(default_factory=dict)
     resolved_hangs: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
     analysis_ms: list[float] = field(default_factory=list)
@@ -132,6 +137,9 @@ class Analyst:
                     and now_ns - self.last_sweep.get(job, 0) >= self.config.sweep_s * SECOND:
                 self.last_sweep[job] = now_ns
                 at = self.event_clock(job, now_ns)
+                if self.swept_at.get(job) == at:
+                    continue
+                self.swept_at[job] = at
                 t = Trigger(job, at, "straggler", (), {"rule": "rankwatch.sweep"})
                 w = self._window(job, at)
                 # a stall in progress is the hang analysis' business (its trigger follows): a

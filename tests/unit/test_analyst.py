@@ -37,3 +37,23 @@ def test_a_new_incident_is_rechecked_after_first_recheck_s() -> None:
     assert a.last_check[w.topo.job_id] == now + S  # the first re-check ran
     a.tick(now + 2 * S)
     assert a.last_check[w.topo.job_id] == now + S  # then every recheck_s
+
+
+def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
+    """The sweep reads the job's window; a job that ended (its event clock no longer moves) is
+    not read again every sweep_s."""
+    reads: list[int] = []
+
+    def read(job: str, lo: int, hi: int) -> None:
+        reads.append(hi)
+
+    clock = {"at": 50 * S}
+    a = Analyst(read, AnalystConfig(sweep_s=10), event_clock=lambda job, now: clock["at"])
+    a.jobs.add("j")
+    a.tick(100 * S)
+    a.tick(110 * S)
+    a.tick(120 * S)
+    assert reads == [50 * S]  # ended: one sweep
+    clock["at"] = 60 * S  # its records move on again
+    a.tick(130 * S)
+    assert reads == [50 * S, 60 * S]
