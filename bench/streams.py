@@ -189,8 +189,12 @@ def run_phase(settings: Settings, pid: int, phase: Phase, args: argparse.Namespa
         if missed < 0:
             raise RuntimeError(f"kernel windows summarized {events:,} events, "
                                f"{phase.published.get('kernels', 0):,} published")
+        log = settings.home / "logs" / "worker.log"
+        read_back = sum(1 for line in log.read_text(errors="replace").splitlines()
+                        if f"of {job}:" in line and "read back from the table" in line)
         res.update(kernel_windows_events=events, kernel_keys=keys, kernel_summary_rows=rows,
-                   kernel_compression=ratio, kernel_events_late=missed)
+                   kernel_compression=ratio, kernel_events_late=missed,
+                   kernel_windows_read_back=read_back)
     return res
 
 
@@ -303,7 +307,9 @@ def print_end_to_end(r: dict[str, Any]) -> None:
         if "kernel_compression" in p:
             print(f"    kernel windows: {p['kernel_windows_events']:,} events summarized into "
                   f"{p['kernel_summary_rows']:,} rows over {p['kernel_keys']:,} keys, "
-                  f"compression {p['kernel_compression']}x")
+                  f"compression {p['kernel_compression']}x; "
+                  f"{p['kernel_windows_read_back']} window(s) read back from the table "
+                  "(the others summarized from the events kept as they were stored)")
             if p["kernel_events_late"]:
                 print(f"    {p['kernel_events_late']:,} kernel events were stored after their "
                       "window closed (late: at max speed event time runs ~10x faster than "

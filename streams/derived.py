@@ -164,31 +164,31 @@ STAGE_END_SQL = """(toUnixTimestamp64Nano(t_start) + data_next_wait + model_fwd_
 #: a stage record), among those starting at or after `lo`.
 STEP_ENDS_SQL = """
 SELECT
-  (SELECT count() FROM ops WHERE job_id = {job:String}
+  ifNull((SELECT count() FROM ops WHERE job_id = {job:String}
      AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
      AND t_start < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
      AND t_end >= fromUnixTimestamp64Nano({t0:Int64}, 'UTC')
      AND t_end < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
      AND op IN ('AllReduce', 'ReduceScatter')
-     AND """ + COMM_KIND_SQL + """ = 2) AS ops,
-  (SELECT count() FROM stages WHERE job_id = {job:String}
+     AND """ + COMM_KIND_SQL + """ = 2), 0) AS ops,
+  ifNull((SELECT count() FROM stages WHERE job_id = {job:String}
      AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
      AND t_start < fromUnixTimestamp64Nano({t1:Int64}, 'UTC')
      AND """ + STAGE_END_SQL + """ >= {t0:Int64}
-     AND """ + STAGE_END_SQL + """ < {t1:Int64}) AS stages
+     AND """ + STAGE_END_SQL + """ < {t1:Int64}), 0) AS stages
 """
 #: Records that start before an iterations frame (from `far`, max_step_ns before the window, to
 #: `lo`) and end in or after the window: if any, the short frame misses a step's records.
 REACH_SQL = """
 SELECT
-  (SELECT count() FROM ops WHERE job_id = {job:String}
+  ifNull((SELECT count() FROM ops WHERE job_id = {job:String}
      AND t_start >= fromUnixTimestamp64Nano({far:Int64}, 'UTC')
      AND t_start < fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
-     AND t_end >= fromUnixTimestamp64Nano({ws:Int64}, 'UTC')) AS ops,
-  (SELECT count() FROM stages WHERE job_id = {job:String}
+     AND t_end >= fromUnixTimestamp64Nano({ws:Int64}, 'UTC')), 0) AS ops,
+  ifNull((SELECT count() FROM stages WHERE job_id = {job:String}
      AND t_start >= fromUnixTimestamp64Nano({far:Int64}, 'UTC')
      AND t_start < fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
-     AND """ + STAGE_END_SQL + """ >= {ws:Int64}) AS stages
+     AND """ + STAGE_END_SQL + """ >= {ws:Int64}), 0) AS stages
 """
 TOPOLOGY_SQL = """
 SELECT comm_ids, comm_kinds FROM jobs FINAL WHERE job_id = {job:String} LIMIT 1
