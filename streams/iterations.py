@@ -85,10 +85,11 @@ def union_length(group: np.ndarray, start: np.ndarray, end: np.ndarray, n_groups
 def _group_time_order(group: np.ndarray, start: np.ndarray) -> np.ndarray:
     """The permutation sorting by (group, start): one argsort of `group << b | start − base`
     when both fit in 63 bits (about half a lexsort's time), else a lexsort."""
+    if not len(group):
+        return np.zeros(0, np.int64)
     base = int(start.min())
     span = int(start.max()) - base + 1
-    top = int(group.max()) if len(group) else 0
-    if int(group.min()) >= 0 and top.bit_length() + span.bit_length() <= 63:
+    if int(group.min()) >= 0 and int(group.max()).bit_length() + span.bit_length() <= 63:
         return np.argsort((group.astype(np.int64) << span.bit_length()) + (start - base))
     return np.lexsort((start, group))
 

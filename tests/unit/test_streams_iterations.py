@@ -162,3 +162,18 @@ def test_previews_keep_only_rows_known_exactly(sim_tables: dict[str, dict[str, n
     st = {k: v[stages["t_start"] >= lo] for k, v in stages.items()}
     both = iteration_rows(st, frame(part), lo, hi, max_step_ns=60 * SEC, preview=True)
     assert set(both["source"]) == {"stages"}  # never the other source for a rank with stages
+
+
+def test_rows_without_any_op_in_them_get_zero_communication() -> None:
+    """A stage record on a rank whose ops are all outside its steps: no op is assigned to any
+    row (the exposed-time sort gets nothing to sort)."""
+    t = 10**18
+    ops = OpFrame(np.array([0], np.int32), np.array([KIND_CODES["dp"]], np.int8),
+                  np.array([False]), np.array([0]), np.array([0]), np.array([1]), np.array([t]),
+                  np.array([t + 5]))
+    st = {k: np.array([0]) for k in ("step", "model_fwd_loss", "model_backward", "callbacks",
+                                      "optim_step", "step_other")}
+    st.update(rank=np.array([1]), t_start=np.array([t]), data_next_wait=np.array([10]))
+    rows = iteration_rows(st, ops, t - 100, t + 100, max_step_ns=SEC)
+    assert rows["rank"].tolist() == [1] and rows["dp_comm_ns"].tolist() == [0]
+    assert rows["compute_ns"].tolist() == [10] and rows["ops"].tolist() == [0]
