@@ -122,8 +122,8 @@ def no_numpy_hugepages() -> bool:
     `madvise` (a common default), every fresh advised region is compacted on its first touch:
     the worker allocates tens of MB afresh for each kernel window's KDE and each insert, and the
     KDE thread spent 0.86 s in the kernel against 0.24 s of its own work per 3.8 M events
-    (`rankwatch bench streams --only kernels`; 0.29 s with advice off). Returns whether it was
-    turned off."""
+    (`rankwatch bench streams --only kernels`; 0.29 s in the kernel with advice off). Returns
+    whether it was turned off."""
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return False
     import numpy as np
