@@ -8,6 +8,8 @@ agents (each finishes its current insert and acks), then the endpoint and databa
 from __future__ import annotations
 
 import argparse
+import asyncio
+import ctypes
 import logging
 import os
 import sys
@@ -30,6 +32,7 @@ from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
 METRICS_INTERVAL_S = 10.0
+TRIM_INTERVAL_S = 10.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -109,11 +112,31 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
         if "sql" in runner:
             await stop_sql_endpoint(runner.pop("sql"))
 
+    async def trim_memory() -> None:
+        await asyncio.to_thread(release_free_memory)
+
     sapp.app.task(serve_sql)
     sapp.app.timer(METRICS_INTERVAL_S)(store_metrics)
+    sapp.app.timer(TRIM_INTERVAL_S)(trim_memory)
     sapp.app.timer(derived.tick_s)(derive)
     sapp.app.on_before_shutdown.connect(close_sql)  # type: ignore[arg-type]
     return sapp
+
+
+def release_free_memory() -> bool:
+    """Hand the C allocator's free memory back to the system (glibc's malloc_trim; False where
+    there is none). The worker's windows allocate and free hundreds of MB of arrays from several
+    threads, each with its own malloc arena, and glibc keeps what they freed: three identical
+    48-step jobs of 1,024 ranks left the worker at 944 / 1,272 / 1,626 MiB although Python and
+    numpy held under 230 MB (tracemalloc) and ClickHouse 26 MB; trimmed every 10 s, 495 / 558
+    MiB. A trim takes 10-55 ms, in a thread off the event loop."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim(0)
+    return True
 
 
 def no_numpy_hugepages() -> bool:
