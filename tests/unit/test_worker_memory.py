@@ -34,7 +34,8 @@ FRAGMENTED = """
 import sys
 from rankwatch.commands.worker import release_free_memory
 def rss():
-    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')) // 1024
+    lines = open('/proc/self/status').read().splitlines()
+    return next(int(x.split()[1]) for x in lines if x.startswith('VmRSS')) // 1024
 held = [bytes(2048) for _ in range(150_000)]  # ~300 MB from malloc
 last = held[-1]
 del held  # all freed but the newest: the heap cannot shrink from its top
