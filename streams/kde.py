@@ -141,15 +141,16 @@ def _packed_sort(k: np.ndarray, durations: npt.ArrayLike) -> tuple[np.ndarray, n
 
 def _prepare(keys: npt.ArrayLike, durations: npt.ArrayLike, p: KdeParams) -> _Sorted:
     k = np.asarray(keys, dtype=np.int64).ravel()
-    d = np.asarray(durations, dtype=np.float64).ravel()
-    if k.size != d.size:
-        raise ValueError(f"keys has {k.size} entries, durations has {d.size}")
-    if not np.all(np.isfinite(d)):
-        raise ValueError("durations must be finite")
-    packed = _packed_sort(k, durations)
+    raw = np.asarray(durations).ravel()
+    if k.size != raw.size:
+        raise ValueError(f"keys has {k.size} entries, durations has {raw.size}")
+    packed = _packed_sort(k, raw)  # integers: finite by type, no float copy needed to sort
     if packed is not None:
         k, d = packed
     else:
+        d = raw.astype(np.float64)
+        if not np.all(np.isfinite(d)):
+            raise ValueError("durations must be finite")
         by_duration = np.argsort(d)
         order = by_duration[np.argsort(k[by_duration], kind="stable")]  # (key, duration) order
         k, d = k[order], d[order]
