@@ -37,8 +37,7 @@ means memory does not grow with the run's length.
 
 `--in-process` times the derived stage alone, on raw rows inserted straight into a private
 embedded ClickHouse (no broker, no raw ingest): how much of the per-core budget each derived
-computation takes; and root cause's window read (a sweep's), in full against topped up from
-the previous read (diagnosis/window_reader.py), on ops stored one second at a time.
+computation takes.
 """
 
 from __future__ import annotations
@@ -59,8 +58,6 @@ import numpy as np
 from bench.ingest import sql
 from bench.kde import _window
 from bench.pipeline import RAW, counts, cpu_seconds
-from diagnosis.window_reader import WindowCache, read_window
-from ingest.records import JobTopology
 from rankwatch import stack
 from rankwatch.settings import Settings
 from streams.db import Database, migrate
@@ -231,11 +228,11 @@ def insert_kernels(db: Database, ranks: int, events: int) -> None:
         db.insert_columns("kernels", {k: v[lo:lo + 1_000_000] for k, v in cols.items()})
 
 
-def insert_ops(db: Database, ranks: int, per_s: int, seconds: int, first_s: int = 0) -> int:
+def insert_ops(db: Database, ranks: int, per_s: int, seconds: int) -> int:
     comms = np.array(["tp:0", "pp:0", "dp:0"], dtype=object)
     total = 0
     per_rank_comm = max(1, per_s // (ranks * 3))
-    for s in range(first_s, first_s + seconds):
+    for s in range(seconds):
         n = ranks * 3 * per_rank_comm
         i = np.arange(n)
         rank = (i % ranks).astype(np.int32)
@@ -289,45 +286,7 @@ async def run_in_process(ranks: int, kernel_events: int, ops_per_s: int) -> dict
                        iteration_ops_per_s=round(min(n_ops, per_window * 10) / dt))
         finally:
             db.close()
-        out.update(diagnosis_windows(d, ranks))
     return out
-
-
-def diagnosis_windows(home: str, ranks: int, seconds: int = 150, every_s: int = 10,
-                      window_s: int = 90) -> dict[str, float]:
-    """Root cause's window reads of a live job: ops stored one second at a time (60 per rank
-    and second, the simulated 1,024-rank job's rate), and every `every_s` the last `window_s`
-    read twice, alternately first: in full (`read_window`) and topped up (`WindowCache`).
-    Process CPU time covers the embedded ClickHouse's threads."""
-    db = Database(f"chdb://{home}", "bench_window")
-    try:
-        migrate(db)
-        topo = JobTopology(job_id="bench", ts=T0, world_size=ranks, dp=ranks,
-                           hosts=[f"host{r // 8}" for r in range(ranks)])
-        cache = WindowCache(db, topo)
-        cpu = {"full": 0.0, "top_up": 0.0}
-        rows = {"full": 0, "top_up": 0}
-        reads = 0
-        for s in range(seconds):
-            insert_ops(db, ranks, ranks * 60, 1, first_s=s)
-            if (s + 1) % every_s or s + 1 < window_s:
-                continue
-            now = T0 + (s + 1) * SEC
-            order = ("full", "top_up") if reads % 2 else ("top_up", "full")
-            for how in order:
-                c = time.process_time()
-                w = read_window(db, topo, now - window_s * SEC, now) if how == "full" \
-                    else cache.read(now - window_s * SEC, now)
-                cpu[how] += time.process_time() - c
-                rows[how] = len(w.get("ops")["rank"])
-            if rows["full"] != rows["top_up"]:
-                raise AssertionError(f"window rows differ: {rows}")
-            reads += 1
-    finally:
-        db.close()
-    return {"window_reads": reads, "window_rows": rows["full"],
-            "window_full_cpu_ms": round(cpu["full"] / reads * 1e3, 1),
-            "window_top_up_cpu_ms": round(cpu["top_up"] / reads * 1e3, 1)}
 
 
 def print_end_to_end(r: dict[str, Any]) -> None:
@@ -414,10 +373,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['progress_ops_per_s']:,} ops/s")
     print(f"  iterations: one 10 s window ({r['iteration_rows']:,} rows) in "
           f"{r['iteration_window_s']} s = {r['iteration_ops_per_s']:,} ops/s")
-    print("  diagnosis window (root cause's read of the last 90 s, every 10 s, "
-          f"{r['window_rows']:,}"
-          f" ops): read in full {r['window_full_cpu_ms']} ms CPU, topped up from the last read "
-          f"{r['window_top_up_cpu_ms']} ms CPU ({r['window_reads']} reads each, alternated)")
     return 0
 
 

@@ -19,8 +19,7 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   (diagnosis/triggers/mycroft_progress.py) — the per-op test needs ≥ 3 completions per rank
   and window, which one progress row per window does not give.
 - root-cause agent on `rw.triggers`: `Analyst` (diagnosis/analyst.py) reads the job's window
-  from ClickHouse (all ranks, raw tables; `window_reader.WindowCache` keeps the last read and
-  asks only for the rows stored since) up to the wall clock capped at the
+  from ClickHouse (`read_window`: all ranks, raw tables) up to the wall clock capped at the
   job's progress watermark plus the feed's largest lateness (`_event_time`) and runs the engine
   in a worker thread;
   every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
@@ -43,13 +42,12 @@ from faust.streams import Stream
 from faust.types import StreamT
 
 from diagnosis.analyst import Analyst, AnalystConfig
-from diagnosis.columns import Columns, ints
+from diagnosis.columns import Columns, coded_column, ints
 from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch
-from diagnosis.window import Window
-from diagnosis.window_reader import WindowCache
-from ingest.batch import BatchError, RecordBatch, decode_batch
+from diagnosis.window import Window, latest_op_rows
+from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
 from streams.db import ClickHouseError, Database
@@ -58,8 +56,21 @@ from streams.windows import WatermarkParams
 log = logging.getLogger(__name__)
 SECOND = 1_000_000_000
 
-#: A job's kept window (WindowCache) is dropped after this long without a read.
-WINDOW_IDLE_S = 60.0
+#: raw kind -> (time column, columns read for root cause)
+WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ops": ("t_start", ("rank", "comm_id", "op_seq", "op", "bytes", "peer", "t_enqueue", "t_start",
+                        "t_end", "step")),
+    "flows": ("t_start", ("rank", "comm_id", "op_seq", "channel", "peer", "nic", "bytes",
+                          "t_start", "t_end")),
+    "chunks": ("ts", ("rank", "comm_id", "op_seq", "channel", "ts", "total_chunks", "gpu_ready",
+                      "rdma_transmitted", "rdma_done")),
+    "stages": ("t_start", ("rank", "step", "t_start", "data_next_wait", "model_fwd_loss",
+                           "model_backward", "callbacks", "optim_step", "step_other")),
+    "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
+    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq")),
+}
+TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts"}
+KERNEL_WINDOW_S = 40.0
 #: How long the feed agents wait to fill a buffer: the feeds carry a few messages a second, so
 #: a long wait is pure latency (Faust's take_events waits this long unless the buffer fills).
 FEED_WITHIN_S = 0.05
@@ -96,6 +107,33 @@ def read_topology(db: Database, job_id: str) -> JobTopology | None:
     return JobTopology.model_validate_json(rows[0][0])
 
 
+def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int) -> Window:
+    """All ranks' raw rows of one job in [start_ns, now_ns] (plus ops still in flight)."""
+    tables: dict[str, Columns] = {}
+    for kind, (tcol, cols) in WINDOW_COLUMNS.items():
+        # aliases must not shadow the columns the WHERE clause compares
+        sel = ", ".join(f"toUnixTimestamp64Nano({c}) AS {c}__ns" if c in TIME_COLUMNS else c
+                        for c in cols)
+        lo = max(start_ns, now_ns - int(KERNEL_WINDOW_S * SECOND)) if kind == "kernels" \
+            else start_ns
+        where = (f"job_id = {{j:String}} AND {tcol} >= fromUnixTimestamp64Nano({{lo:Int64}}, "
+                 f"'UTC') AND {tcol} <= fromUnixTimestamp64Nano({{hi:Int64}}, 'UTC')")
+        if kind == "ops":
+            where = (f"({where}) OR (job_id = {{j:String}} AND toUnixTimestamp64Nano(t_end) = 0"
+                     " AND t_start >= fromUnixTimestamp64Nano({lo2:Int64}, 'UTC'))")
+        res = db.query_coded(f"SELECT {sel} FROM {kind} WHERE {where}",
+                             {"j": topo.job_id, "lo": lo, "hi": now_ns,
+                              "lo2": start_ns - 3600 * SECOND})
+        if res and len(next(iter(res.values()))):
+            # LowCardinality columns arrive dictionary-encoded: the rules' factorization of
+            # them (columns.codes) then costs nothing
+            tables[kind] = {k.removesuffix("__ns"): coded_column(v.values, v.codes)
+                            if isinstance(v, Coded) else np.asarray(v) for k, v in res.items()}
+    if "ops" in tables:
+        tables["ops"] = latest_op_rows(tables["ops"])
+    return Window(topo, tables, start_ns, now_ns)
+
+
 def diagnosis_row(d: Diagnosis) -> bytes:
     return orjson.dumps({
         "job_id": d.job_id, "incident_id": d.incident_id, "version": d.version, "id": d.id,
@@ -116,8 +154,6 @@ class DiagnosisAgents:
         self.watches: dict[str, JobWatch] = {}
         self.watermark: dict[str, int] = {}  # per job: newest progress window_end (event time)
         self.topos: dict[str, JobTopology] = {}
-        #: per job: its raw window as last read, topped up by the next read (window_reader)
-        self.windows: dict[str, WindowCache] = {}
         self.analyst = Analyst(self._read, config or AnalystConfig(),
                                event_clock=self._event_time)
         self.lock = asyncio.Lock()
@@ -151,16 +187,7 @@ class DiagnosisAgents:
         if topo is None:
             return None
         self.topos[job_id] = topo
-        cache = self.windows.get(job_id)
-        if cache is None or cache.topo is not topo:
-            cache = self.windows[job_id] = WindowCache(self.db, topo)
-        return cache.read(start_ns, now_ns)
-
-    def _forget_idle_windows(self) -> None:
-        """Drop the kept rows of jobs not read for `WINDOW_IDLE_S` (ended, or swept once)."""
-        idle = time.time_ns() - int(WINDOW_IDLE_S * SECOND)
-        for job in [j for j, c in self.windows.items() if c.last_used < idle]:
-            del self.windows[job]
+        return read_window(self.db, topo, start_ns, now_ns)
 
     async def _watch(self, job_id: str) -> JobWatch | None:
         w = self.watches.get(job_id)
@@ -260,7 +287,6 @@ class DiagnosisAgents:
                 return
             async with self.lock:
                 diags = await asyncio.to_thread(self.analyst.tick, now)
-                self._forget_idle_windows()
             await self._publish(diags)
         except Exception:  # never crash the worker from the diagnosis timer
             log.exception("diagnosis tick failed")

@@ -26,15 +26,13 @@ Statements use unqualified table names and land in the database the `Database` w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hashlib
-import itertools
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,10 +239,6 @@ class Database:
         self._generic_sql: set[str] = set()  # queries whose results streams.native cannot read
         self._empty_shapes: dict[str, list[tuple[str, np.dtype[Any]]]] = {}
         self._closed = False
-        #: start (wall ns) of each insert not yet returned, by a serial number (`inserting`)
-        self._inserts: dict[int, int] = {}
-        self._insert_serial = itertools.count()
-        self._inserts_lock = threading.Lock()
         try:
             self._client: Client = self._call(self._open, create)
         except BaseException:
@@ -327,27 +321,7 @@ class Database:
         string columns may be `Coded` (codes + distinct values). Tables whose every column type
         streams.native writes get a Native body built with numpy; others (arrays) go through
         clickhouse-connect's column writer."""
-        with self.inserting():
-            return self._call(self._insert, table, columns, settings)
-
-    @contextlib.contextmanager
-    def inserting(self) -> Iterator[None]:
-        """Mark an insert as running for its duration (`insert_columns` and `ainsert` do): a
-        reader that tops up by `ingest_ts` (diagnosis.window_reader) must not assume rows
-        stamped before an insert still queued behind other work are visible yet."""
-        serial = next(self._insert_serial)
-        with self._inserts_lock:
-            self._inserts[serial] = time.time_ns()
-        try:
-            yield
-        finally:
-            with self._inserts_lock:
-                self._inserts.pop(serial, None)
-
-    def oldest_insert_ns(self) -> int | None:
-        """When the oldest insert still running through this handle began (wall ns), if any."""
-        with self._inserts_lock:
-            return min(self._inserts.values(), default=None)
+        return self._call(self._insert, table, columns, settings)
 
     def command(self, sql: str, parameters: Mapping[str, Any] | None = None) -> Any:
         """A statement without a result set (DDL, SET...); returns ClickHouse's summary/value."""
@@ -402,8 +376,7 @@ class Database:
 
     async def ainsert(self, table: str, columns: Mapping[str, np.ndarray | Coded],
                       settings: Mapping[str, Any] | None = None) -> int:
-        with self.inserting():
-            return await self._acall(self._insert, table, columns, settings)
+        return await self._acall(self._insert, table, columns, settings)
 
     #: The name streams.store uses.
     ainsert_columns = ainsert

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from diagnosis import engine
+from diagnosis.agents import WINDOW_COLUMNS
 from diagnosis.columns import Columns
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window, latest_op_rows
-from diagnosis.window_reader import WINDOW_COLUMNS
 from ingest.agent.capture import read_capture
 from ingest.batch import decode_batch
 from ingest.records import JobTopology
