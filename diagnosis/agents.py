@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any, cast
 
 import faust
@@ -107,10 +107,14 @@ def read_topology(db: Database, job_id: str) -> JobTopology | None:
     return JobTopology.model_validate_json(rows[0][0])
 
 
-def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int) -> Window:
-    """All ranks' raw rows of one job in [start_ns, now_ns] (plus ops still in flight)."""
+def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int,
+                kinds: Collection[str] | None = None) -> Window:
+    """All ranks' raw rows of one job in [start_ns, now_ns] (plus ops still in flight), of
+    every raw kind or of `kinds` only."""
     tables: dict[str, Columns] = {}
     for kind, (tcol, cols) in WINDOW_COLUMNS.items():
+        if kinds is not None and kind not in kinds:
+            continue
         # aliases must not shadow the columns the WHERE clause compares
         sel = ", ".join(f"toUnixTimestamp64Nano({c}) AS {c}__ns" if c in TIME_COLUMNS else c
                         for c in cols)
@@ -182,12 +186,13 @@ class DiagnosisAgents:
         wm = self.watermark.get(job_id)
         return now_ns if wm is None else min(now_ns, wm + WatermarkParams().lateness_ns)
 
-    def _read(self, job_id: str, start_ns: int, now_ns: int) -> Window | None:
+    def _read(self, job_id: str, start_ns: int, now_ns: int,
+              kinds: Collection[str] | None = None) -> Window | None:
         topo = self.topos.get(job_id) or read_topology(self.db, job_id)
         if topo is None:
             return None
         self.topos[job_id] = topo
-        return read_window(self.db, topo, start_ns, now_ns)
+        return read_window(self.db, topo, start_ns, now_ns, kinds)
 
     async def _watch(self, job_id: str) -> JobWatch | None:
         w = self.watches.get(job_id)

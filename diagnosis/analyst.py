@@ -24,6 +24,10 @@ finished job would drift to "process died".
   absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers. A job
   whose event clock has not moved since its last sweep (it ended) is not swept again: the same
   records would be judged the same (an ended 1,024-rank job cost 0.7 CPU-s every 10 s).
+  A sweep reads the job's stage records first: the slowdown analysis needs them
+  (`slow_rca.analyze` returns nothing without), so a job traced without stages (NCCL plugin
+  only) is not read further. Otherwise it reads only `SWEEP_KINDS`, the kinds the sweep's two
+  rules look at — flows and beats, about a third of a job's op/flow/chunk rows, are not read.
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
@@ -34,8 +38,9 @@ finished job would drift to "process died".
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from diagnosis import engine, hang_rca, slow_rca
 from diagnosis.conclusion import Conclusion
@@ -45,7 +50,16 @@ from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
 
 SECOND = 1_000_000_000
-Reader = Callable[[str, int, int], Window | None]
+#: The raw kinds a sweep reads: what `slow_rca.analyze` and `hang_rca.stuck_ranks` use
+#: (tests/unit/test_analyst.py checks the conclusions equal those on every kind).
+SWEEP_KINDS = ("stages", "ops", "chunks", "kernels")
+
+
+class Reader(Protocol):
+    """A job's window `[start_ns, now_ns]`: every raw kind, or only `kinds`."""
+
+    def __call__(self, job_id: str, start_ns: int, now_ns: int,
+                 kinds: Collection[str] | None = None) -> Window | None: ...
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,21 @@ class Analyst:
     analysis_ms: list[float] = field(default_factory=list)
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
 
-    def _window(self, job_id: str, at_ns: int) -> Window | None:
-        return self.read(job_id, at_ns - int(self.config.window_s * SECOND), at_ns)
+    def _window(self, job_id: str, at_ns: int,
+                kinds: Collection[str] | None = None) -> Window | None:
+        return self.read(job_id, at_ns - int(self.config.window_s * SECOND), at_ns, kinds)
+
+    def _sweep_window(self, job_id: str, at_ns: int) -> Window | None:
+        """The sweep's window: its stage records, and if there are any the other `SWEEP_KINDS`
+        (module docstring); None when there is nothing a slowdown analysis could use."""
+        stages = self._window(job_id, at_ns, ("stages",))
+        if stages is None or not stages.get("stages"):
+            return None
+        rest = self._window(job_id, at_ns, [k for k in SWEEP_KINDS if k != "stages"])
+        if rest is None:
+            return None
+        return Window(rest.topo, {**rest.tables, "stages": stages.tables["stages"]},
+                      rest.start_ns, rest.now_ns)
 
     def _run(self, fn: Callable[[Window, int], Conclusion | None], w: Window,
              now_ns: int) -> tuple[Conclusion | None, float]:
@@ -141,7 +168,7 @@ class Analyst:
                     continue
                 self.swept_at[job] = at
                 t = Trigger(job, at, "straggler", (), {"rule": "rankwatch.sweep"})
-                w = self._window(job, at)
+                w = self._sweep_window(job, at)
                 # a stall in progress is the hang analysis' business (its trigger follows): a
                 # slowdown read off the stalled step would open a second, wrong incident
                 if w is not None and not hang_rca.stuck_ranks(w, at).size:

@@ -23,7 +23,7 @@ whose job stops (hang, death, nic_down, recv_fail lasting ≥ 5 s or forever).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,9 +216,12 @@ TIME_COL = {"ops": "t_start", "flows": "t_start", "stages": "t_start", "kernels"
             "chunks": "ts", "wr": "ts", "beats": "ts"}
 
 
-def window_of(store: _Store, topo: Any, start_ns: int, now_ns: int) -> Window:
+def window_of(store: _Store, topo: Any, start_ns: int, now_ns: int,
+              kinds: Collection[str] | None = None) -> Window:
     tables: dict[str, Columns] = {}
     for kind, tc in TIME_COL.items():
+        if kinds is not None and kind not in kinds:
+            continue
         t = store.table(kind)
         if not t:
             continue
@@ -312,7 +315,8 @@ def run_in_process(scenario: Any, config: AnalystConfig | None = None
     epoch = scenario.config.epoch_ns
     store = _Store()
     topo: list[Any] = []
-    analyst = Analyst(lambda job, a, b: window_of(store, topo[0], a, b) if topo else None,
+    analyst = Analyst(lambda job, a, b, kinds=None: window_of(store, topo[0], a, b, kinds)
+                      if topo else None,
                       config or AnalystConfig())
     watch: list[JobWatch] = []
     feed = ProgressRows()

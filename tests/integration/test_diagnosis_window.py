@@ -71,3 +71,18 @@ def test_window_strings_arrive_coded_and_equal_the_records(clickhouse_db: Databa
         ref_u, ref_i = np.unique(column.astype(str), return_inverse=True)
         np.testing.assert_array_equal(uniq, ref_u)
         np.testing.assert_array_equal(inv, ref_i.reshape(-1))
+
+
+def test_a_window_of_some_kinds_reads_only_those(clickhouse_db: Database) -> None:
+    """A sweep asks for the kinds its rules use (diagnosis.analyst.SWEEP_KINDS)."""
+    cfg = JobConfig(job_id="win-kinds", tp=2, pp=2, dp=1, microbatches=2, steps=3,
+                    kernel_every=1)
+    _store(clickhouse_db, Simulation(cfg, []))
+    topo = read_topology(clickhouse_db, "win-kinds")
+    assert topo is not None
+    every = read_window(clickhouse_db, topo, 0, 2**62)
+    assert {"ops", "flows", "stages", "beats"} <= set(every.tables)
+    some = read_window(clickhouse_db, topo, 0, 2**62, ("stages", "ops"))
+    assert set(some.tables) == {"stages", "ops"}
+    for kind in some.tables:
+        assert len(some.tables[kind]["rank"]) == len(every.tables[kind]["rank"])

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+import numpy as np
+import pytest
+
 from diagnosis.analyst import Analyst, AnalystConfig
 from diagnosis.conclusion import Conclusion
+from diagnosis.window import Window
 
 S = 1_000_000_000
 
@@ -13,7 +19,7 @@ def slow(ranks: tuple[int, ...]) -> Conclusion:
 
 
 def test_the_trace_of_a_resolved_stall_is_not_a_second_incident() -> None:
-    a = Analyst(lambda job, lo, hi: None, AnalystConfig(aftermath_s=20))
+    a = Analyst(lambda job, lo, hi, kinds=None: None, AnalystConfig(aftermath_s=20))
     assert not a._aftermath("j", slow((3,)), 100 * S)  # no stall resolved yet
     a.resolved_hangs["j"] = (frozenset({3}), 100 * S)
     assert a._aftermath("j", slow((3,)), 110 * S)  # same culprit, same episode
@@ -28,7 +34,7 @@ def test_a_new_incident_is_rechecked_after_first_recheck_s() -> None:
     from tests.unit.test_diagnosis_engine import window
 
     w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
-    a = Analyst(lambda job, lo, hi: w, AnalystConfig(recheck_s=4, first_recheck_s=1))
+    a = Analyst(lambda job, lo, hi, kinds=None: w, AnalystConfig(recheck_s=4, first_recheck_s=1))
     out = a.on_trigger(Trigger(w.topo.job_id, now, "hang", ()), now)
     assert [d.status for d in out] == ["open"]
     a.tick(now + S // 2)
@@ -44,7 +50,7 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     not read again every sweep_s."""
     reads: list[int] = []
 
-    def read(job: str, lo: int, hi: int) -> None:
+    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> None:
         reads.append(hi)
 
     clock = {"at": 50 * S}
@@ -57,3 +63,46 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     clock["at"] = 60 * S  # its records move on again
     a.tick(130 * S)
     assert reads == [50 * S, 60 * S]
+
+
+@pytest.mark.parametrize("fault", [
+    "nic_bw rank=7 factor=0.2 at=3s", "pcie rank=5 factor=0.25 at=3s",
+    "gpu_slow rank=9 factor=1.5 at=3s", "kernel_slow rank=12 kernel=attn factor=3 at=3s",
+    "data_tail rank=10 p=0.3 delay=180ms at=3s", "proxy_delay rank=3 p=0.1 delay=1s at=3s",
+    "ecc_jitter rank=6 p=0.05 factor=10 at=3s", "hang rank=13 stage=bwd mb=3 at=3s",
+])
+def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
+    """The sweep's window holds only SWEEP_KINDS (no flows, no beats): its rules conclude on it
+    exactly what they conclude on every kind — a rule that starts using another kind fails
+    here until SWEEP_KINDS lists it."""
+    from diagnosis import hang_rca, slow_rca
+    from diagnosis.analyst import SWEEP_KINDS
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window(fault, steps=16)
+    part = Window(w.topo, {k: v for k, v in w.tables.items() if k in SWEEP_KINDS}, w.start_ns,
+                  w.now_ns)
+    assert set(w.tables) - set(part.tables) >= {"flows", "beats"}
+    full_c, part_c = slow_rca.analyze(w, now), slow_rca.analyze(part, now)
+    assert full_c == part_c
+    np.testing.assert_array_equal(hang_rca.stuck_ranks(w, now), hang_rca.stuck_ranks(part, now))
+    if "hang" not in fault:
+        assert full_c is not None  # the fault is found: the comparison is not of two Nones
+
+
+def test_a_job_without_stage_records_is_not_read_by_the_sweep() -> None:
+    """slow_rca needs stage records: a sweep reads the stages and, finding none, nothing else."""
+    asked: list[tuple[str, ...] | None] = []
+
+    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
+        asked.append(tuple(kinds) if kinds is not None else None)
+        return Window(topo, {})
+
+    from ingest.sim.config import JobConfig
+    from ingest.sim.simulation import Simulation
+
+    topo = Simulation(JobConfig(job_id="j", tp=2, pp=1, dp=1), []).topology()
+    a = Analyst(read, AnalystConfig(sweep_s=10))
+    a.jobs.add("j")
+    a.tick(100 * S)
+    assert asked == [("stages",)]
