@@ -1,20 +1,23 @@
 """The progress feed: per job and short window, per rank and communicator, how far it got.
 
-One window `[ws, we)` of one job (default 1 s) costs three GROUP BY queries in ClickHouse and one
+One window `[ws, we)` of one job (default 1 s) costs four queries in ClickHouse and one
 vectorized merge here, whatever the number of ranks:
 
 - A. ops with t_start in `[ws − op_lookback, we)` still running at `ws` (t_end = 0 or ≥ ws),
-  grouped by (rank, comm_id): the highest op_seq completed in the window, the calls that
-  completed inside the window (count, bytes, first and last end), the calls in flight at `we`
-  (started, and t_end = 0 or ≥ we) and the oldest one's start. A call that ended before `ws` was
+  grouped by (rank, comm_id): the highest op_seq completed in the window and the calls that
+  completed inside it (count, bytes, first and last end). A call that ended before `ws` was
   counted by an earlier window (the one holding its end; its start is in that window's range or
-  query B's), so the carried state already has its op_seq and start: the t_end minmax index lets
+  query B's), so the carried state already has its op_seq: the t_end minmax index lets
   ClickHouse skip the lookback's granules of finished calls (94 → 60 ms per window of a
   1,024-rank job at 500,000 ops/s, `rankwatch bench streams --in-process`);
-- B. calls that started before that range (up to `hang_horizon` back) and are still in flight
-  (t_end = 0) or ended inside the window — a call longer than `op_lookback` counts as completed
-  in the window where it ends, like any other; a minmax index on t_end makes this cheap: only
-  granules holding an in-flight op or an op ending in the window are read;
+- B. calls that started before that range (up to `hang_horizon` back) and ended inside the
+  window — a call longer than `op_lookback` counts as completed in the window where it ends,
+  like any other (the t_end minmax index: only granules holding an op ending in the window);
+- R. the rows of calls running at `we` (t_end = 0 or ≥ we, started in the horizon), one row
+  each: a call is in flight unless its op_seq is at most the highest op_seq its (rank,
+  comm_id) completed by `we` (`ProgressState._running`). The host agent stores a call that
+  runs over 2 s twice — in flight, then completed — and the in-flight row stays in the
+  horizon: counted by row, a stall that recovered left its calls "in flight" for an hour;
 - C. beats in the window: newest heartbeat per (rank, comm_id).
 
 `ProgressState` (pure numpy) carries what outlives a window — last completed op_seq, last beat,
@@ -26,8 +29,9 @@ After a restart it is rebuilt from the last window stored in the `progress` tabl
 Definitions (ingest.records.Progress): `last_op_seq` counts completed calls only (a beat's
 last_op_seq is the last call *started*, so it is not mixed in); `bytes_per_s` is the bytes of the
 calls completed in the window over the window length; `op_interval_ns` is (last end − first end) /
-(completed − 1). A call longer than `op_lookback` is counted, through query B, as in flight
-while it runs and as completed in the window where it ends.
+(completed − 1); `inflight_ops` counts calls started and not completed by `we`, each once.
+Calls on one communicator complete in the order they were issued (they share a stream): that
+is what lets a later completion supersede an in-flight row.
 """
 
 from __future__ import annotations
@@ -59,8 +63,6 @@ SELECT rank, toString(comm_id) AS comm,
        sumIf(bytes, t_end >= ws_t AND t_end < we_t) AS done_bytes,
        minIf(e, t_end >= ws_t AND t_end < we_t) AS first_end,
        maxIf(e, t_end >= ws_t AND t_end < we_t) AS last_end,
-       countIf(e = 0 OR t_end >= we_t) AS inflight,
-       minIf(toUnixTimestamp64Nano(t_start), e = 0 OR t_end >= we_t) AS oldest,
        max(toUnixTimestamp64Nano(t_start)) AS last_ts
 FROM ops
 WHERE job_id = {job:String}
@@ -73,17 +75,25 @@ HUNG_SQL = """
 WITH fromUnixTimestamp64Nano({ws:Int64}, 'UTC') AS ws_t,
      fromUnixTimestamp64Nano({we:Int64}, 'UTC') AS we_t,
      toUnixTimestamp64Nano(t_end) AS e
-SELECT rank, toString(comm_id) AS comm, countIf(e = 0) AS inflight,
-       minIf(toUnixTimestamp64Nano(t_start), e = 0) AS oldest,
+SELECT rank, toString(comm_id) AS comm,
        countIf(e > 0) AS completed, sumIf(bytes, e > 0) AS done_bytes,
        minIf(e, e > 0) AS first_end, maxIf(e, e > 0) AS last_end,
        maxIf(op_seq, e > 0) AS seq_done
 FROM ops
 WHERE job_id = {job:String}
-  AND (t_end = fromUnixTimestamp64Nano(0, 'UTC') OR (t_end >= ws_t AND t_end < we_t))
+  AND t_end >= ws_t AND t_end < we_t
   AND t_start >= fromUnixTimestamp64Nano({far:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
 GROUP BY rank, comm
+"""
+
+RUNNING_SQL = """
+WITH fromUnixTimestamp64Nano({we:Int64}, 'UTC') AS we_t
+SELECT rank, toString(comm_id) AS comm, op_seq, toUnixTimestamp64Nano(t_start) AS t0
+FROM ops
+WHERE job_id = {job:String}
+  AND (t_end = fromUnixTimestamp64Nano(0, 'UTC') OR t_end >= we_t)
+  AND t_start >= fromUnixTimestamp64Nano({far:Int64}, 'UTC') AND t_start < we_t
 """
 
 BEATS_SQL = """
@@ -138,12 +148,14 @@ class ProgressState:
         return (self.keys & 0xFFFFFFFF).astype(np.int32), names[self.keys >> 32]
 
     def window(self, ws: int, we: int, ops: dict[str, np.ndarray], hung: dict[str, np.ndarray],
-               beats: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+               beats: dict[str, np.ndarray],
+               running: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Fold one window's aggregates in and return its rows (every key ever seen)."""
         ka = self.encode(ops["rank"], ops["comm"])
         kb = self.encode(hung["rank"], hung["comm"])
         kc = self.encode(beats["rank"], beats["comm"])
-        self._grow(ka, kb, kc)
+        running = {**running, "key": self.encode(running["rank"], running["comm"])}
+        self._grow(ka, kb, kc, running["key"])
         n = len(self.keys)
         ia, ib, ic = (np.searchsorted(self.keys, k) for k in (ka, kb, kc))
         done = ops["n_done"] > 0
@@ -166,14 +178,7 @@ class ProgressState:
         interval = np.full(n, -1, np.int64)
         many = completed > 1
         interval[many] = (last_end[many] - first_end[many]) // (completed[many] - 1)
-        inflight = np.zeros(n, np.int64)
-        np.add.at(inflight, ia, ops["inflight"].astype(np.int64))
-        np.add.at(inflight, ib, hung["inflight"].astype(np.int64))
-        oldest = np.full(n, np.iinfo(np.int64).max, np.int64)
-        live_a = ops["inflight"] > 0
-        live_b = hung["inflight"] > 0
-        np.minimum.at(oldest, ia[live_a], ops["oldest"][live_a].astype(np.int64))
-        np.minimum.at(oldest, ib[live_b], hung["oldest"][live_b].astype(np.int64))
+        inflight, oldest = self._running(running, n)
         rank, comm = self.decode()
         width = max(we - ws, 1)
         return {
@@ -184,6 +189,28 @@ class ProgressState:
             "oldest_inflight_age_ns": np.where(inflight > 0, np.maximum(we - oldest, 0), 0),
             "last_beat_ts": self.last_beat_ts.copy(), "last_record_ts": self.last_record_ts.copy(),
         }
+
+    def _running(self, running: dict[str, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Calls in flight at the window end per key, and the oldest one's start, from the rows
+        of query R (call the window's completions folded into `last_op_seq` first). A row is a
+        call still running unless its op_seq is at most the highest op_seq completed: calls on
+        one communicator complete in the order they were issued (one stream), so that call
+        completed — its in-flight row (the host agent stores one for a call running over 2 s,
+        and the completed row later) is superseded. A call stored both in flight and completed
+        after the window end counts once."""
+        oldest = np.full(n, np.iinfo(np.int64).max, np.int64)
+        if not len(running["key"]):
+            return np.zeros(n, np.int64), oldest
+        i = np.searchsorted(self.keys, running["key"])
+        seq = running["op_seq"].astype(np.int64)
+        live = seq > self.last_op_seq[i]
+        i, seq = i[live], seq[live]
+        np.minimum.at(oldest, i, running["t0"][live].astype(np.int64))
+        order = np.lexsort((seq, i))
+        i, seq = i[order], seq[order]
+        first = np.ones(len(i), dtype=bool)
+        first[1:] = (i[1:] != i[:-1]) | (seq[1:] != seq[:-1])
+        return np.bincount(i[first], minlength=n).astype(np.int64), oldest
 
     def restore(self, last: dict[str, np.ndarray]) -> None:
         """Start from the rows of the last stored window."""
@@ -220,7 +247,9 @@ class ProgressFeed:
             HUNG_SQL, {"job": job, "ws": ws, "we": we, "lo": lo,
                        "far": we - self.p.hang_horizon_ns})
         beats = await self.db.aquery_columns(BEATS_SQL, {"job": job, "ws": ws, "we": we})
-        return st.window(ws, we, ops, hung, beats)
+        running = await self.db.aquery_columns(
+            RUNNING_SQL, {"job": job, "we": we, "far": we - self.p.hang_horizon_ns})
+        return st.window(ws, we, ops, hung, beats, running)
 
     def forget(self, job: str) -> None:
         self.states.pop(job, None)

@@ -290,6 +290,47 @@ def test_a_call_longer_than_the_lookback_counts_in_the_window_where_it_ends(
     assert by_end[t0 + 10 * SEC] == (1, 5)  # [t0+9 s, t0+10 s): the long call ends here
 
 
+def test_a_call_stored_in_flight_then_completed_leaves_the_feed_when_it_completes(
+        clickhouse_db: Database) -> None:
+    """Progress: the host agent stores a call that runs over 2 s in flight (t_end = 0) and again
+    once it completed. While it runs it is one call in flight; from the window where it ends
+    on it is not in flight — not for the hour the in-flight row stays in the lookback."""
+    from ingest.batch import encode_batch
+
+    job, t0 = "twins", 1_700_000_200 * SEC
+    runner = DerivedRunner(db := clickhouse_db, _nothing, config(), clock=CLOCK)
+    store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
+
+    def ops(rows: list[tuple[int, int, int]]) -> bytes:  # (op_seq, t_start, t_end)
+        return encode_batch("ops", job, {
+            "rank": [0] * len(rows), "comm_id": ["dp:0"] * len(rows),
+            "op_seq": [r[0] for r in rows], "op": ["AllReduce"] * len(rows),
+            "bytes": [1 << 20] * len(rows), "t_enqueue": [r[1] for r in rows],
+            "t_start": [r[1] for r in rows], "t_end": [r[2] for r in rows]})
+
+    async def run() -> None:
+        short = [(i, t0 + i * SEC // 10, t0 + i * SEC // 10 + 1000) for i in range(5)]
+        # op 5 starts at t0 + 1 s and runs 20 s: in flight first, then completed
+        await store.write("ops", [decode_batch(ops([*short, (5, t0 + SEC, 0)]))], "tw:0",
+                          sources=[(0, 0)])
+        later = [(6 + i, t0 + 22 * SEC + i * SEC, t0 + 22 * SEC + i * SEC + 1000)
+                 for i in range(10)]
+        await store.write("ops", [decode_batch(ops([(5, t0 + SEC, t0 + 21 * SEC), *later]))],
+                          "tw:1", sources=[(0, 1)])
+        CLOCK.pause(60)
+        while await runner.tick():
+            pass
+
+    asyncio.run(run())
+    rows = db.query("SELECT toUnixTimestamp64Nano(window_end), inflight_ops, last_op_seq "
+                    "FROM progress FINAL WHERE job_id = {j:String} ORDER BY window_end",
+                    {"j": job}).result_rows
+    by_end = {int(we): (int(n), int(s)) for we, n, s in rows}
+    assert by_end[t0 + 10 * SEC] == (1, 4)  # running: counted once, though stored twice
+    assert by_end[t0 + 22 * SEC] == (0, 5)  # it ended at t0 + 21 s
+    assert all(n == 0 for we, (n, _) in by_end.items() if we > t0 + 21 * SEC)
+
+
 def test_a_late_mark_survives_a_crash_before_the_recomputation(clickhouse_db: Database) -> None:
     """The stage records of one step arrive after its iterations window closed; the worker dies
     before recomputing it. The mark was stored with the batch, so the next worker recomputes."""

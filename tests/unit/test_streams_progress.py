@@ -14,9 +14,9 @@ def cols(**kw: list[object]) -> dict[str, np.ndarray]:
 
 
 A_COLS = ("rank", "comm", "n_done", "seq_done", "completed", "done_bytes", "first_end",
-          "last_end", "inflight", "oldest", "last_ts")
-B_COLS = ("rank", "comm", "inflight", "oldest", "completed", "done_bytes", "first_end",
-          "last_end", "seq_done")
+          "last_end", "last_ts")
+NO_RUNNING = {"rank": np.zeros(0, np.int64), "comm": np.zeros(0, object),
+              "op_seq": np.zeros(0, np.int64), "t0": np.zeros(0, np.int64)}
 
 
 def test_a_call_longer_than_the_lookback_counts_where_it_ends() -> None:
@@ -24,11 +24,11 @@ def test_a_call_longer_than_the_lookback_counts_where_it_ends() -> None:
     ws, we = 100 * S, 101 * S
     ops = cols(**{k: [] for k in A_COLS})
     # rank 0 on dp: one call of 30 s ends inside the window (query B); rank 1 still in flight
-    hung = cols(rank=[0, 1], comm=["dp:0", "dp:0"], inflight=[0, 1], oldest=[0, 70 * S],
-                completed=[1, 0], done_bytes=[4096, 0], first_end=[we - S // 2, 0],
-                last_end=[we - S // 2, 0], seq_done=[7, 0])
+    hung = cols(rank=[0], comm=["dp:0"], completed=[1], done_bytes=[4096],
+                first_end=[we - S // 2], last_end=[we - S // 2], seq_done=[7])
     beats = cols(rank=[], comm=[], beat=[])
-    row = st.window(ws, we, ops, hung, beats)
+    running = cols(rank=[1], comm=["dp:0"], op_seq=[0], t0=[70 * S])
+    row = st.window(ws, we, ops, hung, beats, running)
     by_rank = {int(r): i for i, r in enumerate(row["rank"])}
     r0, r1 = by_rank[0], by_rank[1]
     assert row["completed_ops"][r0] == 1 and row["last_op_seq"][r0] == 7
@@ -42,13 +42,36 @@ def test_completions_from_both_ranges_merge() -> None:
     st = ProgressState()
     ws, we = 100 * S, 101 * S
     ops = cols(rank=[0], comm=["tp:0"], n_done=[2], seq_done=[9], completed=[2],
-               done_bytes=[200], first_end=[ws + S // 10], last_end=[ws + S // 5], inflight=[1],
-               oldest=[ws + S // 2], last_ts=[ws + S // 2])
-    hung = cols(rank=[0], comm=["tp:0"], inflight=[0], oldest=[0], completed=[1],
+               done_bytes=[200], first_end=[ws + S // 10], last_end=[ws + S // 5],
+               last_ts=[ws + S // 2])
+    hung = cols(rank=[0], comm=["tp:0"], completed=[1],
                 done_bytes=[100], first_end=[ws + 7 * S // 10], last_end=[ws + 7 * S // 10],
                 seq_done=[5])
-    row = st.window(ws, we, ops, hung, cols(rank=[], comm=[], beat=[]))
+    running = cols(rank=[0], comm=["tp:0"], op_seq=[10], t0=[ws + S // 2])
+    row = st.window(ws, we, ops, hung, cols(rank=[], comm=[], beat=[]), running)
     assert row["completed_ops"][0] == 3 and row["bytes_per_s"][0] == 300
     assert row["op_interval_ns"][0] == (7 * S // 10 - S // 10) // 2
     assert row["last_op_seq"][0] == 9
-    assert row["oldest_inflight_age_ns"][0] == we - (ws + S // 2)  # B's 0 is not an in-flight start
+    assert row["inflight_ops"][0] == 1
+    assert row["oldest_inflight_age_ns"][0] == we - (ws + S // 2)
+
+
+def test_a_call_stored_in_flight_and_again_completed_is_not_in_flight_twice_or_forever() -> None:
+    """The host agent stores a call running over 2 s in flight (t_end = 0) and again when it
+    completes. Running rows whose op_seq is at most the highest completed one are superseded
+    (calls on one communicator complete in order); a call stored twice counts once."""
+    st = ProgressState()
+    ws, we = 100 * S, 101 * S
+    ops = cols(rank=[0], comm=["dp:0"], n_done=[1], seq_done=[4], completed=[1],
+               done_bytes=[100], first_end=[ws + S // 10], last_end=[ws + S // 10],
+               last_ts=[ws + S // 2])
+    none = cols(**{k: [] for k in ("rank", "comm", "completed", "done_bytes", "first_end",
+                                   "last_end", "seq_done")})
+    # op 3: stored in flight 40 s ago, completed since (op 4 completed in this window);
+    # op 5: stored in flight and, completed after the window end, stored again
+    running = cols(rank=[0, 0, 0], comm=["dp:0"] * 3, op_seq=[3, 5, 5],
+                   t0=[60 * S, ws + S // 2, ws + S // 2])
+    row = st.window(ws, we, ops, none, cols(rank=[], comm=[], beat=[]), running)
+    assert row["last_op_seq"][0] == 4
+    assert row["inflight_ops"][0] == 1
+    assert row["oldest_inflight_age_ns"][0] == we - (ws + S // 2)
