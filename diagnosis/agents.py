@@ -46,7 +46,7 @@ from diagnosis.columns import Columns, coded_column, ints
 from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch
-from diagnosis.window import Window, latest_op_rows
+from diagnosis.window import Window, latest_op_rows, without_superseded_in_flight
 from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
@@ -134,7 +134,7 @@ def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int,
             tables[kind] = {k.removesuffix("__ns"): coded_column(v.values, v.codes)
                             if isinstance(v, Coded) else np.asarray(v) for k, v in res.items()}
     if "ops" in tables:
-        tables["ops"] = latest_op_rows(tables["ops"])
+        tables["ops"] = without_superseded_in_flight(latest_op_rows(tables["ops"]), now_ns)
     return Window(topo, tables, start_ns, now_ns)
 
 

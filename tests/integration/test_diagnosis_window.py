@@ -86,3 +86,37 @@ def test_a_window_of_some_kinds_reads_only_those(clickhouse_db: Database) -> Non
     assert set(some.tables) == {"stages", "ops"}
     for kind in some.tables:
         assert len(some.tables[kind]["rank"]) == len(every.tables[kind]["rank"])
+
+
+def test_a_call_that_completed_before_the_window_is_not_read_as_stuck(
+        clickhouse_db: Database) -> None:
+    """Rank 0's AllReduce was stored in flight during a 100 s stall (the host agent's row) and
+    again when it completed; rank 1's never completed. A window starting after the stall reads
+    both in-flight rows (in-flight calls are read from an hour back) but not rank 0's completed
+    row (it started before the window): rank 0 completed later calls on that communicator, so
+    its row is superseded; only rank 1 is stuck."""
+    from diagnosis.hang_rca import stuck_ranks
+    from ingest.batch import encode_batch
+
+    s, t = 1_000_000_000, 1_700_000_000 * 1_000_000_000
+    job = "win-stale"
+    rows = [(0, 5, t, 0), (1, 5, t, 0), (0, 5, t, t + 100 * s)]
+    rows += [(0, 6 + i, t + (101 + i) * s, t + (101 + i) * s + 1000) for i in range(100)]
+    batch = decode_batch(encode_batch("ops", job, {
+        "rank": [r[0] for r in rows], "comm_id": ["dp:0"] * len(rows),
+        "op_seq": [r[1] for r in rows], "op": ["AllReduce"] * len(rows),
+        "bytes": [1 << 20] * len(rows), "t_enqueue": [r[2] for r in rows],
+        "t_start": [r[2] for r in rows], "t_end": [r[3] for r in rows]}))
+    asyncio.run(ClickHouseWriter(clickhouse_db).write("ops", [batch], "stale:0"))
+    cfg = JobConfig(job_id=job, tp=1, pp=1, dp=2)
+    topo = Simulation(cfg, []).topology()
+
+    now = t + 200 * s
+    w = read_window(clickhouse_db, topo, now - 90 * s, now)
+    ops = w.get("ops")
+    waiting = ops["t_end"] == 0
+    assert sorted(ops["rank"][waiting].tolist()) == [1]
+    assert stuck_ranks(w, now).tolist() == [1]
+    # judged during the stall (its end is after that moment), both were stuck
+    during = read_window(clickhouse_db, topo, t - 10 * s, t + 50 * s)
+    assert stuck_ranks(during, t + 50 * s).tolist() == [0, 1]
