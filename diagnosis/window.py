@@ -18,6 +18,7 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, distinct, group_key, ints, last_per_group
 from diagnosis.groups import Grid, grid_of
 from diagnosis.rules.pipeline_ops import PipelineSpec
+from ingest.inflight import superseded
 from ingest.records import JobTopology
 
 Array = np.ndarray
@@ -40,29 +41,18 @@ def latest_op_rows(ops: Columns) -> Columns:
 
 
 def without_superseded_in_flight(ops: Columns, now_ns: int) -> Columns:
-    """Drop in-flight rows (`t_end = 0`) of calls that completed by `now_ns`: a row whose op_seq
-    is at most the highest op_seq its (rank, comm_id) completed by then. Calls on one
-    communicator complete in the order they were issued (one stream), so that call ended too.
+    """Drop in-flight rows (`t_end = 0`) of calls that completed by `now_ns`
+    (`ingest.inflight.superseded`: a later call on the same communicator completed).
 
     `latest_op_rows` pairs an in-flight row with its completed row when both are read; this
     covers the row read alone — the window reads in-flight rows from up to an hour back, and
     the completed row of a call that started before the window is outside it, so a call the
-    host agent stored in flight during a stall that recovered would otherwise stay "stuck" in
-    every window for an hour (streams/progress.py applies the same rule to the feed)."""
+    host agent stored in flight during a stall that recovered stayed "stuck" in every window
+    for an hour."""
     if not ops or "rank" not in ops or not len(ops["rank"]):
         return ops
-    t_end = ints(ops, "t_end")
-    waiting = t_end == 0
-    if not waiting.any():
-        return ops
     _, comm = codes(col(ops, "comm_id"))
-    rank = ints(ops, "rank")
-    key = comm * (int(rank.max()) + 1) + rank
-    seq = ints(ops, "op_seq")
-    done = (t_end > 0) & (t_end <= now_ns)
-    best = np.full(int(key.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
-    np.maximum.at(best, key[done], seq[done])
-    stale = waiting & (seq <= best[key])
+    stale = superseded(ints(ops, "rank"), comm, ints(ops, "op_seq"), ints(ops, "t_end"), now_ns)
     if not stale.any():
         return ops
     keep = ~stale

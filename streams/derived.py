@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingest.batch import TIME_COLUMN, RecordBatch, encode_batch
+from ingest.inflight import superseded
 from streams.db import Database
 from streams.iterations import KIND_CODES, OTHER_KIND, OpFrame, iteration_rows
 from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarizer
@@ -152,7 +153,8 @@ OPS_SQL = """
 SELECT rank,
        """ + COMM_KIND_SQL + """ AS kind,
        CAST(op IN ('AllReduce', 'ReduceScatter') AS UInt8) AS grad_op, op_seq, step, bytes,
-       toUnixTimestamp64Nano(t_start) AS start_ns, toUnixTimestamp64Nano(t_end) AS end_ns
+       toUnixTimestamp64Nano(t_start) AS start_ns, toUnixTimestamp64Nano(t_end) AS end_ns,
+       cityHash64(comm_id) AS comm
 FROM ops WHERE job_id = {job:String}
   AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')
@@ -395,6 +397,9 @@ class DerivedRunner:
         stages = await self.db.aquery_columns(STAGES_SQL, frame)
         stages["t_start"] = stages.pop("start_ns")  # (an alias named t_start would shadow it)
         ops = await self.db.aquery_columns(OPS_SQL, {**frame, "ids": ids, "codes": codes})
+        stale = superseded(ops["rank"], ops["comm"], ops["op_seq"], ops["end_ns"])
+        if stale.any():  # stored in flight, completed since (ingest.inflight)
+            ops = {k: v[~stale] for k, v in ops.items()}
         grad = (ops["kind"] == KIND_CODES["dp"]) & (ops["grad_op"] > 0)
         of = OpFrame(ops["rank"], ops["kind"], grad, ops["op_seq"], ops["step"], ops["bytes"],
                      ops["start_ns"], ops["end_ns"])

@@ -193,11 +193,10 @@ class ProgressState:
     def _running(self, running: dict[str, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
         """Calls in flight at the window end per key, and the oldest one's start, from the rows
         of query R (call the window's completions folded into `last_op_seq` first). A row is a
-        call still running unless its op_seq is at most the highest op_seq completed: calls on
-        one communicator complete in the order they were issued (one stream), so that call
-        completed — its in-flight row (the host agent stores one for a call running over 2 s,
-        and the completed row later) is superseded. A call stored both in flight and completed
-        after the window end counts once."""
+        call still running unless its op_seq is at most the highest op_seq completed
+        (`ingest.inflight`: calls on one communicator complete in order) — the in-flight row
+        the host agent stores for a call running over 2 s is then superseded. A call stored
+        both in flight and completed after the window end counts once."""
         oldest = np.full(n, np.iinfo(np.int64).max, np.int64)
         if not len(running["key"]):
             return np.zeros(n, np.int64), oldest

@@ -4,6 +4,7 @@ derived runner in process: a hung job, a job of one rank, windows that survive a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -51,7 +52,11 @@ CLOCK = Clock()
 
 async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ignore[assignment]
                runner: DerivedRunner | None = None, upto: float = 1.0,
-               kinds: frozenset[str] | None = None, topology: bool = True) -> DerivedRunner:
+               kinds: frozenset[str] | None = None, topology: bool = True,
+               in_flight_first: bool = False) -> DerivedRunner:
+    """Store a simulated job through the raw store and run its derived windows. With
+    `in_flight_first` every ops batch is stored first as the host agent stores calls running
+    over 2 s — in flight, t_end = 0 — and then completed."""
     clock = CLOCK
     runner = runner or DerivedRunner(db, _nothing, config(), clock=clock)
     await runner.restore()
@@ -64,6 +69,11 @@ async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ig
             if topology:
                 await store.write_topologies(b.topologies, f"jobs:{cfg.job_id}:{i}")
         else:
+            if in_flight_first and kind == "ops":
+                running = dataclasses.replace(b, cols={**b.cols,
+                                                       "t_end": np.zeros_like(b.cols["t_end"])})
+                await store.write(kind, [running], f"{cfg.job_id}:{i}:running",
+                                  sources=[(1, i)])
             await store.write(kind, [b], f"{cfg.job_id}:{i}", sources=[(0, i)])
         clock.pause(0.05)
         if i % 20 == 0:
@@ -329,6 +339,34 @@ def test_a_call_stored_in_flight_then_completed_leaves_the_feed_when_it_complete
     assert by_end[t0 + 10 * SEC] == (1, 4)  # running: counted once, though stored twice
     assert by_end[t0 + 22 * SEC] == (0, 5)  # it ended at t0 + 21 s
     assert all(n == 0 for we, (n, _) in by_end.items() if we > t0 + 21 * SEC)
+
+
+def test_calls_stored_in_flight_first_change_no_iteration_or_progress_row(
+        clickhouse_db: Database) -> None:
+    """The same simulated job twice: once as the simulator publishes it, once with every call
+    also stored in flight before its completed row (as the host agent does for calls over 2 s).
+    The iteration rows (exposed communication per kind, op counts) and the progress rows are
+    the same: the in-flight rows are superseded (ingest.inflight)."""
+    db = clickhouse_db
+    base = dict(tp=2, pp=2, dp=2, steps=8, microbatches=2, seed=5)
+    asyncio.run(load(db, JobConfig(job_id="plain", **base)))  # type: ignore[arg-type]
+    asyncio.run(load(db, JobConfig(job_id="twice", **base),  # type: ignore[arg-type]
+                     in_flight_first=True))
+    assert db.query("SELECT count() FROM ops WHERE job_id = 'twice' AND "
+                    "toUnixTimestamp64Nano(t_end) = 0").result_rows[0][0] > 500
+
+    def rows(table: str, job: str, order: str) -> list[tuple[object, ...]]:
+        cols = [c for c in db.query(f"SELECT * FROM {table} LIMIT 0").column_names
+                if c not in ("job_id", "ingest_ts")]
+        return list(db.query(f"SELECT {', '.join(cols)} FROM {table} FINAL WHERE job_id = "
+                             f"{{j:String}} ORDER BY {order}", {"j": job}).result_rows)
+
+    it = rows("iterations", "plain", "rank, step")
+    assert len(it) == 8 * 8
+    assert rows("iterations", "twice", "rank, step") == it
+    prog = rows("progress", "plain", "window_end, rank, comm_id")
+    assert len(prog) > 20
+    assert rows("progress", "twice", "window_end, rank, comm_id") == prog
 
 
 def test_a_late_mark_survives_a_crash_before_the_recomputation(clickhouse_db: Database) -> None:
