@@ -11,9 +11,10 @@ Ops are written twice by every producer — a start record (``t_end = 0``) and a
 - an end becomes one `ops` row: the start's fields, overridden by the end's non-zero ones (the
   NCCL plugin knows t_start only at the end), with the end's `t_end`;
 - a start still open `inflight_ns` after it began is published once with ``t_end = 0`` (an op in
-  flight: what hang diagnosis looks for) and kept; when it completes later a second row with the
-  real `t_end` follows. Readers take, per (job, rank, comm_id, op_seq), the row with the largest
-  `t_end` — the completed one supersedes the in-flight one;
+  flight: what hang diagnosis looks for; its t_start is the enqueue time when the start has
+  none) and kept; when it completes later a second row with the real `t_end` follows. The
+  completed row supersedes the in-flight one (ingest/inflight.py: readers drop an in-flight row
+  once its communicator completed that op_seq or a later one);
 - `close()` (the producer is gone) publishes what is still open with ``t_end = 0``.
 """
 
@@ -102,17 +103,27 @@ class OpJoin:
         # the kernel has not started yet); the Python tracer's starts carry both
         issued = np.where(pend[:, 3] > 0, pend[:, 3], pend[:, 4])
         late = ~matched & ~shown & (issued < now_ns - self.inflight_ns)
-        late_rows = pend[late].copy()
-        late_rows[:, 5] = 0
+        late_rows = _in_flight(pend[late])
         self.open, self.shown = pend[~matched], (shown | late)[~matched]
         return np.concatenate([done_rows, late_rows])
 
     def close(self) -> np.ndarray:
         """Every op still open and not yet shown, as in-flight rows (the producer ended)."""
-        rows: np.ndarray = self.open[~self.shown].copy()
-        rows[:, 5] = 0
+        rows = _in_flight(self.open[~self.shown])
         self.shown[:] = True
         return rows
+
+
+def _in_flight(starts: np.ndarray) -> np.ndarray:
+    """Open starts as in-flight rows: t_end 0, and t_start the enqueue time where the start
+    has none (the NCCL plugin's: its kernel has not started, or the plugin does not know).
+    Readers select ops by t_start (the raw tables are ordered by it): a row at t_start 0 —
+    1970 — was in no window, so a call hung in NCCL was invisible to the progress feed and to
+    root cause. The completed row, when it comes, carries the real t_start."""
+    rows: np.ndarray = starts.copy()
+    rows[:, 5] = 0
+    rows[:, 4] = np.where(rows[:, 4] > 0, rows[:, 4], rows[:, 3])
+    return rows
 
 
 def op_columns(rows: np.ndarray, rank: int, names: Names) -> Cols:

@@ -103,4 +103,9 @@ def test_an_nccl_start_is_not_in_flight_before_its_time() -> None:
     assert done[:, 5].tolist() == [100 * S + 60_000_000]
     j.feed(ops({**start(8, 200 * S), "t_start": 0}), 200 * S)
     assert len(j.feed(ops(), 201 * S)) == 0
-    assert j.feed(ops(), 203 * S)[:, 1].tolist() == [8]  # past 2 s: shown in flight once
+    shown = j.feed(ops(), 203 * S)
+    assert shown[:, 1].tolist() == [8]  # past 2 s: shown in flight once
+    # at its enqueue time: a row at t_start 0 (1970) would be in no reader's time window
+    assert shown[:, 4].tolist() == [200 * S] and shown[:, 5].tolist() == [0]
+    j.feed(ops({**start(9, 300 * S), "t_start": 0}), 300 * S)
+    assert j.close()[:, 4].tolist() == [300 * S]  # the producer ended with it open
