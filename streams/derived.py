@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ingest.batch import TIME_COLUMN, RecordBatch, encode_batch
+from ingest.batch import TIME_COLUMN, Coded, RecordBatch, encode_batch
 from ingest.inflight import superseded
 from streams.db import Database
 from streams.iterations import KIND_CODES, OTHER_KIND, OpFrame, iteration_rows
@@ -154,7 +154,7 @@ SELECT rank,
        """ + COMM_KIND_SQL + """ AS kind,
        CAST(op IN ('AllReduce', 'ReduceScatter') AS UInt8) AS grad_op, op_seq, step, bytes,
        toUnixTimestamp64Nano(t_start) AS start_ns, toUnixTimestamp64Nano(t_end) AS end_ns,
-       cityHash64(comm_id) AS comm
+       comm_id
 FROM ops WHERE job_id = {job:String}
   AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')
@@ -396,8 +396,13 @@ class DerivedRunner:
         frame = {"job": job, "lo": lo, "we": we}
         stages = await self.db.aquery_columns(STAGES_SQL, frame)
         stages["t_start"] = stages.pop("start_ns")  # (an alias named t_start would shadow it)
-        ops = await self.db.aquery_columns(OPS_SQL, {**frame, "ids": ids, "codes": codes})
-        stale = superseded(ops["rank"], ops["comm"], ops["op_seq"], ops["end_ns"])
+        # comm_id arrives dictionary-coded (LowCardinality): its codes key the in-flight rule
+        res = await self.db.aquery_coded(OPS_SQL, {**frame, "ids": ids, "codes": codes})
+        comm = res.pop("comm_id")
+        ops = {k: np.asarray(v) for k, v in res.items()}
+        comm_code = comm.codes if isinstance(comm, Coded) else np.unique(
+            np.asarray(comm).astype(str), return_inverse=True)[1].reshape(-1)
+        stale = superseded(ops["rank"], comm_code, ops["op_seq"], ops["end_ns"])
         if stale.any():  # stored in flight, completed since (ingest.inflight)
             ops = {k: v[~stale] for k, v in ops.items()}
         grad = (ops["kind"] == KIND_CODES["dp"]) & (ops["grad_op"] > 0)
