@@ -191,6 +191,11 @@ def run_phase(settings: Settings, pid: int, phase: Phase, args: argparse.Namespa
     diag = sql(settings, "SELECT kind, status, summary FROM diagnoses FINAL "
                f"WHERE job_id = '{job}' ORDER BY detected_ns")
     res["diagnoses"] = [line.split("\t") for line in diag.splitlines() if line]
+    # every trigger makes root cause read the job's whole raw window: on a healthy job each
+    # one is a false alarm that costs worker CPU
+    worker_log = (settings.home / "logs" / "worker.log").read_text(errors="replace")
+    res["triggers"] = [line.split(" trigger ", 1)[1].split()[1] for line in
+                       worker_log.splitlines() if f" trigger {job} " in line]
     if "kernel_windows" in phase.tables:
         kw = sql(settings, "SELECT sum(events), sum(keys), sum(summary_rows), "
                  "round(avg(compression_ratio), 1) FROM kernel_windows FINAL "
@@ -325,6 +330,10 @@ def print_end_to_end(r: dict[str, Any]) -> None:
                 print(f"    {p['kernel_events_late']:,} kernel events were stored after their "
                       "window closed (late: at max speed event time runs ~10x faster than "
                       "wall time, so the 2 s allowed lateness is ~0.2 s of partition skew)")
+        if p["triggers"]:
+            kinds = ", ".join(f"{k} {p['triggers'].count(k)}" for k in sorted(set(p["triggers"])))
+            print(f"    triggers for this healthy job: {len(p['triggers'])} ({kinds}); each "
+                  "one read the job's raw window for root cause")
         if p["diagnoses"]:  # a healthy simulated job: every diagnosis is a false alarm
             print(f"    diagnoses raised for this healthy job: {len(p['diagnoses'])} "
                   f"({'; '.join(d[-1] for d in p['diagnoses'])[:300]})")

@@ -13,47 +13,45 @@ def cols(**kw: list[object]) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=object if k == "comm" else np.int64) for k, v in kw.items()}
 
 
-A_COLS = ("rank", "comm", "n_done", "seq_done", "completed", "done_bytes", "first_end",
-          "last_end", "last_ts")
-NO_RUNNING = {"rank": np.zeros(0, np.int64), "comm": np.zeros(0, object),
-              "op_seq": np.zeros(0, np.int64), "t0": np.zeros(0, np.int64)}
+NO_BEATS = cols(rank=[], comm=[], beat=[])
 
 
 def test_a_call_longer_than_the_lookback_counts_where_it_ends() -> None:
     st = ProgressState()
     ws, we = 100 * S, 101 * S
-    ops = cols(**{k: [] for k in A_COLS})
-    # rank 0 on dp: one call of 30 s ends inside the window (query B); rank 1 still in flight
-    hung = cols(rank=[0], comm=["dp:0"], completed=[1], done_bytes=[4096],
-                first_end=[we - S // 2], last_end=[we - S // 2], seq_done=[7])
-    beats = cols(rank=[], comm=[], beat=[])
+    # rank 0 on dp: one call of 30 s ends inside the window; rank 1's is still in flight
+    ops = cols(rank=[0], comm=["dp:0"], completed=[1], seq_done=[7], done_bytes=[4096],
+               first_end=[we - S // 2], last_end=[we - S // 2], last_ts=[0])
     running = cols(rank=[1], comm=["dp:0"], op_seq=[0], t0=[70 * S])
-    row = st.window(ws, we, ops, hung, beats, running)
+    row = st.window(ws, we, ops, NO_BEATS, running)
     by_rank = {int(r): i for i, r in enumerate(row["rank"])}
     r0, r1 = by_rank[0], by_rank[1]
     assert row["completed_ops"][r0] == 1 and row["last_op_seq"][r0] == 7
     assert row["bytes_per_s"][r0] == 4096 and row["inflight_ops"][r0] == 0
     assert row["oldest_inflight_age_ns"][r0] == 0
+    assert row["last_record_ts"][r0] == 0  # its start is before the lookback: not "recent"
     assert row["inflight_ops"][r1] == 1 and row["oldest_inflight_age_ns"][r1] == we - 70 * S
     assert row["completed_ops"][r1] == 0 and row["last_op_seq"][r1] == -1
 
 
-def test_completions_from_both_ranges_merge() -> None:
+def test_completions_and_the_carried_state_merge() -> None:
     st = ProgressState()
     ws, we = 100 * S, 101 * S
-    ops = cols(rank=[0], comm=["tp:0"], n_done=[2], seq_done=[9], completed=[2],
-               done_bytes=[200], first_end=[ws + S // 10], last_end=[ws + S // 5],
-               last_ts=[ws + S // 2])
-    hung = cols(rank=[0], comm=["tp:0"], completed=[1],
-                done_bytes=[100], first_end=[ws + 7 * S // 10], last_end=[ws + 7 * S // 10],
-                seq_done=[5])
+    ops = cols(rank=[0], comm=["tp:0"], completed=[3], seq_done=[9], done_bytes=[300],
+               first_end=[ws + S // 10], last_end=[ws + 7 * S // 10], last_ts=[ws + S // 2])
     running = cols(rank=[0], comm=["tp:0"], op_seq=[10], t0=[ws + S // 2])
-    row = st.window(ws, we, ops, hung, cols(rank=[], comm=[], beat=[]), running)
+    row = st.window(ws, we, ops, NO_BEATS, running)
     assert row["completed_ops"][0] == 3 and row["bytes_per_s"][0] == 300
     assert row["op_interval_ns"][0] == (7 * S // 10 - S // 10) // 2
-    assert row["last_op_seq"][0] == 9
+    assert row["last_op_seq"][0] == 9 and row["last_record_ts"][0] == ws + S // 2
     assert row["inflight_ops"][0] == 1
     assert row["oldest_inflight_age_ns"][0] == we - (ws + S // 2)
+    # the next window: nothing completed, nothing read; the carried op_seq stays
+    empty = cols(rank=[], comm=[], completed=[], seq_done=[], done_bytes=[], first_end=[],
+                 last_end=[], last_ts=[])
+    nxt = st.window(we, we + S, empty, NO_BEATS, cols(rank=[], comm=[], op_seq=[], t0=[]))
+    assert nxt["last_op_seq"][0] == 9 and nxt["completed_ops"][0] == 0
+    assert nxt["op_interval_ns"][0] == -1 and nxt["inflight_ops"][0] == 0
 
 
 def test_a_call_stored_in_flight_and_again_completed_is_not_in_flight_twice_or_forever() -> None:
@@ -62,16 +60,13 @@ def test_a_call_stored_in_flight_and_again_completed_is_not_in_flight_twice_or_f
     (calls on one communicator complete in order); a call stored twice counts once."""
     st = ProgressState()
     ws, we = 100 * S, 101 * S
-    ops = cols(rank=[0], comm=["dp:0"], n_done=[1], seq_done=[4], completed=[1],
-               done_bytes=[100], first_end=[ws + S // 10], last_end=[ws + S // 10],
-               last_ts=[ws + S // 2])
-    none = cols(**{k: [] for k in ("rank", "comm", "completed", "done_bytes", "first_end",
-                                   "last_end", "seq_done")})
+    ops = cols(rank=[0], comm=["dp:0"], completed=[1], seq_done=[4], done_bytes=[100],
+               first_end=[ws + S // 10], last_end=[ws + S // 10], last_ts=[ws + S // 2])
     # op 3: stored in flight 40 s ago, completed since (op 4 completed in this window);
     # op 5: stored in flight and, completed after the window end, stored again
     running = cols(rank=[0, 0, 0], comm=["dp:0"] * 3, op_seq=[3, 5, 5],
                    t0=[60 * S, ws + S // 2, ws + S // 2])
-    row = st.window(ws, we, ops, none, cols(rank=[], comm=[], beat=[]), running)
+    row = st.window(ws, we, ops, NO_BEATS, running)
     assert row["last_op_seq"][0] == 4
     assert row["inflight_ops"][0] == 1
     assert row["oldest_inflight_age_ns"][0] == we - (ws + S // 2)
