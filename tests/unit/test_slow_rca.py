@@ -122,3 +122,27 @@ def test_an_intermittent_phase_excess_is_measured_from_its_first_occurrence() ->
     flag, exc, _ = slow_rca._flag(ctx, m, 1.05, sparse=True)
     assert flag[1] and exc[1] > 100e6
     assert not flag[2] and not slow_rca._flag(ctx, m, 1.05)[0][1]
+
+
+def test_a_tiny_phase_at_a_high_ratio_does_not_make_a_data_stall_host_cpu() -> None:
+    """"host cpu" needs two CPU-side phases in excess, each by a material share of the step: a
+    callbacks phase of microseconds that is 8x its peers' (noise) leaves a slow data loader a
+    data-loader finding; the same callbacks excess at 10 % of the step is host CPU."""
+    w, now = window("data_tail rank=10 p=1.0 delay=80ms at=1s")
+    st_ = dict(w.tables["stages"])
+    rank = np.asarray(st_["rank"])
+    cb = np.asarray(st_["callbacks"], dtype=np.int64).copy()
+    cb[:] = 5_000  # 5 µs
+    cb[rank == 10] = 40_000  # 8x, +35 µs a step
+    st_["callbacks"] = cb
+    tiny = Window(w.topo, {**w.tables, "stages": st_}, w.start_ns, w.now_ns)
+    c = slow_rca.analyze(tiny, now)
+    assert c is not None and c.ranks == (10,) and c.stage == "data", c
+    big = cb.copy()
+    step_ns = float(np.median(sum(np.asarray(st_[k], dtype=np.int64) for k in (
+        "data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
+        "step_other"))))
+    big[rank == 10] = 5_000 + int(0.1 * step_ns)
+    st_["callbacks"] = big
+    c = slow_rca.analyze(Window(w.topo, {**w.tables, "stages": st_}, w.start_ns, w.now_ns), now)
+    assert c is not None and c.ranks == (10,) and c.stage == "host cpu", c
