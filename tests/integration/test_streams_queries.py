@@ -265,39 +265,49 @@ async def _resume_early(db: Database, cfg: JobConfig, cut: float) -> None:
         pass
 
 
-def test_a_call_longer_than_the_lookback_counts_in_the_window_where_it_ends(
-        clickhouse_db: Database) -> None:
-    """Progress: an 8 s AllReduce (op_lookback is 5 s) is in flight while it runs and completed
-    in the window where it ends, read through the in-flight query by its t_end."""
+def _dp_calls(job: str, rows: list[tuple[int, int, int]]) -> RecordBatch:
+    """Rank 0's AllReduce calls on dp:0, one per (op_seq, t_start, t_end)."""
     from ingest.batch import encode_batch
 
-    job, t0 = "longcall", 1_700_000_100 * SEC
-    runner = DerivedRunner(db := clickhouse_db, _nothing, config(), clock=CLOCK)
+    return decode_batch(encode_batch("ops", job, {
+        "rank": [0] * len(rows), "comm_id": ["dp:0"] * len(rows),
+        "op_seq": [r[0] for r in rows], "op": ["AllReduce"] * len(rows),
+        "bytes": [1 << 20] * len(rows), "t_enqueue": [r[1] for r in rows],
+        "t_start": [r[1] for r in rows], "t_end": [r[2] for r in rows]}))
+
+
+def _progress_of(db: Database, job: str, batches: list[RecordBatch]
+                 ) -> dict[int, tuple[int, int, int]]:
+    """Store `batches` one write each, close every window; per window end of rank 0 on dp:0:
+    (completed_ops, inflight_ops, last_op_seq)."""
+    runner = DerivedRunner(db, _nothing, config(), clock=CLOCK)
     store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
 
-    def ops(rows: list[tuple[int, int, int]]) -> bytes:  # (op_seq, t_start, t_end)
-        return encode_batch("ops", job, {
-            "rank": [0] * len(rows), "comm_id": ["dp:0"] * len(rows),
-            "op_seq": [r[0] for r in rows], "op": ["AllReduce"] * len(rows),
-            "bytes": [1 << 20] * len(rows), "t_enqueue": [r[1] for r in rows],
-            "t_start": [r[1] for r in rows], "t_end": [r[2] for r in rows]})
-
     async def run() -> None:
-        short = [(i, t0 + i * SEC // 10, t0 + i * SEC // 10 + 1000) for i in range(5)]
-        await store.write("ops", [decode_batch(ops(short))], "long:0", sources=[(0, 0)])
-        # op 5 starts at t0 + 1 s and ends 8 s later; the batch carries it once it completed
-        done = [(5, t0 + SEC, t0 + 9 * SEC + SEC // 2), (6, t0 + 12 * SEC, t0 + 12 * SEC + 10)]
-        await store.write("ops", [decode_batch(ops(done))], "long:1", sources=[(0, 1)])
+        for i, b in enumerate(batches):
+            await store.write("ops", [b], f"{job}:{i}", sources=[(0, i)])
         CLOCK.pause(60)
         while await runner.tick():
             pass
 
     asyncio.run(run())
-    rows = db.query("SELECT toUnixTimestamp64Nano(window_end), completed_ops, last_op_seq "
-                    "FROM progress FINAL WHERE job_id = {j:String} ORDER BY window_end",
-                    {"j": job}).result_rows
-    by_end = {int(we): (int(c), int(s)) for we, c, s in rows}
-    assert by_end[t0 + 10 * SEC] == (1, 5)  # [t0+9 s, t0+10 s): the long call ends here
+    rows = db.query("SELECT toUnixTimestamp64Nano(window_end), completed_ops, inflight_ops, "
+                    "last_op_seq FROM progress FINAL WHERE job_id = {j:String} "
+                    "ORDER BY window_end", {"j": job}).result_rows
+    return {int(we): (int(c), int(n), int(s)) for we, c, n, s in rows}
+
+
+def test_a_call_longer_than_the_lookback_counts_in_the_window_where_it_ends(
+        clickhouse_db: Database) -> None:
+    """Progress: an 8 s AllReduce (op_lookback is 5 s) is in flight while it runs and completed
+    in the window where it ends, read through the in-flight query by its t_end."""
+    job, t0 = "longcall", 1_700_000_100 * SEC
+    short = [(i, t0 + i * SEC // 10, t0 + i * SEC // 10 + 1000) for i in range(5)]
+    # op 5 starts at t0 + 1 s and ends 8 s later; the batch carries it once it completed
+    done = [(5, t0 + SEC, t0 + 9 * SEC + SEC // 2), (6, t0 + 12 * SEC, t0 + 12 * SEC + 10)]
+    by_end = _progress_of(clickhouse_db, job, [_dp_calls(job, short), _dp_calls(job, done)])
+    completed, _, seq = by_end[t0 + 10 * SEC]
+    assert (completed, seq) == (1, 5)  # [t0+9 s, t0+10 s): the long call ends here
 
 
 def test_a_call_stored_in_flight_then_completed_leaves_the_feed_when_it_completes(
@@ -305,40 +315,16 @@ def test_a_call_stored_in_flight_then_completed_leaves_the_feed_when_it_complete
     """Progress: the host agent stores a call that runs over 2 s in flight (t_end = 0) and again
     once it completed. While it runs it is one call in flight; from the window where it ends
     on it is not in flight — not for the hour the in-flight row stays in the lookback."""
-    from ingest.batch import encode_batch
-
     job, t0 = "twins", 1_700_000_200 * SEC
-    runner = DerivedRunner(db := clickhouse_db, _nothing, config(), clock=CLOCK)
-    store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
-
-    def ops(rows: list[tuple[int, int, int]]) -> bytes:  # (op_seq, t_start, t_end)
-        return encode_batch("ops", job, {
-            "rank": [0] * len(rows), "comm_id": ["dp:0"] * len(rows),
-            "op_seq": [r[0] for r in rows], "op": ["AllReduce"] * len(rows),
-            "bytes": [1 << 20] * len(rows), "t_enqueue": [r[1] for r in rows],
-            "t_start": [r[1] for r in rows], "t_end": [r[2] for r in rows]})
-
-    async def run() -> None:
-        short = [(i, t0 + i * SEC // 10, t0 + i * SEC // 10 + 1000) for i in range(5)]
-        # op 5 starts at t0 + 1 s and runs 20 s: in flight first, then completed
-        await store.write("ops", [decode_batch(ops([*short, (5, t0 + SEC, 0)]))], "tw:0",
-                          sources=[(0, 0)])
-        later = [(6 + i, t0 + 22 * SEC + i * SEC, t0 + 22 * SEC + i * SEC + 1000)
-                 for i in range(10)]
-        await store.write("ops", [decode_batch(ops([(5, t0 + SEC, t0 + 21 * SEC), *later]))],
-                          "tw:1", sources=[(0, 1)])
-        CLOCK.pause(60)
-        while await runner.tick():
-            pass
-
-    asyncio.run(run())
-    rows = db.query("SELECT toUnixTimestamp64Nano(window_end), inflight_ops, last_op_seq "
-                    "FROM progress FINAL WHERE job_id = {j:String} ORDER BY window_end",
-                    {"j": job}).result_rows
-    by_end = {int(we): (int(n), int(s)) for we, n, s in rows}
-    assert by_end[t0 + 10 * SEC] == (1, 4)  # running: counted once, though stored twice
-    assert by_end[t0 + 22 * SEC] == (0, 5)  # it ended at t0 + 21 s
-    assert all(n == 0 for we, (n, _) in by_end.items() if we > t0 + 21 * SEC)
+    short = [(i, t0 + i * SEC // 10, t0 + i * SEC // 10 + 1000) for i in range(5)]
+    # op 5 starts at t0 + 1 s and runs 20 s: in flight first, then completed
+    later = [(6 + i, t0 + 22 * SEC + i * SEC, t0 + 22 * SEC + i * SEC + 1000) for i in range(10)]
+    by_end = _progress_of(clickhouse_db, job, [
+        _dp_calls(job, [*short, (5, t0 + SEC, 0)]),
+        _dp_calls(job, [(5, t0 + SEC, t0 + 21 * SEC), *later])])
+    assert by_end[t0 + 10 * SEC][1:] == (1, 4)  # running: counted once, though stored twice
+    assert by_end[t0 + 22 * SEC][1:] == (0, 5)  # it ended at t0 + 21 s
+    assert all(n == 0 for we, (_, n, _) in by_end.items() if we > t0 + 21 * SEC)
 
 
 def test_calls_stored_in_flight_first_change_no_iteration_or_progress_row(
