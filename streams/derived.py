@@ -400,9 +400,8 @@ class DerivedRunner:
         res = await self.db.aquery_coded(OPS_SQL, {**frame, "ids": ids, "codes": codes})
         comm = res.pop("comm_id")
         ops = {k: np.asarray(v) for k, v in res.items()}
-        comm_code = comm.codes if isinstance(comm, Coded) else np.unique(
-            np.asarray(comm).astype(str), return_inverse=True)[1].reshape(-1)
-        stale = superseded(ops["rank"], comm_code, ops["op_seq"], ops["end_ns"])
+        stale = superseded(ops["rank"], comm.codes if isinstance(comm, Coded) else comm,
+                           ops["op_seq"], ops["end_ns"])
         if stale.any():  # stored in flight, completed since (ingest.inflight)
             ops = {k: v[~stale] for k, v in ops.items()}
         grad = (ops["kind"] == KIND_CODES["dp"]) & (ops["grad_op"] > 0)

@@ -35,3 +35,23 @@ def test_no_in_flight_rows_nothing_superseded() -> None:
     assert not superseded(np.array([0]), np.array([0]), np.array([1]), np.array([5])).any()
     assert superseded(np.zeros(0, int), np.zeros(0, int), np.zeros(0, int),
                       np.zeros(0, int)).size == 0
+
+
+def test_the_mask_is_the_rule_by_brute_force() -> None:
+    """Random rows — comm codes as strings, small ints and large ints (hashes) — against the
+    definition row by row."""
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        n = int(rng.integers(1, 60))
+        rank = rng.integers(0, 5, n)
+        base = rng.integers(0, 3, n)
+        comm = [np.array([f"c{c}" for c in base], dtype=object), base,
+                base.astype(np.uint64) * np.uint64(2**61)][trial % 3]
+        seq = rng.integers(0, 8, n)
+        t_end = np.where(rng.random(n) < 0.4, 0, rng.integers(1, 100, n))
+        now = None if trial % 2 else int(rng.integers(1, 100))
+        want = [bool(t_end[i] == 0 and any(
+            rank[j] == rank[i] and base[j] == base[i] and t_end[j] > 0
+            and (now is None or t_end[j] <= now) and seq[j] >= seq[i] for j in range(n)))
+            for i in range(n)]
+        assert superseded(rank, comm, seq, t_end, now).tolist() == want, trial
