@@ -22,8 +22,9 @@ are final once unchanged for the watermark's idle close (10 s) plus 3 s, and the
 the one taken with the first sample that showed them. That span includes the worker's idle
 ticking while the job's last windows wait for the idle close; the worker's background rate,
 measured over 3 s before each phase, is reported so it can be judged. A phase starts once that
-rate is below 0.1 CPU-s/s (at most 60 s of waiting): the previous job's last diagnosis sweeps
-(about 1.2 CPU-s each for 1,024 ranks) would otherwise be charged to the next phase. Records
+rate is below 0.1 CPU-s/s (at most 60 s of waiting): the previous job's last windows and
+diagnosis work would otherwise be charged to the next phase (a sweep of a job with stage
+records reads its raw window: about 1 CPU-s at 1,024 ranks; these jobs have none). Records
 per worker CPU-second is the "per worker core" figure: it does not depend on how busy the
 simulator and the broker kept the machine's other cores.
 
