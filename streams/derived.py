@@ -282,9 +282,6 @@ class DerivedRunner:
 
     async def _job(self, job: str) -> int:
         w, limit, done = self.windows, self.cfg.max_windows_per_tick, 0
-        for kind in ("progress", "iterations", "kernel_summaries"):
-            if not w.fed(job, kind):  # no input record of the job yet: nothing to read
-                done += w.skip_due(job, kind)
         for ws in w.due(job, "progress", limit):
             await self._emit("progress", job, ws, await self.progress.compute(job, ws))
             w.closed(job, "progress", ws)

@@ -32,11 +32,23 @@ Contract:
   closed: its records in them are late data, as below.) A window
   `[s, s+W)` is due once `s + W <= watermark`. The watermark never goes back (per job and
   derived kind).
-- A derived kind's windows close in order: `next_start` is the first window not yet closed, and
-  starts at the window holding the first event seen for the job.
-- A batch whose events fall before `next_start` of a kind that asked for late marks
-  (`late_kinds`) marks the closed windows it touches (extended by `reach_ns` forward: a late op
-  changes the step it belongs to, which may end in the next window) for recomputation; marks
+- A derived kind's windows close in order: `next_start` is the first window not yet closed. A
+  kind's windows exist once a batch of a raw kind it uses (`WindowSpec.inputs` and `reads`)
+  was observed (`fed`), and start at the window holding that batch's oldest event. Until the
+  kind's first window is closed, an earlier batch moves the start back: a worker that starts
+  on a backlog reads its topics and partitions in no particular order, and the first batch of
+  a kind it sees may come from late in the job. (This replaced a start fixed at the job's
+  first event of any kind, with the windows of a kind that had no batch yet closed unread: on
+  a backlog whose kernel records were read ahead of its ops, that closed most of a job's
+  progress windows before their ops arrived; progress takes no late marks, so they were
+  lost.) A restored job's kinds resume at their checkpoints; a kind missing from the
+  checkpoint starts no later than the earliest window any of them had left open (what the
+  previous worker stored before it could checkpoint is unknown).
+- A batch of a raw kind a derived kind uses, whose events fall before that kind's
+  `next_start` once it is fixed, is late data; if the kind asked for late marks
+  (`WindowSpec.late_marks`) it marks the closed windows it touches (extended by `reach_ns`
+  forward: a late op changes the step it belongs to, which may end in the next window) for
+  recomputation; marks
   further back than `max_late_windows` windows are dropped and counted. `observe` returns
   whether it added a mark, so the caller can make the mark durable before the batch's offsets
   are committed (streams/derived.py stores it with the checkpoint, `late_span`/`restore`).
@@ -116,6 +128,8 @@ class KindState:
     next_start: int
     late: set[int] = field(default_factory=set)
     watermark: int = -1
+    #: A window was closed, or the state restored: `next_start` no longer moves back.
+    fixed: bool = False
 
 
 @dataclass
@@ -177,8 +191,15 @@ class Windows:
         self._learn(st, (source, kind), t_min, t_max)
         marked = False
         for k, spec in self.specs.items():
-            ks = self._kind(st, k)
-            if t_min < ks.next_start and spec.late_marks:
+            if kind and spec.inputs and kind not in spec.inputs + spec.reads:
+                continue  # e.g. a kernel batch changes no progress or iteration window
+            ks = st.kinds.get(k)
+            if ks is None:
+                first = t_min if st.restored_wall_ns is None else min(t_min, st.first_ns)
+                st.kinds[k] = KindState(window_start(first, spec.width_ns))
+            elif t_min < ks.next_start and not ks.fixed:
+                ks.next_start = window_start(t_min, spec.width_ns)
+            elif t_min < ks.next_start and spec.late_marks:
                 marked |= self._mark_late(ks, spec, t_min, t_max)
         return marked
 
@@ -194,12 +215,6 @@ class Windows:
         src.max_ns = max(src.max_ns, t_max)
         src.seen_wall_ns = now
         src.batches += 1
-
-    def _kind(self, st: JobState, kind: str) -> KindState:
-        ks = st.kinds.get(kind)
-        if ks is None:
-            ks = st.kinds[kind] = KindState(window_start(st.first_ns, self.specs[kind].width_ns))
-        return ks
 
     def _mark_late(self, ks: KindState, spec: WindowSpec, t_min: int, t_max: int) -> bool:
         w = spec.width_ns
@@ -234,37 +249,28 @@ class Windows:
             wm = st.max_ns - p.min_lateness_ns
         else:
             wm = st.max_ns - self.lateness_ns
-        if kind is None:
+        ks = st.kinds.get(kind) if kind is not None else None
+        if ks is None:
             return wm
-        ks = self._kind(st, kind)
         ks.watermark = max(ks.watermark, wm)
         return ks.watermark
 
     def fed(self, job: str, kind: str) -> bool:
-        """Whether windows of derived `kind` of `job` can hold records: a batch of a kind it
-        reads (`inputs`, `reads`) was observed, or the job's state was restored (what the
-        previous worker stored is unknown). False for a job whose batches so far were all of
-        other kinds (a kernel-only producer's job has no progress or iteration rows): the runner
-        closes such windows without reading them. (Not exact in one case: a job whose previous
-        worker stored input records but crashed before the job's first checkpoint, i.e. within
-        its first windows, and whose first batch after the restart is of another kind.)"""
+        """Whether `job` has windows of derived `kind`: a batch of a raw kind it uses (`inputs`,
+        `reads`) was observed, or the kind was restored from a checkpoint. False for a job whose
+        batches so far were all of other kinds (a kernel-only producer's job has no progress or
+        iteration rows): nothing of the kind is due, and nothing is read."""
         st = self.jobs.get(job)
-        if st is None:
-            return False
-        if st.restored_wall_ns is not None:
-            return True
-        spec = self.specs[kind]
-        if not spec.inputs:
-            return True
-        used = spec.inputs + spec.reads
-        return any(k in used for _, k in st.sources)
+        return st is not None and kind in st.kinds
 
     def due(self, job: str, kind: str, limit: int = 64) -> list[int]:
         """Starts of windows of `kind` ready to close, oldest first, at most `limit`."""
         st = self.jobs.get(job)
         if st is None:
             return []
-        ks = self._kind(st, kind)
+        ks = st.kinds.get(kind)
+        if ks is None:
+            return []
         w = self.specs[kind].width_ns
         wm = self.watermark(job, kind)
         n = max(0, min(limit, (wm - ks.next_start) // w))
@@ -274,9 +280,9 @@ class Windows:
         """(start of the first window of `kind` not closed, the kind's watermark): the part of
         the open window whose events are complete, for previews (streams/derived.py)."""
         st = self.jobs.get(job)
-        if st is None:
+        if st is None or kind not in st.kinds:
             return -1, -1
-        return self._kind(st, kind).next_start, self.watermark(job, kind)
+        return st.kinds[kind].next_start, self.watermark(job, kind)
 
     def late(self, job: str, kind: str, limit: int = 64) -> list[int]:
         """Closed windows marked for recomputation, oldest first (they stay marked until
@@ -288,21 +294,12 @@ class Windows:
 
     def closed(self, job: str, kind: str, start: int) -> None:
         """Window `start` of `kind` is durable: the next one is due next."""
-        ks = self._kind(self.jobs[job], kind)
+        ks = self.jobs[job].kinds[kind]
         if start != ks.next_start:
             raise ValueError(f"{job}/{kind}: closing {start} but the next window is "
                              f"{ks.next_start}")
         ks.next_start = start + self.specs[kind].width_ns
-
-    def skip_due(self, job: str, kind: str) -> int:
-        """Close every due window of `kind` unread (`fed` is False); returns how many."""
-        n = len(self.due(job, kind, 1))
-        if n:
-            ks = self._kind(self.jobs[job], kind)
-            w = self.specs[kind].width_ns
-            n = max(0, (self.watermark(job, kind) - ks.next_start) // w)
-            ks.next_start += n * w
-        return n
+        ks.fixed = True
 
     def recomputed(self, job: str, kind: str, start: int) -> None:
         self.jobs[job].kinds[kind].late.discard(start)
@@ -332,7 +329,7 @@ class Windows:
                                                     restored_wall_ns=self.clock())
             st.max_ns = max(st.max_ns, r.max_ns)
             st.first_ns = min(st.first_ns, r.next_start)
-            st.kinds[r.kind] = KindState(r.next_start)
+            st.kinds[r.kind] = KindState(r.next_start, fixed=True)
         for r in spans:
             kind = r.kind.removesuffix(LATE_SUFFIX)
             st = self.jobs.get(r.job_id)

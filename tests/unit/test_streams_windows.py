@@ -169,23 +169,51 @@ def test_late_marks_are_reported_and_survive_a_restart() -> None:
     assert Checkpoint("j", "it" + LATE_SUFFIX, -1, -1) in fresh.checkpoint("j")
 
 
-def test_windows_of_a_kind_without_input_are_skipped_until_one_arrives() -> None:
-    """A job whose batches are all kernels has no op records: its progress windows are closed
-    unread (`fed`, `skip_due`); once an op batch is observed they are computed again, and a
-    restored job is always read (what the previous worker stored is unknown)."""
+def test_windows_of_a_kind_exist_from_its_first_input_batch() -> None:
+    """A job whose batches are all kernels has no op records: it has no progress windows to
+    read (`fed`). They start with the first op (or beat) batch, at its own time — not at the
+    kernels' (a backlog read kernels first must not close the progress windows unread)."""
     clock = [0]
     w = Windows([WindowSpec("progress", S, inputs=("ops",), reads=("beats",)),
                  WindowSpec("kernel_summaries", 10 * S, inputs=("kernels",))],
                 S, clock=lambda: clock[0])
-    w.observe("k", 5 * S, 9 * S, source="h", kind="kernels")
+    w.observe("k", 5 * S, 19 * S, source="h", kind="kernels")
     assert not w.fed("k", "progress") and w.fed("k", "kernel_summaries")
-    due = w.due("k", "progress")
-    assert due and w.skip_due("k", "progress") == len(due)
-    assert w.due("k", "progress") == [] and w.skip_due("k", "progress") == 0
-    w.observe("k", 9 * S, 12 * S, source="h", kind="ops")
+    assert w.due("k", "progress") == [] and w.open_window("k", "progress") == (-1, -1)
+    assert w.due("k", "kernel_summaries") == [0]
+    w.observe("k", 6 * S, 7 * S, source="h", kind="ops")
     assert w.fed("k", "progress")
+    assert w.open_window("k", "progress")[0] == 6 * S
     # a job hung before its first call sends only beats: its progress windows are read
     w.observe("b", 5 * S, 9 * S, source="h", kind="beats")
     assert w.fed("b", "progress") and not w.fed("b", "kernel_summaries")
     w.restore([Checkpoint("r", "progress", 3 * S, 4 * S)])
-    assert w.fed("r", "progress")
+    assert w.fed("r", "progress") and not w.fed("r", "kernel_summaries")
+    # a kind the checkpoint lacks starts no later than the windows the others left open
+    w.observe("r", 8 * S, 9 * S, source="h", kind="kernels")
+    assert w.open_window("r", "kernel_summaries")[0] == 0
+
+
+def test_an_earlier_batch_moves_the_first_window_back_until_one_is_closed() -> None:
+    # a backlog read from several partitions: the first batch seen comes from late in the job
+    w = make()
+    w.observe("j", 110 * S, 111 * S)
+    w.observe("j", 100 * S + 5, 101 * S)
+    w.observe("j", 111 * S, 114 * S)
+    assert w.due("j", "p", limit=100)[0] == 100 * S
+    assert w.due("j", "it") == [100 * S]  # the earlier batch is in a window, not a late mark
+    assert w.late("j", "it") == []
+    w.closed("j", "p", 100 * S)
+    w.observe("j", 95 * S, 96 * S)  # once a window closed, earlier records are late data
+    assert w.due("j", "p", limit=1) == [101 * S]
+    assert w.due("j", "it") == [90 * S, 100 * S]  # "it" closed nothing yet: it moved back
+    w.closed("j", "it", 90 * S)
+    w.observe("j", 85 * S, 86 * S)  # now a late mark (reaching 5 s forward, into [90, 100))
+    assert w.late("j", "it") == [80 * S, 90 * S]
+
+
+def test_a_restored_kind_does_not_move_back() -> None:
+    w = make()
+    w.restore([Checkpoint("j", "p", 100 * S, 105 * S)])
+    w.observe("j", 90 * S, 106 * S)
+    assert w.due("j", "p", limit=1) == [100 * S]
