@@ -17,7 +17,7 @@ runs two simulated jobs one after the other, each published from a separate proc
 
 Per phase it reads the worker process's CPU time (utime + stime of every thread, /proc) before
 the first record is published, when the last raw record is queryable ("ingest") and when the
-last derived row is written ("ingest + derived"). Derived rows are counted every 0.25 s; counts
+last derived row is written ("ingest + derived"). Derived rows are counted every 0.5 s; counts
 are final once unchanged for the watermark's idle close (10 s) plus 3 s, and the CPU reading is
 the one taken with the first sample that showed them. That span includes the worker's idle
 ticking while the job's last windows wait for the idle close; the worker's background rate,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +74,10 @@ class DerivedConfig:
     watermark: WatermarkParams = field(default_factory=WatermarkParams)
     preview_iterations: bool = True
     preview_reach_ns: int = 10 * SEC
+    #: Previews are for live jobs: none while a job's event time runs more than this many times
+    #: faster than the wall clock over the last `pace_span_ns` (a backlog, a replay).
+    preview_max_pace: float = 2.0
+    pace_span_ns: int = 4 * SEC
     tick_s: float = 0.25
     #: A job whose windows fail is retried after tick_s, then twice as long each time, up to this.
     max_retry_s: float = 30.0
@@ -217,6 +222,8 @@ class RunnerStats:
     rows: dict[str, int] = field(default_factory=dict)
     late_recomputed: int = 0
     previews: int = 0
+    #: Ticks whose preview was skipped because the job's event time ran ahead (`_replaying`).
+    previews_skipped: int = 0
     #: Iteration windows computed from a frame reaching back `_reach` (short) / max_step_ns.
     short_frames: int = 0
     full_frames: int = 0
@@ -239,6 +246,8 @@ class DerivedRunner:
         ], cfg.lateness_ns, cfg.watermark, clock=clock)
         #: per job: (open iterations window, preview cut, (rank << 32 | step) already previewed)
         self._previews: dict[str, tuple[int, int, set[int]]] = {}
+        #: per job: (wall clock, largest event time) at recent previews, oldest first
+        self._pace: dict[str, deque[tuple[int, int]]] = {}
         #: job -> the longest step of its last iterations window (ns): how far frames reach
         self._recent_step: dict[str, int] = {}
         self.progress = ProgressFeed(db, cfg.progress)
@@ -311,7 +320,11 @@ class DerivedRunner:
         return done
 
     async def _preview(self, job: str) -> None:
-        """Publish the open iterations window's steps that are complete (module docstring)."""
+        """Publish the open iterations window's steps that are complete (module docstring);
+        nothing while the job is replayed faster than real time (`_replaying`)."""
+        if self._replaying(job):
+            self.stats.previews_skipped += 1
+            return
         ws, _ = self.windows.open_window(job, "iterations")
         cut = min(self.windows.jobs[job].max_ns + 1, ws + self.cfg.iteration_window_ns)
         start, done, seen = self._previews.get(job, (ws, ws, set()))
@@ -331,6 +344,26 @@ class DerivedRunner:
         if new.any():
             await self._publish("iterations", job, ws, {k: v[new] for k, v in cols.items()})
             self.stats.previews += 1
+
+    def _replaying(self, job: str) -> bool:
+        """Whether the job's largest event time advanced more than `preview_max_pace` times
+        faster than the wall clock over the last `pace_span_ns` (at least half of it observed).
+
+        A preview publishes a step's row before its window closes, which for a live job is up
+        to a window (10 s) earlier. When a worker catches up on a backlog, or a job is replayed,
+        windows close at the pace records are read and a preview is published a tick or two
+        before the window's own rows, from a frame the close reads again: on `rankwatch bench
+        streams --only ops` (a replay at ~5x real time) half of the iteration frames read were
+        such previews."""
+        now, newest = self.clock(), self.windows.jobs[job].max_ns
+        seen = self._pace.setdefault(job, deque())
+        seen.append((now, newest))
+        while len(seen) > 2 and now - seen[1][0] >= self.cfg.pace_span_ns:
+            seen.popleft()
+        wall0, event0 = seen[0]
+        if now - wall0 < self.cfg.pace_span_ns // 2:
+            return False
+        return newest - event0 > self.cfg.preview_max_pace * (now - wall0)
 
     async def _steps_end(self, job: str, lo: int, t0: int, t1: int) -> bool:
         """Whether a stored record can end a step in [t0, t1): a DP gradient collective or a
