@@ -27,7 +27,8 @@ finished job would drift to "process died".
   A sweep reads the job's stage records first: the slowdown analysis needs them
   (`slow_rca.analyze` returns nothing without), so a job traced without stages (NCCL plugin
   only) is not read further. Otherwise it reads only `SWEEP_KINDS`, the kinds the sweep's two
-  rules look at — flows and beats, about a third of a job's op/flow/chunk rows, are not read.
+  rules look at — flows and beats, about a third of a job's op/flow/chunk rows, are not read —
+  and only from the start of the steps the slowdown analysis judges (`_sweep_window`).
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
@@ -53,6 +54,9 @@ SECOND = 1_000_000_000
 #: The raw kinds a sweep reads: what `slow_rca.analyze` and `hang_rca.stuck_ranks` use
 #: (tests/unit/test_analyst.py checks the conclusions equal those on every kind).
 SWEEP_KINDS = ("stages", "ops", "chunks", "kernels")
+#: Full steps before the slowdown analysis's `recent` ones whose raw rows a sweep still reads:
+#: room for the recovered stall's steps the analysis leaves out (`slow_rca.reach_start`).
+SWEEP_MARGIN_STEPS = 5
 
 
 class Reader(Protocol):
@@ -93,15 +97,22 @@ class Analyst:
 
     def _sweep_window(self, job_id: str, at_ns: int) -> Window | None:
         """The sweep's window: its stage records, and if there are any the other `SWEEP_KINDS`
-        (module docstring); None when there is nothing a slowdown analysis could use."""
+        from the start of the steps the slowdown analysis looks at (`slow_rca.reach_start`,
+        `SWEEP_MARGIN_STEPS` before its recent ones; calls in flight are read from further
+        back, as always): the 25 steps of a job with 1.7 s steps span about 43 s of the 90 s
+        window. None when there is nothing a slowdown analysis could use."""
         stages = self._window(job_id, at_ns, ("stages",))
         if stages is None or not stages.get("stages"):
             return None
-        rest = self._window(job_id, at_ns, [k for k in SWEEP_KINDS if k != "stages"])
+        start = at_ns - int(self.config.window_s * SECOND)
+        lo = slow_rca.reach_start(stages.tables["stages"], SWEEP_MARGIN_STEPS)
+        rest = self.read(job_id, max(start, lo if lo is not None else start), at_ns,
+                         [k for k in SWEEP_KINDS if k != "stages"])
         if rest is None:
             return None
+        # the window's start stays the 90 s one: the operator SQL of a diagnosis starts there
         return Window(rest.topo, {**rest.tables, "stages": stages.tables["stages"]},
-                      rest.start_ns, rest.now_ns)
+                      stages.start_ns, rest.now_ns)
 
     def _run(self, fn: Callable[[Window, int], Conclusion | None], w: Window,
              now_ns: int) -> tuple[Conclusion | None, float]:

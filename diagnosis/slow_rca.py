@@ -248,11 +248,30 @@ def _trailing_run(m: Array, ref: Array) -> Array:
     return np.asarray(np.where(below.any(axis=0), np.argmax(below, axis=0), m.shape[0]))
 
 
+def _full_steps(step: Array) -> Array:
+    """Steps (ascending) with a stage record from at least 90 % of the ranks that have most."""
+    steps, counts = np.unique(step, return_counts=True)
+    return steps[counts >= 0.9 * max(int(counts.max()), 1)] if steps.size else steps
+
+
+def reach_start(stages: Columns, extra_steps: int, config: SlowConfig | None = None
+                ) -> int | None:
+    """The earliest start among the stage records of the last `recent + extra_steps` full
+    steps: the records `analyze` reads lie after it — its steps are the last `recent` full
+    ones that no recovered stall overlaps (`_recent`), so with at most `extra_steps` such
+    stalled steps among them they are all in this span (the analyst's sweep reads its raw rows
+    from here). None when there are no stage records."""
+    step = ints(stages, "step")
+    if not step.size:
+        return None
+    keep = _full_steps(step)[-((config or SlowConfig()).recent + extra_steps):]
+    return int(ints(stages, "t_start")[np.isin(step, keep)].min())
+
+
 def _recent(w: Window, cfg: SlowConfig) -> tuple[Array, float]:
     st = w.get("stages")
     step = ints(st, "step")
-    steps, counts = np.unique(step, return_counts=True)
-    full = steps[counts >= 0.9 * max(int(counts.max()), 1)] if steps.size else steps
+    full = _full_steps(step)
     # a recovered stall is a transient hang (hang_rca.analyze_past_stall): its steps' excess
     # is that hang again, not a slowdown
     full = full[~np.isin(full, stalled_steps(w))]

@@ -106,3 +106,39 @@ def test_a_job_without_stage_records_is_not_read_by_the_sweep() -> None:
     a.jobs.add("j")
     a.tick(100 * S)
     assert asked == [("stages",)]
+
+
+@pytest.mark.parametrize("fault", [
+    "nic_bw rank=7 factor=0.2 at=20s", "gpu_slow rank=9 factor=1.5 at=20s",
+    "kernel_slow rank=12 kernel=attn factor=3 at=20s", "data_tail rank=10 p=0.3 delay=180ms at=20s",
+    "pcie rank=5 factor=0.25 at=20s", "hang rank=13 stage=bwd mb=3 at=30s",
+    "hang rank=4 stage=bwd mb=1 for=6s at=30s",
+])
+def test_a_sweep_reads_raw_rows_only_from_the_steps_it_judges(fault: str) -> None:
+    """The sweep reads ops, chunks and kernels from `slow_rca.reach_start` on (the recent steps
+    and SWEEP_MARGIN_STEPS before them), not the whole window: its rules conclude the same as
+    on the whole window, with a recovered stall among the steps too, and the cut drops rows."""
+    from diagnosis import hang_rca, slow_rca
+    from diagnosis.analyst import SWEEP_MARGIN_STEPS
+    from diagnosis.window import without_superseded_in_flight
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window(fault, steps=60)
+    lo = slow_rca.reach_start(w.tables["stages"], SWEEP_MARGIN_STEPS)
+    assert lo is not None and lo > int(w.tables["stages"]["t_start"].min())
+    cut = {"ops": "t_start", "chunks": "ts", "kernels": "t_start"}
+    tables = dict(w.tables)
+    for kind, tc in cut.items():
+        t = tables[kind]
+        keep = np.asarray(t[tc]) >= lo
+        if kind == "ops":  # calls in flight are read from further back (diagnosis.agents)
+            keep |= np.asarray(t["t_end"]) == 0
+        assert not keep.all()
+        tables[kind] = {c: np.asarray(v)[keep] for c, v in t.items()}
+    tables["ops"] = without_superseded_in_flight(tables["ops"], now)
+    part = Window(w.topo, tables, w.start_ns, w.now_ns)
+    full_c, part_c = slow_rca.analyze(w, now), slow_rca.analyze(part, now)
+    assert full_c == part_c
+    np.testing.assert_array_equal(hang_rca.stuck_ranks(w, now), hang_rca.stuck_ranks(part, now))
+    if "hang" not in fault and "stall" not in fault:
+        assert full_c is not None
