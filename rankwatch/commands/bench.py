@@ -17,6 +17,7 @@ BENCHES = {
     "overhead": "bench.overhead",
     "streams": "bench.streams",
     "raw_order": "bench.raw_order",
+    "sweep": "bench.sweep",
 }
 
 
