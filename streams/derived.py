@@ -18,7 +18,8 @@ Flow per tick (a Faust timer, every `tick_s`):
    step_ns are final; its communication columns may miss ops that arrive later. A step's row
    thus reaches the triggers when its last record is stored instead of after its 10 s window
    closes. Frames of previews reach `preview_reach_ns` back, so steps longer than that are only
-   in the window's rows.
+   in the window's rows; once a window of the job has closed they start instead at the ranks'
+   last known step ends (`_bounds`, docs/architecture.md "Iteration previews").
 
 Restart: the checkpoint says which windows are closed; every raw row is durable before it is
 observed, so the windows after the checkpoint are computed from complete raw data. The checkpoints
@@ -51,7 +52,7 @@ import numpy as np
 from ingest.batch import TIME_COLUMN, Coded, RecordBatch, encode_batch
 from ingest.inflight import superseded
 from streams.db import Database
-from streams.iterations import KIND_CODES, OTHER_KIND, OpFrame, iteration_rows
+from streams.iterations import KIND_CODES, OTHER_KIND, Bounds, OpFrame, iteration_rows
 from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarizer
 from streams.progress import ProgressFeed, ProgressParams
 from streams.store import ClickHouseStore
@@ -222,6 +223,8 @@ class RunnerStats:
     rows: dict[str, int] = field(default_factory=dict)
     late_recomputed: int = 0
     previews: int = 0
+    #: Previews whose frame started at the ranks' last known step ends (`_bounds`).
+    prior_frames: int = 0
     #: Ticks whose preview was skipped because the job's event time ran ahead (`_replaying`).
     previews_skipped: int = 0
     #: Iteration windows computed from a frame reaching back `_reach` (short) / max_step_ns.
@@ -229,6 +232,22 @@ class RunnerStats:
     full_frames: int = 0
     errors: int = 0
     last_error: str = ""
+
+
+def _last_steps(known: Bounds | None, rows: dict[str, np.ndarray]) -> Bounds:
+    """Each rank's last step, from the bounds known and iteration rows (a row of the same step
+    replaces the known one: a recomputed window's rows are newer)."""
+    rank = rows["rank"].astype(np.int64)
+    step = rows["step"].astype(np.int64)
+    end = rows["t_end"].astype(np.int64)
+    if known is not None:
+        rank, step, end = (np.r_[k, r] for k, r in zip(known, (rank, step, end), strict=True))
+    if not len(rank):
+        return rank, step, end
+    order = np.lexsort((np.arange(len(rank)), step, rank))  # by rank, step, then newest last
+    rank, step, end = rank[order], step[order], end[order]
+    last = np.r_[rank[1:] != rank[:-1], True]
+    return rank[last], step[last], end[last]
 
 
 class DerivedRunner:
@@ -248,6 +267,9 @@ class DerivedRunner:
         self._previews: dict[str, tuple[int, int, set[int]]] = {}
         #: per job: (wall clock, largest event time) at recent previews, oldest first
         self._pace: dict[str, deque[tuple[int, int]]] = {}
+        #: per job, from its first closed iterations window on: each rank's last step known
+        #: (rank ascending, step, end ns) — where previews' frames start (`_preview`)
+        self._bounds: dict[str, Bounds] = {}
         #: job -> the longest step of its last iterations window (ns): how far frames reach
         self._recent_step: dict[str, int] = {}
         self.progress = ProgressFeed(db, cfg.progress)
@@ -297,13 +319,17 @@ class DerivedRunner:
             done += 1
         recomputed = 0
         for ws in w.late(job, "iterations", limit):
-            await self._emit("iterations", job, ws, await self._iterations(job, ws),
-                             token_suffix=f":late:{self.clock()}")
+            rows = await self._iterations(job, ws)
+            await self._emit("iterations", job, ws, rows, token_suffix=f":late:{self.clock()}")
+            if job in self._bounds:
+                self._bounds[job] = _last_steps(self._bounds[job], rows)
             w.recomputed(job, "iterations", ws)
             self.stats.late_recomputed += 1
             recomputed += 1
         for ws in w.due(job, "iterations", limit):
-            await self._emit("iterations", job, ws, await self._window_iterations(job, ws))
+            rows = await self._window_iterations(job, ws)
+            await self._emit("iterations", job, ws, rows)
+            self._bounds[job] = _last_steps(self._bounds.get(job), rows)
             w.closed(job, "iterations", ws)
             done += 1
         if self.cfg.preview_iterations and w.fed(job, "iterations"):
@@ -332,11 +358,19 @@ class DerivedRunner:
             done, seen = ws, set()
         if cut <= done:
             return
-        reach = min(self.cfg.preview_reach_ns, self._reach(job))
-        if not await self._steps_end(job, done - reach, done, cut):
+        lo = done - min(self.cfg.preview_reach_ns, self._reach(job))
+        prior = self._bounds.get(job)
+        if prior is not None and len(prior[0]) and int(prior[2].min()) > lo:
+            lo = int(prior[2].min())  # every rank's next step starts after its known end
+            self.stats.prior_frames += 1
+        else:
+            prior = None
+        if not await self._steps_end(job, lo, done, cut):
             self._previews[job] = (ws, cut, seen)  # no step can end in [done, cut)
             return
-        cols = await self._iterations(job, ws, lo=done - reach, we=cut, preview=True)
+        cols = await self._iterations(job, ws, lo=lo, we=cut, preview=True, prior=prior)
+        if job in self._bounds:
+            self._bounds[job] = _last_steps(self._bounds[job], cols)
         keys = (cols["rank"].astype(np.int64) << 32) | cols["step"].astype(np.int64)
         new = ~np.isin(keys, np.fromiter(seen, np.int64, len(seen)))
         seen.update(keys[new].tolist())
@@ -417,7 +451,8 @@ class DerivedRunner:
 
     async def _iterations(self, job: str, ws: int, *, lo: int | None = None,
                           we: int | None = None, preview: bool = False,
-                          report: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+                          report: dict[str, int] | None = None, prior: Bounds | None = None
+                          ) -> dict[str, np.ndarray]:
         """Rows of steps ending in [ws, we) (default: the window's end), from a frame of
         records starting at `lo` (default: `max_step_ns` before the window)."""
         we = ws + self.cfg.iteration_window_ns if we is None else we
@@ -440,7 +475,7 @@ class DerivedRunner:
         return await asyncio.to_thread(
             iteration_rows, stages, of, ws, we, max_step_ns=self.cfg.max_step_ns,
             grad_collectives_per_step=self.cfg.grad_collectives_per_step, preview=preview,
-            report=report)
+            report=report, prior=prior)
 
     async def _comm_kinds(self, job: str) -> tuple[list[str], list[int]]:
         got = self._topology.get(job)

@@ -29,7 +29,10 @@ some steps began, published before their window closes. Only rows whose bounds a
 are kept: a stage record's row, and an inferred row whose start is the rank's previous gradient
 collective (not the estimated first step of a rank); inferred rows of a rank that has stage
 records in the frame are dropped too, so a step is never previewed from the other source than the
-one its window will use. A step missing from a preview comes with its window's rows.
+one its window will use. A step missing from a preview comes with its window's rows. A preview
+frame may start at the earliest of the ranks' last known step ends (`prior`, from earlier
+previews and windows) instead of reaching back a step before: a rank's next step starts at its
+known end, so the collective that ended it need not be read again.
 
 Determinism: the rows depend only on the records, not on their arrival order, so recomputing a
 window after late records arrive yields the complete rows (streams/derived.py replaces them).
@@ -129,10 +132,14 @@ def _key(rank: np.ndarray, t: np.ndarray, base: int) -> np.ndarray:
     return np.asarray((rank.astype(np.int64) << _SHIFT) + rel)
 
 
-def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
+Bounds = tuple[np.ndarray, np.ndarray, np.ndarray]  # (rank ascending, step, end ns): one per rank
+
+
+def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int, prior: Bounds | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(rank, step, t_start, t_end, exact) of steps inferred from DP gradient collectives;
-    `exact` is False where the start is estimated (a rank's first step in the frame)."""
+    `exact` is False where the start is estimated (a rank's first step in the frame) — unless
+    `prior` holds the end of that rank's previous step (then it is that end)."""
     m = ops.grad & (ops.t_end > 0)
     rank, end = ops.rank[m].astype(np.int64), ops.t_end[m]
     step = np.where(ops.step[m] >= 0, ops.step[m], ops.op_seq[m] // per_step)
@@ -147,6 +154,12 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
     prev_ok = np.r_[False, (rank[1:] == rank[:-1]) & (step[1:] == step[:-1] + 1)]
     start = np.full(len(rank), -1, np.int64)
     start[1:][prev_ok[1:]] = end[:-1][prev_ok[1:]]
+    if prior is not None and len(prior[0]):
+        first = np.flatnonzero(start < 0)
+        i = np.minimum(np.searchsorted(prior[0], rank[first]), len(prior[0]) - 1)
+        hit = ((prior[0][i] == rank[first]) & (prior[1][i] == step[first] - 1)
+               & (prior[2][i] <= end[first]))
+        start[first[hit]] = prior[2][i[hit]]
     # first step seen on a rank: its earliest op start within max_step_ns before the end
     need = np.flatnonzero(start < 0)
     exact = start >= 0
@@ -172,19 +185,23 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int
 
 def iteration_rows(stages: Mapping[str, np.ndarray], ops: OpFrame, ws: int, we: int, *,
                    max_step_ns: int, grad_collectives_per_step: int = 1,
-                   preview: bool = False, report: dict[str, int] | None = None
-                   ) -> dict[str, np.ndarray]:
+                   preview: bool = False, report: dict[str, int] | None = None,
+                   prior: Bounds | None = None) -> dict[str, np.ndarray]:
     """Iteration columns (the `iterations` contract, without job_id) for steps ending in
     [ws, we); `preview` keeps only exactly known rows. See the module docstring. `report`, when
     given, gets "estimated": how many of the rows have a start estimated (a rank's first step
-    in the frame) — 0 means the frame reached back far enough for every row."""
+    in the frame) — 0 means the frame reached back far enough for every row. `prior`: per
+    rank, the step and end of its last step known before the frame (previews, module
+    docstring): the next step of that rank starts there, exactly, though the gradient
+    collective that ended the known step is not in the frame."""
     s_rank = stages["rank"].astype(np.int64)
     s_step = stages["step"].astype(np.int64)
     durations = np.stack([stages[n].astype(np.int64) for n in STAGE_NAMES]) if len(s_rank) \
         else np.zeros((6, 0), np.int64)
     s_t0 = stages["t_start"].astype(np.int64)
     s_t1 = s_t0 + durations.sum(axis=0)
-    d_rank, d_step, d_t0, d_t1, d_exact = _dp_steps(ops, grad_collectives_per_step, max_step_ns)
+    d_rank, d_step, d_t0, d_t1, d_exact = _dp_steps(ops, grad_collectives_per_step, max_step_ns,
+                                                    prior)
     # a stage record wins over an inferred step with the same (rank, step)
     s_key = s_rank * (1 << 32) + s_step
     d_key = d_rank * (1 << 32) + d_step

@@ -177,3 +177,41 @@ def test_rows_without_any_op_in_them_get_zero_communication() -> None:
     rows = iteration_rows(st, ops, t - 100, t + 100, max_step_ns=SEC)
     assert rows["rank"].tolist() == [1] and rows["dp_comm_ns"].tolist() == [0]
     assert rows["compute_ns"].tolist() == [10] and rows["ops"].tolist() == [0]
+
+
+def test_a_prior_step_end_makes_a_frames_first_step_exact(
+        sim_tables: dict[str, dict[str, np.ndarray]]) -> None:
+    """A preview frame that starts at the ranks' last known step ends (`prior`) instead of a
+    step earlier: each rank's next step is then exact — bounds and communication columns equal
+    those from the whole run — though the collective that ended the known step is not in it."""
+    ops = sim_tables["ops"]
+    hi = int(ops["t_end"].max()) + 1
+    full = iteration_rows(no_stages(), frame(ops), 0, hi, max_step_ns=60 * SEC)
+    mid = int(np.median(full["t_end"]))
+    known = full["t_end"] < mid  # what earlier previews and windows knew
+    last = {}
+    for r, st, e in zip(full["rank"][known], full["step"][known], full["t_end"][known],
+                        strict=True):
+        if int(st) > last.get(int(r), (-1, 0))[0]:
+            last[int(r)] = (int(st), int(e))
+    ranks = np.array(sorted(last), np.int64)
+    prior = (ranks, np.array([last[r][0] for r in ranks]), np.array([last[r][1] for r in ranks]))
+    lo = int(prior[2].min())
+    part = {k: v[ops["t_start"] >= lo] for k, v in ops.items()}
+    without = iteration_rows(no_stages(), frame(part), mid, hi, max_step_ns=60 * SEC,
+                             preview=True)
+    got = iteration_rows(no_stages(), frame(part), mid, hi, max_step_ns=60 * SEC, preview=True,
+                         prior=prior)
+    key = {(int(r), int(s)): i for i, (r, s) in enumerate(zip(full["rank"], full["step"],
+                                                               strict=True))}
+    names = ("t_start", "t_end", "step_ns", "compute_ns", "tp_comm_ns", "pp_comm_ns",
+             "dp_comm_ns", "ops", "op_bytes")
+    assert len(got["rank"]) > len(without["rank"])  # the prior previews the next steps
+    for i, (r, s) in enumerate(zip(got["rank"], got["step"], strict=True)):
+        j = key[(int(r), int(s))]
+        assert all(int(got[n][i]) == int(full[n][j]) for n in names), (r, s)
+    # a prior that is not the previous step (a step missing in between) changes nothing
+    stale = (prior[0], prior[1] - 1, prior[2])
+    same = iteration_rows(no_stages(), frame(part), mid, hi, max_step_ns=60 * SEC,
+                          preview=True, prior=stale)
+    assert len(same["rank"]) == len(without["rank"])
