@@ -223,7 +223,7 @@ class RunnerStats:
     rows: dict[str, int] = field(default_factory=dict)
     late_recomputed: int = 0
     previews: int = 0
-    #: Previews whose frame started at the ranks' last known step ends (`_bounds`).
+    #: Preview ticks whose frame started at the ranks' last known step ends (`_bounds`).
     prior_frames: int = 0
     #: Ticks whose preview was skipped because the job's event time ran ahead (`_replaying`).
     previews_skipped: int = 0

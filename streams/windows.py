@@ -48,10 +48,10 @@ Contract:
   `next_start` once it is fixed, is late data; if the kind asked for late marks
   (`WindowSpec.late_marks`) it marks the closed windows it touches (extended by `reach_ns`
   forward: a late op changes the step it belongs to, which may end in the next window) for
-  recomputation; marks
-  further back than `max_late_windows` windows are dropped and counted. `observe` returns
-  whether it added a mark, so the caller can make the mark durable before the batch's offsets
-  are committed (streams/derived.py stores it with the checkpoint, `late_span`/`restore`).
+  recomputation; marks further back than `max_late_windows` windows are dropped and counted.
+  `observe` returns whether it added a mark, so the caller can make the mark durable before
+  the batch's offsets are committed (streams/derived.py stores it with the checkpoint,
+  `late_span`/`restore`).
 - State per job is O(kinds + sources + late marks): no events are held here, and nothing grows
   with the length of the run. `checkpoint()` / `restore()` carry it across restarts (the
   `stream_state` table); sources are not checkpointed: after a restart they start over, at
