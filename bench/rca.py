@@ -7,7 +7,7 @@ separately, a GPU slowdown — and the records are decoded into one window (all 
 root-cause agent reads it from ClickHouse). Timed: `engine.diagnose` for a hang trigger on the
 hang window and for a straggler trigger on the slowdown window (analysis only: the ClickHouse
 read is not included; a straggler trigger first checks that nothing is stuck, so the slowdown
-figure includes the hang checks, and `slowdown_analysis_s` is `slow_rca.analyze` alone on a
+figure includes the hang checks, and `slowdown_analysis_s` is `slow.analyze` alone on a
 fresh copy of the window), and `JobWatch.observe` per one-second progress window of the sampled
 ranks (the trigger agent's work per job and window). Shapes: 1,024 = tp8·pp4·dp32,
 4,096 = tp8·pp8·dp64, 16,384 = tp8·pp16·dp128 (16 microbatches, kernels every 2nd step).
@@ -42,7 +42,7 @@ def _window(size: int, fault: str) -> tuple[Any, Any, int]:
 
 
 def bench(size: int) -> dict[str, Any]:
-    from diagnosis import engine, slow_rca
+    from diagnosis import engine, slow
     from diagnosis.triggers.base import Trigger
     from diagnosis.triggers.watch import JobWatch
     from diagnosis.window import Window
@@ -75,7 +75,7 @@ def bench(size: int) -> dict[str, Any]:
     fresh = Window(w.topo, {k: {c: np.array(v, copy=True) for c, v in t.items()}
                             for k, t in w.tables.items()}, w.start_ns, w.now_ns)
     t0 = time.perf_counter()
-    slow_rca.analyze(fresh, now)
+    slow.analyze(fresh, now)
     out["slowdown_analysis_s"] = round(time.perf_counter() - t0, 3)
     del fresh
     t0 = time.perf_counter()

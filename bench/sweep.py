@@ -8,10 +8,10 @@ embedded ClickHouse through the streams writer. Then, at the job's last record, 
 `--repeat` times:
 
 - **whole window**: the stage records and the other kinds over the analyst's 90 s window (what
-  a sweep read before it started at the judged steps), then `slow_rca.analyze`;
+  a sweep read before it started at the judged steps), then `slow.analyze`;
 - **sweep**: `Analyst._sweep_window` — the stage records over 90 s, the other kinds from
-  `slow_rca.reach_start` on (the steps the analysis judges and `SWEEP_MARGIN_STEPS` before
-  them) — then `slow_rca.analyze`.
+  `slow.reach_start` on (the steps the analysis judges and `SWEEP_MARGIN_STEPS` before
+  them) — then `slow.analyze`.
 
 Reported per variant: ops read, CPU seconds of the read (this process, so ClickHouse's work is
 in it) and of the analysis, and whether the two conclusions are identical (they must be). A
@@ -34,7 +34,7 @@ SECOND = 1_000_000_000
 
 
 def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[str, Any]:
-    from diagnosis import slow_rca
+    from diagnosis import slow
     from diagnosis.agents import read_window
     from diagnosis.analyst import SWEEP_KINDS, SWEEP_MARGIN_STEPS, Analyst, AnalystConfig
     from diagnosis.window import Window
@@ -97,7 +97,7 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
                     c0 = time.process_time()
                     w = fn()
                     c1 = time.process_time()
-                    c = slow_rca.analyze(w, now)
+                    c = slow.analyze(w, now)
                     c2 = time.process_time()
                     runs[name].append({"ops": len(w.tables["ops"]["rank"]),
                                        "read_cpu_s": round(c1 - c0, 3),
@@ -109,7 +109,7 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
             out["identical"] = found["whole"] == found["sweep"]
             c = found["sweep"]
             out["found"] = None if c is None else [list(c.ranks)[:4], c.stage, c.component]
-            lo = slow_rca.reach_start(read(topo.job_id, start, now, ("stages",)).tables["stages"],
+            lo = slow.reach_start(read(topo.job_id, start, now, ("stages",)).tables["stages"],
                                       SWEEP_MARGIN_STEPS)
             out["sweep_from_s"] = round((now - max(start, lo or start)) / SECOND, 1)
         finally:

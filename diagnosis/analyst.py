@@ -25,7 +25,7 @@ finished job would drift to "process died".
   whose event clock has not moved since its last sweep (it ended) is not swept again: the same
   records would be judged the same (an ended 1,024-rank job cost 0.7 CPU-s every 10 s).
   A sweep reads the job's stage records first: the slowdown analysis needs them
-  (`slow_rca.analyze` returns nothing without), so a job traced without stages (NCCL plugin
+  (`slow.analyze` returns nothing without), so a job traced without stages (NCCL plugin
   only) is not read further. Otherwise it reads only `SWEEP_KINDS`, the kinds the sweep's two
   rules look at — flows and beats, about a third of a job's op/flow/chunk rows, are not read —
   and only from the start of the steps the slowdown analysis judges (`_sweep_window`).
@@ -43,7 +43,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from diagnosis import engine, hang_rca, slow_rca
+from diagnosis import engine, hang_rca, slow
 from diagnosis.conclusion import Conclusion
 from diagnosis.incidents import IncidentBook, incident_class, incident_id
 from diagnosis.model import Diagnosis
@@ -51,11 +51,11 @@ from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
 
 SECOND = 1_000_000_000
-#: The raw kinds a sweep reads: what `slow_rca.analyze` and `hang_rca.stuck_ranks` use
+#: The raw kinds a sweep reads: what `slow.analyze` and `hang_rca.stuck_ranks` use
 #: (tests/unit/test_analyst.py checks the conclusions equal those on every kind).
 SWEEP_KINDS = ("stages", "ops", "chunks", "kernels")
 #: Full steps before the slowdown analysis's `recent` ones whose raw rows a sweep still reads:
-#: room for the recovered stall's steps the analysis leaves out (`slow_rca.reach_start`).
+#: room for the recovered stall's steps the analysis leaves out (`slow.reach_start`).
 SWEEP_MARGIN_STEPS = 5
 
 
@@ -97,7 +97,7 @@ class Analyst:
 
     def _sweep_window(self, job_id: str, at_ns: int) -> Window | None:
         """The sweep's window: its stage records, and if there are any the other `SWEEP_KINDS`
-        from the start of the steps the slowdown analysis looks at (`slow_rca.reach_start`,
+        from the start of the steps the slowdown analysis looks at (`slow.reach_start`,
         `SWEEP_MARGIN_STEPS` before its recent ones; calls in flight are read from further
         back, as always): the 25 steps of a job with 1.7 s steps span about 43 s of the 90 s
         window. None when there is nothing a slowdown analysis could use."""
@@ -105,7 +105,7 @@ class Analyst:
         if stages is None or not stages.get("stages"):
             return None
         start = at_ns - int(self.config.window_s * SECOND)
-        lo = slow_rca.reach_start(stages.tables["stages"], SWEEP_MARGIN_STEPS)
+        lo = slow.reach_start(stages.tables["stages"], SWEEP_MARGIN_STEPS)
         rest = self.read(job_id, max(start, lo if lo is not None else start), at_ns,
                          [k for k in SWEEP_KINDS if k != "stages"])
         if rest is None:
@@ -183,10 +183,17 @@ class Analyst:
                 # a stall in progress is the hang analysis' business (its trigger follows): a
                 # slowdown read off the stalled step would open a second, wrong incident
                 if w is not None and not hang_rca.stuck_ranks(w, at).size:
-                    c, ms = self._run(slow_rca.analyze, w, at)
+                    c, ms = self._run(slow.analyze, w, at)
                     if c is not None:
                         out += self._publish(c, w, t, now_ns, ms)
         return out
+
+    def _confirming(self, job: str) -> Callable[[Window, int], Conclusion | None]:
+        """The slowdown analysis of a re-check: the open incident's culprits stay suspects
+        while their excess persists (`diagnosis.slow.context.judge`, confirm)."""
+        d = self.book.current(job, "performance")
+        ranks = tuple(d.culprit_ranks) if d is not None else ()
+        return lambda w, now: slow.analyze(w, now, confirm=ranks)
 
     def _recheck(self, job: str, classes: list[str], now_ns: int) -> list[Diagnosis]:
         at = self.event_clock(job, now_ns)
@@ -195,7 +202,7 @@ class Analyst:
             return []
         out: list[Diagnosis] = []
         for cls in classes:
-            fn = hang_rca.analyze if cls == "hang" else slow_rca.analyze
+            fn = hang_rca.analyze if cls == "hang" else self._confirming(job)
             c, ms = self._run(fn, w, at)
             if c is None or incident_class(c.kind) != cls:
                 r = self.book.clear(job, cls, now_ns)

@@ -1,6 +1,6 @@
 """What a root-cause analysis concludes before it becomes a versioned `Diagnosis`.
 
-`hang_rca` and `slow_rca` each return a `Conclusion` (or None: nothing to report); the engine
+`hang_rca` and `diagnosis.slow` each return a `Conclusion` (or None: nothing to report); the engine
 adds identity, trigger, hosts, SQL and incident state. `findings` are the rule outputs that
 support the conclusion (their rule names become `Diagnosis.rules`); `suspects` are further
 culprits when several faults act at once.
@@ -21,6 +21,9 @@ class Suspicion:
     score: float  # excess ns per step it explains (slowdowns), or rule score (hangs)
     rules: tuple[str, ...] = ()
     summary: str = ""
+    z: float = 0.0  # strength of the evidence, in robust σ of the quantity's own noise
+    how: str = ""  # how the excess stood out: change, outlier, sparse, confirm
+    onset_step: int = -1  # the first step in excess (-1: unknown)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Pure: numpy in, pydantic out, the clock is `now_ns`. Dispatch by trigger kind (`
 failure and hang triggers run the hang analysis first (hang_rca: Mycroft Alg. 2 + Table 4,
 VenusTrace halt point) and fall back to the slowdown analysis when nothing is stuck (a transient
 stall that already recovered); straggler, jitter and regression triggers run the slowdown analysis
-(slow_rca: excess over peers on non-waiting quantities, Table 3/4, ARGUS L2/L3) after checking
+(diagnosis.slow: excess over peers on non-waiting quantities, Table 3/4, ARGUS L2/L3) after checking
 that nothing is stuck — a slowdown trigger can arrive during a hang.
 
 `to_diagnosis` adds what an operator needs: hosts of the culprit ranks, the rules that fired,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from diagnosis import hang_rca, slow_rca
+from diagnosis import hang_rca, slow
 from diagnosis.conclusion import Conclusion
 from diagnosis.model import Diagnosis, Evidence, Status, Suspect, TriggerRef, confidence_label
 from diagnosis.triggers.base import Trigger
@@ -26,7 +26,7 @@ Analysis = Callable[[Window, int], Conclusion | None]
 
 def _hang_then_slow(w: Window, now_ns: int) -> Conclusion | None:
     return (hang_rca.analyze(w, now_ns) or hang_rca.analyze_past_stall(w, now_ns)
-            or slow_rca.analyze(w, now_ns))
+            or slow.analyze(w, now_ns))
 
 
 ANALYSES: dict[str, Analysis] = {

@@ -310,11 +310,46 @@ def run_in_process(scenario: Any, config: AnalystConfig | None = None
                    ) -> tuple[list[Diagnosis], list[Any], list[float]]:
     """Simulate `scenario`, run triggers + engine on its records in release order; returns
     (diagnoses, truth, analysis ms per engine run)."""
-    from ingest.batch import decode_batch
     from ingest.sim.simulation import Simulation
 
     sim = Simulation(scenario.config, scenario.faults)
-    epoch = scenario.config.epoch_ns
+    diags, ms = run_batches(sim.batches(framing="binary"), scenario.config.epoch_ns, config)
+    return diags, sim.truth, ms
+
+
+def capture_batches(path: Any, lag_s: float = 0.5) -> tuple[list[tuple[float, str, bytes]], int]:
+    """The batches of an agent capture file (`rankwatch agent --capture`) as (release s, kind,
+    data), released `lag_s` after their newest record (the agent's linger and publish), and
+    the epoch (ns) their release times count from: a real job replayed in its own time."""
+    from ingest.agent.capture import read_capture
+    from ingest.batch import decode_batch
+
+    out: list[tuple[int, str, bytes]] = []
+    for f in read_capture(path):
+        b = decode_batch(f.data)
+        if f.kind == "jobs":
+            out.append((int(b.topologies[0].ts), f.kind, f.data))
+            continue
+        t = np.asarray(b.cols.get(TIME_COL.get(f.kind, "ts"), ()), dtype=np.int64)
+        if f.kind == "ops" and "t_end" in b.cols:
+            t = np.maximum(t, np.asarray(b.cols["t_end"], dtype=np.int64))
+        if t.size:
+            out.append((int(t.max()), f.kind, f.data))
+    if not out:
+        return [], 0
+    epoch = min(t for t, _, _ in out)
+    lag = int(lag_s * SECOND)
+    # the topology comes first: the agent publishes it before its ranks' records matter
+    rel = sorted(((0 if k == "jobs" else t - epoch + lag) / SECOND, k, d) for t, k, d in out)
+    return rel, epoch
+
+
+def run_batches(batches: Any, epoch: int, config: AnalystConfig | None = None
+                ) -> tuple[list[Diagnosis], list[float]]:
+    """Triggers + engine over (release s, kind, data) batches in release order, the clock =
+    `epoch` + release time: the in-process pipeline for simulated and captured jobs."""
+    from ingest.batch import decode_batch
+
     store = _Store()
     topo: list[Any] = []
     analyst = Analyst(lambda job, a, b, kinds=None: window_of(store, topo[0], a, b, kinds)
@@ -340,7 +375,7 @@ def run_in_process(scenario: Any, config: AnalystConfig | None = None
         diags.extend(analyst.tick(now))
 
     current = 0.0
-    for release, kind, data in sim.batches(framing="binary"):
+    for release, kind, data in batches:
         if release != current:
             process(current)
             while release - current > 1.0:  # the trigger agents' timer between releases
@@ -349,16 +384,17 @@ def run_in_process(scenario: Any, config: AnalystConfig | None = None
             current = release
         b = decode_batch(data)
         if kind == "jobs":
-            topo.append(b.topologies[0])
-            watch.append(JobWatch(b.topologies[0]))
-            analyst.jobs.add(b.topologies[0].job_id)
+            if not topo:
+                topo.append(b.topologies[0])
+                watch.append(JobWatch(b.topologies[0]))
+                analyst.jobs.add(b.topologies[0].job_id)
             continue
         store.add(kind, b.cols)
         fresh.setdefault(kind, []).append(b.cols)
     process(current)
     for extra in (1.0, 2.0, 5.0, 9.0):  # let open incidents resolve after the job ends
         diags.extend(analyst.tick(epoch + int((current + extra) * SECOND)))
-    return diags, sim.truth, analyst.analysis_ms
+    return diags, analyst.analysis_ms
 
 
 def evaluate_in_process(names: Sequence[str] | None = None,

@@ -75,7 +75,7 @@ def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
     """The sweep's window holds only SWEEP_KINDS (no flows, no beats): its rules conclude on it
     exactly what they conclude on every kind — a rule that starts using another kind fails
     here until SWEEP_KINDS lists it."""
-    from diagnosis import hang_rca, slow_rca
+    from diagnosis import hang_rca, slow
     from diagnosis.analyst import SWEEP_KINDS
     from tests.unit.test_diagnosis_engine import window
 
@@ -83,7 +83,7 @@ def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
     part = Window(w.topo, {k: v for k, v in w.tables.items() if k in SWEEP_KINDS}, w.start_ns,
                   w.now_ns)
     assert set(w.tables) - set(part.tables) >= {"flows", "beats"}
-    full_c, part_c = slow_rca.analyze(w, now), slow_rca.analyze(part, now)
+    full_c, part_c = slow.analyze(w, now), slow.analyze(part, now)
     assert full_c == part_c
     np.testing.assert_array_equal(hang_rca.stuck_ranks(w, now), hang_rca.stuck_ranks(part, now))
     if "hang" not in fault:
@@ -91,7 +91,8 @@ def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
 
 
 def test_a_job_without_stage_records_is_not_read_by_the_sweep() -> None:
-    """slow_rca needs stage records: a sweep reads the stages and, finding none, nothing else."""
+    """The slowdown analysis needs stage records: a sweep reads the stages and, finding none,
+    nothing else."""
     asked: list[tuple[str, ...] | None] = []
 
     def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
@@ -115,16 +116,16 @@ def test_a_job_without_stage_records_is_not_read_by_the_sweep() -> None:
     "hang rank=4 stage=bwd mb=1 for=6s at=30s",
 ])
 def test_a_sweep_reads_raw_rows_only_from_the_steps_it_judges(fault: str) -> None:
-    """The sweep reads ops, chunks and kernels from `slow_rca.reach_start` on (the recent steps
+    """The sweep reads ops, chunks and kernels from `slow.reach_start` on (the recent steps
     and SWEEP_MARGIN_STEPS before them), not the whole window: its rules conclude the same as
     on the whole window, with a recovered stall among the steps too, and the cut drops rows."""
-    from diagnosis import hang_rca, slow_rca
+    from diagnosis import hang_rca, slow
     from diagnosis.analyst import SWEEP_MARGIN_STEPS
     from diagnosis.window import without_superseded_in_flight
     from tests.unit.test_diagnosis_engine import window
 
     w, now = window(fault, steps=60)
-    lo = slow_rca.reach_start(w.tables["stages"], SWEEP_MARGIN_STEPS)
+    lo = slow.reach_start(w.tables["stages"], SWEEP_MARGIN_STEPS)
     assert lo is not None and lo > int(w.tables["stages"]["t_start"].min())
     cut = {"ops": "t_start", "chunks": "ts", "kernels": "t_start"}
     tables = dict(w.tables)
@@ -137,7 +138,7 @@ def test_a_sweep_reads_raw_rows_only_from_the_steps_it_judges(fault: str) -> Non
         tables[kind] = {c: np.asarray(v)[keep] for c, v in t.items()}
     tables["ops"] = without_superseded_in_flight(tables["ops"], now)
     part = Window(w.topo, tables, w.start_ns, w.now_ns)
-    full_c, part_c = slow_rca.analyze(w, now), slow_rca.analyze(part, now)
+    full_c, part_c = slow.analyze(w, now), slow.analyze(part, now)
     assert full_c == part_c
     np.testing.assert_array_equal(hang_rca.stuck_ranks(w, now), hang_rca.stuck_ranks(part, now))
     if "hang" not in fault and "stall" not in fault:

@@ -1,0 +1,175 @@
+"""Root cause of a slowdown or jitter: which rank's *own* time grew, in which component.
+
+Every analysis below measures, per (step, unit), a quantity that contains no waiting and
+hands it to one verdict (`context.judge`): a unit is a suspect only when its excess over the
+units doing the same work is material *and* stands out of that quantity's own noise — a change
+against its own recent baseline while the job's step time rose too, or, in a peer set large
+enough to show it, a persistent outlier. Each analysis is a module with one function
+`suspects(ctx) -> list[Suspicion]` (`ANALYSES`):
+
+- `compute`: GPU kernel time (kernel records; CUPTI);
+- `own_time`: forward/backward stage time with the rank's calls' time inside taken out (ranks
+  without kernel records: CPU training);
+- `phases`: data loader wait, callbacks, other, optimizer (the `stages` record);
+- `launch`: call start delay after enqueue (Mycroft Table 3);
+- `network`: DP ring transfer time, narrowed to a member (VenusTrace AR node, Mycroft Table 4);
+- `p2p`: PP link transfer time (its own signature: it skips ranks already named).
+
+Suspects of one host with one (stage, component) merge into a host-level suspect. The suspect
+explaining the most excess ns per step is the culprit; the stage of the next is the top-2 route.
+StageFrontier's frontier accounting (`diagnosis.rules.frontier_labels`, §3–4) runs over the
+same steps' stage vectors: its labels (direct_exposure, co_critical, telemetry_limited…) and
+stage shares go into the conclusion, and whether its blame falls on the culprit sets part of
+the confidence.
+
+Confidence (`confidence`) is built from what separates a right answer from a wrong one: how far
+the culprit's evidence stands out of its noise, how far it is ahead of the next suspect, and
+whether the frontier's blame agrees; docs/diagnoses.md has its calibration on the catalogs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diagnosis.columns import ints
+from diagnosis.conclusion import Conclusion, Suspicion
+from diagnosis.rules import frontier_labels
+from diagnosis.rules.base import Component, Finding, Kind
+from diagnosis.slow import compute, launch, network, own_time, p2p, phases
+from diagnosis.slow.context import (
+    STAGE_COLS,
+    Ctx,
+    SlowConfig,
+    in_steps,
+    judged_steps,
+    reach_start,
+    stage_matrix,
+)
+from diagnosis.window import Window
+
+__all__ = ["SlowConfig", "analyze", "reach_start"]
+
+ANALYSES = (compute.suspects, own_time.suspects, phases.suspects, launch.suspects,
+            network.suspects)
+
+
+def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
+            confirm: tuple[int, ...] = ()) -> Conclusion | None:
+    """The slowdown conclusion over `w`, or None. `confirm`: the culprit ranks of an incident
+    already open, kept while their excess persists (module docstring of `context`)."""
+    cfg = config or SlowConfig()
+    if not w.get("stages"):
+        return None
+    steps, step_ns, job_step = judged_steps(w, cfg)
+    if steps.size < 2 * cfg.onset_steps or step_ns <= 0:  # too few steps to know the noise
+        return None
+    st = w.get("stages")
+    lo = int(ints(st, "t_start")[in_steps(ints(st, "step"), steps)].min())
+    ctx = Ctx(w, cfg, steps, step_ns, w.grid.stage, lo, job_step, frozenset(confirm))
+    sus: list[Suspicion] = [s for fn in ANALYSES for s in fn(ctx)]
+    sus += p2p.suspects(ctx, {r for x in sus for r in x.ranks})
+    sus = _merge_hosts(w, sus)
+    if not sus:
+        return None
+    sus.sort(key=lambda s: -s.score)
+    top = sus[0]
+    kind: Kind = "jitter" if top.how == "sparse" or "intermittent" in top.summary \
+        else "slowdown"
+    stages = tuple(dict.fromkeys(s.stage for s in sus if s.stage))[:3]
+    front = _frontier(ctx, top)
+    conf = confidence(top, sus[1] if len(sus) > 1 else None, front, cfg)
+    labels = ["excess_over_peers", f"evidence_{top.how}" if top.how else "evidence"]
+    if len(top.ranks) > 1:
+        labels.append("host_level")
+    findings = [Finding(rule=r, culprit_ranks=s.ranks, stage=s.stage, component=s.component,
+                        score=s.score, kind=kind,
+                        evidence={"excess_ns_per_step": s.score, "sigma": round(s.z, 2),
+                                  "how": s.how})
+                for s in sus[:4] for r in s.rules]
+    summaries = [(s.rules[0], s.summary) for s in sus[:4]]
+    if front is not None:
+        labels += [lb for lb in front.labels if lb not in labels]
+        findings += frontier_labels.findings(front)
+        summaries.append(("stagefrontier", _frontier_summary(front, top)))
+    return Conclusion(kind, top.ranks, top.stage, top.component, conf, stages=stages,
+                      labels=tuple(labels), findings=tuple(findings),
+                      summaries=tuple(summaries), suspects=tuple(sus[1:6]),
+                      onset_ns=_onset(ctx, top))
+
+
+def confidence(top: Suspicion, second: Suspicion | None,
+               front: frontier_labels.FrontierReport | None, cfg: SlowConfig) -> float:
+    """0.5 (a guess among suspects) … 0.95: the product of
+    - separation: the culprit's share of the excess it and the next suspect explain, mapped
+      from [0.5, 1] to [0, 1] (two suspects alike: the evidence cannot separate them);
+    - strength: how far its evidence stands out of the noise, relative to the threshold that
+      admitted it (at the threshold 0.5, at twice the threshold or more 1); a unit kept only
+      because its incident is open (`confirm`) has 0.5;
+    - agreement: 1 when the frontier's blame includes a culprit rank (or no frontier ran),
+      0.6 when it blames others."""
+    sep = 1.0 if second is None else top.score / max(top.score + second.score, 1.0)
+    sep = min(max((sep - 0.5) / 0.5, 0.0), 1.0)
+    z_min = {"change": cfg.z_change, "outlier": cfg.z_peers, "sparse": 2.0}.get(top.how)
+    strength = 0.5 if z_min is None else min(0.5 + 0.5 * (top.z / z_min - 1.0), 1.0)
+    agree = 1.0 if front is None or not front.culprit_ranks or \
+        set(front.culprit_ranks) & set(top.ranks) else 0.6
+    return float(round(0.5 + 0.45 * sep * max(strength, 0.0) * agree, 3))
+
+
+def _frontier(ctx: Ctx, top: Suspicion) -> frontier_labels.FrontierReport | None:
+    """StageFrontier over the steps since the culprit's onset (all judged steps when unknown):
+    (steps × ranks × stages) durations from the stage records, roles = PP stage."""
+    steps = ctx.steps
+    if top.onset_step >= 0:
+        steps = steps[steps >= top.onset_step]
+    if steps.size == 0:
+        return None
+    d = np.stack([stage_matrix(ctx, c) for c in STAGE_COLS], axis=2)
+    d = d[np.isin(ctx.steps, steps)]
+    ranks = np.flatnonzero(~np.isnan(d).all(axis=(0, 2)))
+    if ranks.size < 2:
+        return None
+    d = d[:, ranks]
+    return frontier_labels.diagnose(d, ranks=ranks, roles=ctx.stage_of[ranks])
+
+
+def _frontier_summary(f: frontier_labels.FrontierReport, top: Suspicion) -> str:
+    shares = ", ".join(f"{n} {s:.0%}" for n, s in zip(f.stage_names, f.shares.tolist(),
+                                                       strict=True) if s >= 0.05)
+    blamed = list(f.culprit_ranks)[:8]
+    agree = "agrees" if set(blamed) & set(top.ranks) else "differs"
+    return (f"frontier shares {shares}; top stage {f.top1}; blame on ranks {blamed} ({agree} "
+            f"with the culprit); labels {', '.join(f.labels)}")
+
+
+def _onset(ctx: Ctx, top: Suspicion) -> int | None:
+    st = ctx.w.get("stages")
+    first = top.onset_step if top.onset_step >= 0 else int(ctx.steps[0])
+    sel = np.isin(ints(st, "rank"), top.ranks) & (ints(st, "step") == first)
+    if not sel.any():
+        sel = np.isin(ints(st, "rank"), top.ranks) & in_steps(ints(st, "step"), ctx.steps)
+    return int(ints(st, "t_start")[sel].min()) if sel.any() else None
+
+
+def _merge_hosts(w: Window, sus: list[Suspicion]) -> list[Suspicion]:
+    """Flagged ranks of one host with the same (stage, component) → one host-level suspect."""
+    hosts = w.grid.hosts
+    groups: dict[tuple[str, str | None, str | None], list[Suspicion]] = {}
+    for s in sus:
+        h = {hosts[r] for r in s.ranks} if s.ranks else {""}
+        key = (next(iter(h)) if len(h) == 1 else "", s.stage, s.component)
+        groups.setdefault(key, []).append(s)
+    out = []
+    for (host, stage, comp), lst in groups.items():
+        if host and len(lst) >= 2:
+            ranks = tuple(sorted({r for s in lst for r in s.ranks}))
+            merged: Component | None = "host_software" if comp == "gpu_compute" and \
+                stage == "compute" else comp  # type: ignore[assignment]
+            best = max(lst, key=lambda s: s.z)
+            out.append(Suspicion(ranks, stage, merged,
+                                 float(sum(s.score for s in lst) / len(lst)), lst[0].rules,
+                                 f"host {host}: {len(ranks)} ranks alike — " + lst[0].summary,
+                                 best.z, best.how, min(s.onset_step for s in lst)))
+        else:
+            out += lst
+    return out

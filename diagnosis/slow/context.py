@@ -1,0 +1,424 @@
+"""What every slowdown analysis shares: the steps it judges, (step × unit) matrices, the
+peer reference, and the verdict that decides when a unit's excess over its peers is evidence.
+
+A unit is a rank (stage phases, kernel time, launch delay) or a communicator / p2p link (DP
+transfers, PP transfers). Every analysis builds a float matrix `m` [steps, units] of a quantity
+that contains no waiting, and `judge` compares each unit with its peers (units doing the same
+work: ranks of one PP stage, DP rings, links between the same pair of stages).
+
+The verdict (`judge`) — the rule every comparison across ranks goes through:
+- materiality: the unit's mean excess over the peer reference is at least `min_share` of the
+  step time, at least `job_noise` × the robust σ of the job's step time (`Ctx.noise_floor`),
+  and its ratio to the reference at least the analysis' `ratio_min`;
+- and the excess must stand out of the quantity's own noise, in one of two ways:
+  - a *change* (`change`): the unit's excess over its peers rose, in the last `onset_steps` or
+    more steps, by at least `z_change` robust standard deviations of that same excess over the
+    steps before (1.4826 × MAD: the unit's own step-to-step noise), every one of those steps
+    above the baseline's median + 2σ; the job's own step time must have risen over the same
+    steps by at least `z_change` of *its* noise (a slowdown is first a change of the job's step
+    time; a unit that slows without slowing the job is not an incident);
+  - an *outlier* (`outlier`, persistent since before the window): only in a peer set of at
+    least `min_peers` units, the unit's mean is `z_peers` robust deviations above its peers'
+    means, and above the reference on at least 80 % of the steps. Two DP rings or two ranks of a
+    stage are two samples: their ratio is not evidence, and no such verdict is given;
+  - `sparse` (intermittent excess: a stalled callback, a slow batch): at least three steps above
+    the reference by the whole materiality floor, three times as many as the busiest peer plus
+    two, the first of them inside the window.
+- `confirm`: units of an incident already open need only stay material on most steps
+  (hysteresis: the opening needed the evidence above, staying open needs persistence).
+The strength of the evidence (`z`) feeds the conclusion's confidence.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diagnosis.columns import Columns, codes, col, ints
+from diagnosis.hang_rca import stalled_steps
+from diagnosis.window import Window, assign_steps
+
+Array = np.ndarray
+STAGE_COLS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
+              "step_other")
+
+
+@dataclass(frozen=True)
+class SlowConfig:
+    recent: int = 40  # full steps examined (the newest); older full steps are the baseline
+    baseline: int = 40  # at most this many steps before `recent` for the change test
+    min_share: float = 0.03  # mean excess ≥ this share of the step time
+    min_ratio: float = 1.05
+    phase_ratio: float = 1.5  # CPU phases: ratio for "host cpu" (≥ 2 phases, each with an
+    #                           excess of at least min_share / 3 of the step time)
+    net_ratio: float = 1.2
+    net_abs_ns: float = 2e6
+    class_ratio: float = 1.3  # one kernel class slower by this (median), others < other_ratio
+    other_ratio: float = 1.1
+    onset_steps: int = 6  # a change must hold for this many steps
+    z_change: float = 4.0  # a change: this many robust σ of the unit's own excess noise
+    z_job: float = 3.0  # and the job's step time rose by this many σ of its own noise
+    job_noise: float = 0.5  # an excess must reach this × the job step time's robust σ
+    min_peers: int = 4  # an outlier verdict needs a peer set of this many units
+    z_peers: float = 5.0  # an outlier: this many robust σ above its peers' means
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Per unit: flagged, mean excess ns per step, mean ratio to the reference, strength (σ),
+    and how it was found ("change", "outlier", "sparse", "confirm", "")."""
+
+    flag: Array
+    exc: Array
+    ratio: Array
+    z: Array
+    how: Array
+    since: Array  # row of the first step in excess (the change's onset; 0: the whole window)
+
+
+@dataclass
+class Ctx:
+    w: Window
+    cfg: SlowConfig
+    steps: Array  # judged steps: baseline + recent full steps, ascending
+    step_ns: float
+    stage_of: Array  # pp stage per rank
+    lo_ns: int = 0  # first start of a judged step (stages)
+    job_step: Array = field(default_factory=lambda: np.zeros(0))  # job step time per step
+    confirm: frozenset[int] = frozenset()  # ranks of an open incident (hysteresis)
+    _ops_sel: Array | None = None
+
+    def noise_floor(self) -> float:
+        """`job_noise` × the robust σ of the job's step time over the judged steps: an excess
+        smaller than a fraction of the noise every step of the job already has costs the job
+        nothing it can tell from that noise (a co-scheduled rank a millisecond slower)."""
+        if self.job_step.size < 2 * self.cfg.onset_steps:
+            return 0.0
+        return self.cfg.job_noise * float(_mad_sigma(self.job_step))
+
+    def ops_of_kind(self, kind: str) -> Array:
+        """Mask over ops rows on a communicator of `kind` (through the comm_id codes)."""
+        uniq, code = codes(col(self.w.get("ops"), "comm_id"))
+        kinds = self.w.grid.comm_kind
+        return np.asarray([kinds.get(str(c), "") == kind for c in uniq.tolist()],
+                          dtype=bool)[code] if uniq.size else np.zeros(code.size, dtype=bool)
+
+    def comm_kinds(self, rows: Array) -> Array:
+        """The communicator kind of some ops rows (object array)."""
+        uniq, code = codes(col(self.w.get("ops"), "comm_id"))
+        kinds = self.w.grid.comm_kind
+        table = np.asarray([kinds.get(str(c), "") for c in uniq.tolist()] or [""], dtype=object)
+        return np.asarray(table[code[rows]])
+
+    def step_index(self, step: Array) -> Array:
+        """Position of each step (one of `steps`) in `steps`."""
+        lo = int(self.steps[0]) if self.steps.size else 0
+        if self.steps.size and int(self.steps[-1]) - lo + 1 == self.steps.size:
+            return np.asarray(step - lo)  # consecutive steps: no search
+        return np.searchsorted(self.steps, step)
+
+    def ops_recent(self) -> Array:
+        """Mask over ops rows: a completed call of a judged step (computed once)."""
+        if self._ops_sel is None:
+            ops = self.w.get("ops")
+            self._ops_sel = in_steps(ints(ops, "step", -1), self.steps) & (ints(ops, "t_end") > 0)
+        return self._ops_sel
+
+
+def in_steps(step: Array, steps: Array) -> Array:
+    """`np.isin(step, steps)` for int steps through one position lookup (steps ascending)."""
+    if steps.size == 0:
+        return np.zeros(step.size, dtype=bool)
+    lo, hi = int(steps[0]), int(steps[-1])
+    if hi - lo + 1 == steps.size:  # consecutive steps: a range test
+        return np.asarray((step >= lo) & (step <= hi))
+    pos = np.minimum(np.searchsorted(steps, step), steps.size - 1)
+    return np.asarray(steps[pos] == step)
+
+
+def matrix(ctx: Ctx, step: Array, rank: Array, value: Array, *, aligned: bool) -> Array:
+    """float64 [steps, world]: Σ value per (step, rank), nan where a rank has no row; `step` must
+    be one of ctx.steps. aligned: one row per judged step; else only the steps that have rows.
+    One bincount over a flat (step, rank) index."""
+    world = ctx.w.grid.world
+    ok = (rank >= 0) & (rank < world)
+    flat = ctx.step_index(step[ok]) * world + rank[ok]
+    n = ctx.steps.size * world
+    acc = np.bincount(flat, weights=value[ok].astype(np.float64), minlength=n)
+    seen = np.bincount(flat, minlength=n) > 0
+    out = np.where(seen, acc, np.nan).reshape(ctx.steps.size, world)
+    return out if aligned else out[seen.reshape(ctx.steps.size, world).any(axis=1)]
+
+
+def q25(x: Array, least: int = 1) -> Array:
+    """Lower quartile along axis 1 ignoring nan (nearest-rank; nan where a row has fewer than
+    `least` values)."""
+    srt = np.sort(x, axis=1)  # nan sorts last
+    n = np.sum(~np.isnan(x), axis=1)
+    idx = np.maximum((n - 1) // 4, 0)
+    out = srt[np.arange(x.shape[0]), np.minimum(idx, max(x.shape[1] - 1, 0))]
+    return np.where(n >= max(least, 1), out, np.nan)
+
+
+def reference(m: Array, groups: Array) -> Array:
+    """Lower quartile over the units of the same group, per step: [steps, units]. The quartile
+    stays clean while fewer than three quarters of the peers are slow. nan at a step where
+    fewer than two units of the group have a value: a unit is not its own reference."""
+    out = np.full_like(m, np.nan)
+    for s in np.unique(groups).tolist():
+        cols = np.flatnonzero(groups == s)
+        if cols.size:
+            out[:, cols] = q25(m[:, cols], least=2)[:, None]
+    return out
+
+
+def _mad_sigma(x: Array, axis: int = 0) -> Array:
+    """Robust standard deviation (1.4826 × median absolute deviation), nan-aware."""
+    with np.errstate(all="ignore"):
+        med = np.nanmedian(x, axis=axis, keepdims=True)
+        return np.asarray(1.4826 * np.nanmedian(np.abs(x - med), axis=axis))
+
+
+def _nanmedian(x: Array, axis: int = 0) -> Array:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.asarray(np.nanmedian(x, axis=axis))
+
+
+def job_change(ctx: Ctx, since: int) -> float:
+    """How many standard errors the job's median step time over its last `since` steps lies
+    above its median over the steps before (0 when there are too few of either): the robust
+    σ of the job's own step times (1.4826 × MAD) and the standard error of a median,
+    1.2533 σ / √n, for both medians."""
+    js = ctx.job_step
+    k = ctx.cfg.onset_steps
+    if js.size < since + k or since < k:
+        return 0.0
+    before, after = js[:-since], js[-since:]
+    sd = max(float(_mad_sigma(before)), 0.01 * float(np.median(before)), 1.0)
+    se = 1.2533 * sd * np.sqrt(1.0 / before.size + 1.0 / after.size)
+    return (float(np.median(after)) - float(np.median(before))) / float(se)
+
+
+def judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None = None, *,
+          ref: Array | None = None, floor: float | None = None, sparse: bool = False,
+          confirmable: Array | None = None) -> Verdict:
+    """The verdict for every unit (column) of `m` (module docstring). `groups`: the peer set of
+    each unit (default: the PP stage of each rank); `confirmable`: bool per unit, the units an
+    open incident's ranks own (default: units are ranks, those in `ctx.confirm`)."""
+    with warnings.catch_warnings():  # all-nan columns (a unit without rows) are expected
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _judge(ctx, m, ratio_min, groups, ref, floor, sparse, confirmable)
+
+
+def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Array | None,
+           floor: float | None, sparse: bool, confirmable: Array | None) -> Verdict:
+    cfg = ctx.cfg
+    n, u = m.shape
+    groups = ctx.stage_of if groups is None else groups
+    ref = reference(m, groups) if ref is None else ref
+    floor = max(cfg.min_share * ctx.step_ns if floor is None else floor, ctx.noise_floor())
+    d = m - ref  # per-step excess over the peer reference
+    with np.errstate(all="ignore"):
+        exc = np.nan_to_num(np.nanmean(np.maximum(d, 0.0), axis=0))
+        ratio = np.nan_to_num(np.nanmean(m, axis=0) / np.nanmean(ref, axis=0), nan=1.0)
+    flag = np.zeros(u, dtype=bool)
+    z = np.zeros(u)
+    how = np.full(u, "", dtype=object)
+    since = np.zeros(u, dtype=np.int64)
+    material = (exc >= floor) & (ratio >= ratio_min)
+    present = ~np.isnan(m).all(axis=0)
+    gi = np.unique(groups, return_inverse=True)[1]
+    peers = np.bincount(gi[present], minlength=gi.max() + 1 if gi.size else 0)[gi]
+    # -- outlier: a persistent difference, only in a peer set that can show it ---------------
+    big = material & (peers >= cfg.min_peers)
+    if big.any():
+        with np.errstate(all="ignore"):
+            means = np.nanmean(m, axis=0)
+            above = np.nanmean(np.where(np.isnan(d), np.nan, (d > 0.05 * ref)), axis=0)
+        for x in np.flatnonzero(big).tolist():
+            others = np.flatnonzero((gi == gi[x]) & present)
+            others = others[others != x]
+            om = means[others]
+            sd = max(float(_mad_sigma(om)), 0.02 * float(np.median(om)), 1.0)
+            zx = (float(means[x]) - float(np.median(om))) / sd
+            if zx >= cfg.z_peers and above[x] >= 0.8:
+                flag[x], z[x], how[x] = True, zx, "outlier"
+    # -- change: a rise of the unit's own excess, beyond its own noise -------------------------
+    k = cfg.onset_steps
+    if n >= 2 * k:  # cheap pre-test: the newest known steps well above the older half's median
+        with np.errstate(all="ignore"):
+            base0 = _nanmedian(d[: n // 2], axis=0)
+            last = d[-(k + 2):]
+            known = ~np.isnan(last)
+            tail = np.all(~known | (last > base0 + floor), axis=0) & (known.sum(axis=0) >= k)
+    else:
+        tail = np.zeros(u, dtype=bool)
+    for x in np.flatnonzero(~flag & present & tail).tolist():
+        res = _change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min)
+        if res is not None:
+            flag[x], exc[x], ratio[x], z[x], how[x] = True, res[0], res[1], res[2], "change"
+            since[x] = n - res[3]
+    # -- sparse: intermittent excess, many more spikes than any peer ---------------------------
+    if sparse and n > k:
+        with np.errstate(invalid="ignore"):
+            spike = d >= floor
+        cnt = spike.sum(axis=0)
+        first = np.argmax(spike, axis=0)
+        for x in np.flatnonzero(~flag & (cnt >= 3) & (first > 0)).tolist():
+            others = np.flatnonzero((gi == gi[x]) & present)
+            others = others[others != x]
+            busiest = int(cnt[others].max()) if others.size else 0
+            if not others.size or cnt[x] < 3 * busiest + 2:
+                continue
+            e = float(np.nanmean(np.maximum(d[first[x]:, x], 0.0)))
+            if e >= floor:
+                flag[x], exc[x], z[x], how[x] = True, e, float(cnt[x] - busiest), "sparse"
+                since[x] = first[x]
+                with np.errstate(all="ignore"):
+                    ratio[x] = float(np.nanmean(m[first[x]:, x]) / np.nanmean(ref[first[x]:, x]))
+    # -- confirm: an open incident's ranks stay while their excess persists --------------------
+    if ctx.confirm:
+        mine = np.isin(np.arange(u), list(ctx.confirm)) if confirmable is None else confirmable
+        keep = mine & ~flag & material
+        with np.errstate(invalid="ignore"):
+            most = np.nanmean(np.where(np.isnan(d), np.nan, d >= 0.5 * floor), axis=0) >= 0.6
+        for x in np.flatnonzero(keep & most).tolist():
+            flag[x], how[x] = True, "confirm"
+    return Verdict(flag, exc, ratio, z, how, since)
+
+
+def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
+            ratio_min: float) -> tuple[float, float, float, int] | None:
+    """(excess, ratio, z, steps since the onset) of a unit whose excess series `d` rose beyond
+    its own noise in a trailing run of steps while the job's step time rose too; else None."""
+    cfg = ctx.cfg
+    k = cfg.onset_steps
+    ok = ~np.isnan(d)
+    dd, mm, rr = d[ok], m[ok], ref[ok]
+    n = dd.size
+    if n < 2 * k:
+        return None
+    # the trailing run: newest steps whose excess sits above the first half's median by the
+    # materiality floor (a cheap pre-test before the robust one)
+    base0 = float(np.median(dd[: n // 2]))
+    run = int(np.argmax(~(dd[::-1] > base0 + floor))) if (dd[::-1] <= base0 + floor).any() else n
+    if run < k or n - run < k:
+        return None
+    before, after = dd[:-run], dd[-run:]
+    sd = max(float(_mad_sigma(before)), 0.01 * float(np.nanmedian(rr[:-run])), 1.0)
+    mb = float(np.median(before))
+    if (after <= mb + 2 * sd).any():
+        return None
+    rise = float(np.median(after)) - mb
+    zx = rise / sd
+    if zx < cfg.z_change or rise < floor:
+        return None
+    steps_since = d.size - int(np.flatnonzero(ok)[n - run])  # judged steps, gaps included
+    if job_change(ctx, steps_since) < cfg.z_job:
+        return None
+    with np.errstate(all="ignore"):
+        ratio = float(np.mean(mm[-run:]) / np.mean(rr[-run:]))
+    if ratio < ratio_min:
+        return None
+    return float(np.mean(np.maximum(after, 0.0))), ratio, zx, steps_since
+
+
+def full_steps(step: Array) -> Array:
+    """Steps (ascending) with a stage record from at least 90 % of the ranks that have most."""
+    steps, counts = np.unique(step, return_counts=True)
+    return steps[counts >= 0.9 * max(int(counts.max()), 1)] if steps.size else steps
+
+
+def stage_total(st: Columns) -> Array:
+    return np.asarray(sum(ints(st, c, 0) for c in STAGE_COLS))
+
+
+def reach_start(stages: Columns, extra_steps: int, config: SlowConfig | None = None
+                ) -> int | None:
+    """The earliest start among the stage records of the last `recent + baseline +
+    extra_steps` full steps: the records `analyze` reads lie after it (the analyst's sweep
+    reads its raw rows from here). None when there are no stage records."""
+    cfg = config or SlowConfig()
+    step = ints(stages, "step")
+    if not step.size:
+        return None
+    keep = full_steps(step)[-(cfg.recent + cfg.baseline + extra_steps):]
+    return int(ints(stages, "t_start")[np.isin(step, keep)].min())
+
+
+def judged_steps(w: Window, cfg: SlowConfig) -> tuple[Array, float, Array]:
+    """(judged steps, median step time ns, job step time per judged step): the newest
+    `recent + baseline` full steps that no recovered stall overlaps (a recovered stall is a
+    transient hang, hang_rca.analyze_past_stall: its steps' excess is that hang again). The
+    job's step time of a step is its slowest rank's (everyone waits for it)."""
+    st = w.get("stages")
+    step = ints(st, "step")
+    full = full_steps(step)
+    full = full[~np.isin(full, stalled_steps(w))]
+    judged = full[-(cfg.recent + cfg.baseline):]
+    tot = stage_total(st)
+    sel = in_steps(step, judged)
+    if not sel.any():
+        return judged, 0.0, np.zeros(0)
+    pos = np.searchsorted(judged, step[sel])
+    job = np.zeros(judged.size)
+    np.maximum.at(job, pos, tot[sel].astype(np.float64))
+    recent = in_steps(step, judged[-cfg.recent:])
+    step_ns = float(np.median(tot[recent])) if recent.any() else float(np.median(tot[sel]))
+    return judged, step_ns, job
+
+
+def stage_matrix(ctx: Ctx, name: str) -> Array:
+    st = ctx.w.get("stages")
+    sel = in_steps(ints(st, "step"), ctx.steps)
+    return matrix(ctx, ints(st, "step")[sel], ints(st, "rank")[sel], ints(st, name, 0)[sel],
+                  aligned=True)
+
+
+def assign_steps_fast(t: Array, rank: Array, st_rank: Array, st_step: Array,
+                      st_start: Array) -> Array:
+    """`window.assign_steps`, faster: with few steps whose starts increase with the step on
+    every rank, one comparison per step against the rank's start (a [rank, step] table); else
+    (rank, time) packed into one int64 key and a plain searchsorted. Same result either way."""
+    if st_rank.size == 0 or t.size == 0:
+        return np.full(t.size, -1, dtype=np.int64)
+    lo = min(int(t.min()), int(st_start.min()))
+    span = max(int(t.max()), int(st_start.max())) - lo + 2
+    top = max(int(rank.max()), int(st_rank.max())) + 1
+    if min(int(rank.min()), int(st_rank.min())) < 0 or top * span >= 2**62:
+        return assign_steps(t, rank, st_rank, st_step, st_start)
+    steps, sj = np.unique(st_step, return_inverse=True)
+    if steps.size <= 8:
+        by = np.lexsort((st_step, st_rank))
+        same = np.diff(st_rank[by]) == 0
+        if np.all(np.diff(st_start[by])[same] > 0) and np.all(np.diff(st_step[by])[same] > 0):
+            start = np.full((top, steps.size), np.iinfo(np.int64).max, dtype=np.int64)
+            start[st_rank, sj] = st_start
+            out = np.full(t.size, -1, dtype=np.int64)
+            for j in range(steps.size):
+                out = np.where(t >= start[rank, j], steps[j], out)
+            return out
+    key_st = st_rank * span + (st_start - lo)
+    order = np.argsort(key_st, kind="stable")
+    ks, ss, sr = key_st[order], st_step[order], st_rank[order]
+    pos = np.searchsorted(ks, rank * span + (t - lo), side="right") - 1
+    ok = (pos >= 0) & (sr[np.maximum(pos, 0)] == rank)
+    return np.where(ok, ss[np.maximum(pos, 0)], -1).astype(np.int64)
+
+
+def persistence(m: Array, ref: Array) -> Array:
+    """Per column: from the first step whose relative excess over the reference is above 5 %,
+    the share of the (finite) steps that are above 5 % — 0 where none is."""
+    with np.errstate(all="ignore"):
+        x = (m - ref) / ref
+    fin = np.isfinite(x)
+    hit = fin & (x > 0.05)
+    n_hit = hit.sum(axis=0)
+    first = np.argmax(hit, axis=0)
+    from_row = np.cumsum(fin[::-1], axis=0)[::-1]  # finite steps at or after each row
+    n_from = from_row[first, np.arange(m.shape[1])] if m.shape[0] else np.zeros(m.shape[1])
+    with np.errstate(all="ignore"):
+        return np.where(n_hit > 0, n_hit / np.maximum(n_from, 1), 0.0)

@@ -1,0 +1,120 @@
+"""PP transfers, per link (sender → receiver): the transfer time of one Send/Recv pair is the
+shorter of the two calls' times — the later poster's; the other includes waiting for it (the
+AR node argument of VenusTrace §3.2.2 applied to a p2p pair) — summed per (step, link), and
+compared with the links between the same pair of stages (`judge`: no cross-link verdict in a
+peer set smaller than `min_peers`, only a change against the link's own noise).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diagnosis.columns import codes, col, ints
+from diagnosis.conclusion import Suspicion
+from diagnosis.rules.pipeline_ops import pp_call_microbatch
+from diagnosis.slow.context import Array, Ctx, judge, reference
+from diagnosis.window import Window
+
+
+def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
+    """PP transfers, per link (sender → receiver): the transfer time of one Send/Recv pair is
+    the shorter of the two calls' times — the later poster's; the other includes waiting for
+    it (the AR node's argument, VenusTrace, applied to a p2p pair) — summed per (step, link).
+    Pairs: the n-th Send of a step from a to b with the n-th Recv of that step on b from a. The
+    reference is the lower quartile over links of the same (sender stage, receiver stage);
+    only hops between hosts are examined (a NIC carries them); thresholds as for the DP rings.
+    A flagged link names its sender, whose NIC posts the data (component nic_rdma; stage
+    dp_allreduce, the convention for a NIC culprit: the ring its NIC also carries) when its
+    typical (median) transfer is slower by `net_ratio`, else its proxy (host_software: a few
+    transfers stall, Mycroft #7's intermittent late start), unless
+    another suspect already names the rank — a slower GPU or PCIe path of a rank is that
+    suspect's to explain. A second host-level fault that no DP ring shows (a ring of many
+    members dilutes one slower hop) is found here."""
+    ops = ctx.w.get("ops")
+    if not ops or "peer" not in ops:
+        return []
+    rows = np.flatnonzero(ctx.ops_of_kind("pp") & ctx.ops_recent())
+    if rows.size == 0:
+        return []
+    uniq, code = codes(col(ops, "op"))
+    send_code = int(np.searchsorted(uniq, "Send"))
+    if send_code >= uniq.size or str(uniq[send_code]) != "Send":
+        return []
+    send = code[rows] == send_code
+    world = ctx.w.grid.world
+    rank = col(ops, "rank")[rows].astype(np.int64)
+    peer = ints(ops, "peer")[rows]
+    src, dst = np.where(send, rank, peer), np.where(send, peer, rank)
+    hosts = host_codes(ctx.w)
+    ok = (peer >= 0) & (peer < world) & (rank < world)
+    ok[ok] = hosts[src[ok]] != hosts[dst[ok]]  # a NIC carries the hop
+    rows, send, src, dst, rank = rows[ok], send[ok], src[ok], dst[ok], rank[ok]
+    if rows.size == 0:
+        return []
+    # a PP sender has two links (to the next and to the previous stage): link = 2·src + up,
+    # and one call per microbatch on each; the 1F1B plan (pipeline_ops.pp_plan) gives each
+    # call's microbatch from its op_seq, so the pair (link, step, microbatch) is a dense index
+    up = (ctx.stage_of[dst] > ctx.stage_of[src]).astype(np.int64)
+    link = 2 * src + up
+    topo = ctx.w.topo
+    mb, ok = pp_call_microbatch(topo.pp, topo.microbatches, ctx.stage_of[rank],
+                                ints(ops, "op_seq")[rows], send, up == 1)
+    if ok.sum() < 0.9 * ok.size:  # not a 1F1B plan: pairs unknown
+        return []
+    n_mb, n_steps, n_links = max(ctx.w.topo.microbatches, 1), ctx.steps.size, 2 * world
+    si = ctx.step_index(ints(ops, "step", -1)[rows])
+    pid = (link * n_steps + si) * n_mb + mb
+    inside = (ints(ops, "t_end")[rows] - ints(ops, "t_start")[rows]).astype(np.float64)
+    t_send = np.full(n_links * n_steps * n_mb, np.nan)
+    t_recv = t_send.copy()
+    ps, pr = ok & send, ok & ~send
+    t_send[pid[ps]] = inside[ps]
+    t_recv[pid[pr]] = inside[pr]
+    tr = np.minimum(t_send, t_recv).reshape(n_links, n_steps, n_mb)  # nan unless paired
+    paired = ~np.isnan(tr)
+    m = np.where(paired.any(axis=2), np.nansum(tr, axis=2), np.nan).T  # [steps, links]
+    cols = np.flatnonzero(paired.any(axis=(1, 2)))
+    dst_of = np.full(n_links, -1, dtype=np.int64)
+    dst_of[link] = dst
+    ls, ld = cols // 2, dst_of[cols]
+    m = m[:, cols]
+    groups = ctx.stage_of[ls] * ctx.w.grid.pp + ctx.stage_of[ld]
+    ref = reference(m, groups)
+    v = judge(ctx, m, ctx.cfg.net_ratio, groups, ref=ref, floor=ctx.cfg.net_abs_ns,
+              confirmable=np.isin(ls, list(ctx.confirm)))
+    flag, exc, ratio = v.flag, v.exc, v.ratio
+    out = []
+    hit = np.flatnonzero(flag)
+    hit = hit[np.argsort(-exc[hit], kind="stable")]
+    cls = ctx.stage_of[ls] * ctx.w.grid.pp + ctx.stage_of[ld]
+    for i in hit.tolist():
+        x = int(ls[i])
+        if x in named:
+            continue
+        named.add(x)  # one suspect per sender: its most delayed link
+        # a slower NIC slows every transfer (the typical one too); a proxy that sometimes
+        # starts late (Mycroft #7) leaves the typical transfer alone and stalls a few
+        # (over the steps in which the link is slow: an onset inside the window does not
+        # dilute it)
+        hot = np.flatnonzero(m[:, i] >= ctx.cfg.net_ratio * ref[:, i])
+        hot = hot if hot.size else np.arange(m.shape[0])
+        like = tr[cols[cls == cls[i]]][:, hot]
+        typical = float(np.nanmedian(tr[cols[i]][hot])) / max(float(np.nanmedian(like)), 1.0)
+        nic = typical >= ctx.cfg.net_ratio
+        out.append(Suspicion((x,), "dp_allreduce", "nic_rdma" if nic else "host_software",
+                             float(exc[i]), ("venustrace.ar_node",),
+                             f"rank {x}: its PP transfers to rank {int(ld[i])} take "
+                             f"{ratio[i]:.2f}x those of like links, +{exc[i] / 1e6:.1f} ms/step "
+                             "(the later poster's time: no waiting); the typical transfer "
+                             f"{typical:.2f}x: " + ("its NIC" if nic else
+                                                    "a few stall, its proxy starts them late")
+                             + f" ({v.how[i]} {v.z[i]:.1f}σ)", float(v.z[i]), str(v.how[i]),
+                             int(ctx.steps[v.since[i]])))
+    return out
+
+
+def host_codes(w: Window) -> Array:
+    """Host index per rank (equal host names → equal codes)."""
+    return codes(np.asarray(w.grid.hosts, dtype=object))[1]
+
+

@@ -1,0 +1,289 @@
+"""Slowdown root cause (diagnosis/slow/): the verdict every comparison goes through (judged
+against the quantity's own noise; no verdict from a peer set too small), own time without the
+waiting inside it, its vectorized helpers against their plain definitions, and how a
+kernel-class excess is named — a shift of the class's typical kernel names the kernel, a tail
+of long kernels (ECC-like spikes) names the pass they ran in."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diagnosis import slow
+from diagnosis.slow import context, own_time
+from diagnosis.window import Window, assign_steps
+from ingest.sim.config import JobConfig
+from ingest.sim.simulation import Simulation, collect
+
+
+@functools.cache
+def window(fault: str, steps: int = 16) -> tuple[Window, int]:
+    cfg = JobConfig(job_id="t", tp=2, pp=4, dp=2, steps=steps)
+    d = collect(Simulation(cfg, [fault]).batches())
+    topo = d.pop("jobs")["topology"][0]
+    now = int(max(d["beats"]["ts"].max(), d["ops"]["t_enqueue"].max()))
+    return Window(topo, d, 0, now), now
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_packed_step_assignment_matches_the_record_search(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ranks, steps = int(rng.integers(1, 6)), int(rng.integers(1, 12))
+    st_rank = np.repeat(np.arange(ranks), steps)
+    st_step = np.tile(np.arange(steps), ranks)
+    st_start = np.sort(rng.integers(0, 10**12, st_rank.size)).astype(np.int64)
+    if rng.random() < 0.3:  # starts out of step order on some rank: the searchsorted path
+        rng.shuffle(st_start)
+    keep = rng.random(st_rank.size) < 0.8  # some (rank, step) rows missing
+    t = rng.integers(0, 10**12, 200).astype(np.int64)
+    r = rng.integers(0, ranks + 1, 200).astype(np.int64)  # one rank without stages
+    got = context.assign_steps_fast(t, r, st_rank[keep], st_step[keep], st_start[keep])
+    want = assign_steps(t, r, st_rank[keep], st_step[keep], st_start[keep])
+    np.testing.assert_array_equal(got, want)
+
+
+def _persistence_of_one_column(m: np.ndarray, ref: np.ndarray, c: int) -> float:
+    with np.errstate(all="ignore"):
+        x = (m[:, c] - ref[:, c]) / ref[:, c]
+    x = x[np.isfinite(x)]
+    hit = np.flatnonzero(x > 0.05)
+    return float(np.mean(x[hit[0]:] > 0.05)) if hit.size else 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_persistence_matches_the_per_column_definition(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    m = rng.uniform(0.8, 1.3, (int(rng.integers(1, 12)), int(rng.integers(1, 9))))
+    m[rng.random(m.shape) < 0.2] = np.nan
+    ref = np.ones_like(m)
+    got = context.persistence(m, ref)
+    want = [_persistence_of_one_column(m, ref, c) for c in range(m.shape[1])]
+    np.testing.assert_allclose(got, want)
+
+
+def test_a_slower_kernel_class_names_the_kernel() -> None:
+    w, now = window("kernel_slow rank=9 kernel=attn factor=3 at=1s")
+    c = slow.analyze(w, now)
+    assert c is not None and (c.ranks, c.stage, c.component) == ((9,), "kernel attn",
+                                                                 "gpu_compute")
+
+
+def test_ecc_like_spikes_name_the_pass_not_the_kernel() -> None:
+    w, now = window("ecc_jitter rank=9 p=0.05 factor=10 at=1s")
+    c = slow.analyze(w, now)
+    assert c is not None and c.ranks == (9,) and c.component == "gpu_compute"
+    stage = int(w.grid.stage[9])
+    assert c.stage in (f"fwd pp={stage}", f"bwd pp={stage}"), c.stage
+    assert c.kind == "jitter"
+
+
+def _ctx(w: Window, steps: int, job_step: np.ndarray | None = None,
+         step_ns: float = 1e9) -> context.Ctx:
+    js = np.full(steps, step_ns) if job_step is None else job_step
+    return context.Ctx(w, context.SlowConfig(), np.arange(steps), step_ns, w.grid.stage, 0, js)
+
+
+def _noisy(rng: np.random.Generator, steps: int, units: int, sd: float = 0.01) -> np.ndarray:
+    return 100e6 * (1 + sd * rng.standard_normal((steps, units)))
+
+
+def test_a_change_counts_when_it_stands_out_of_its_own_noise_and_the_job_slowed() -> None:
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(3)
+    m = _noisy(rng, 40, world)
+    m[-8:, 1] *= 1.4  # +40 ms for the last 8 steps
+    m[-3:, 2] *= 1.4  # a run too short to count
+    job = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    job[-8:] += 40e6  # the job waits for rank 1
+    v = context.judge(_ctx(w, 40, job), m, 1.05)
+    assert v.flag[1] and v.how[1] == "change" and v.exc[1] > 35e6 and v.z[1] > 4
+    assert int(v.since[1]) == 32  # measured since the change began
+    assert not v.flag[[0, *range(2, world)]].any()
+    # the same excess while the job's step time did not move: not a slowdown of the job
+    flat = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    assert not context.judge(_ctx(w, 40, flat), m, 1.05).flag[1]
+
+
+def test_a_change_inside_the_noise_of_its_own_series_is_not_evidence() -> None:
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(4)
+    m = _noisy(rng, 40, w.grid.world)
+    m[:, 1] = 100e6 * (1 + 0.3 * rng.standard_normal(40))  # a very noisy rank
+    m[-8:, 1] += 35e6  # a rise within what its own series already does
+    job = np.full(40, 1e9)
+    job[-8:] += 40e6
+    assert not context.judge(_ctx(w, 40, job), m, 1.05).flag[1]
+
+
+def test_two_peers_give_no_verdict_on_a_persistent_difference() -> None:
+    """Two DP rings are two samples: one of them is always the slower; without a change in
+    time there is no evidence which is at fault, whatever the ratio."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(5)
+    m = _noisy(rng, 40, 2)
+    m[:, 1] *= 2.5
+    v = context.judge(_ctx(w, 40), m, 1.2, np.zeros(2, np.int64))
+    assert not v.flag.any()
+    # six peers: the same difference stands out of the peers' spread
+    m6 = _noisy(rng, 40, 6)
+    m6[:, 1] *= 2.5
+    v6 = context.judge(_ctx(w, 40), m6, 1.2, np.zeros(6, np.int64))
+    assert v6.flag.tolist() == [False, True, False, False, False, False]
+    assert v6.how[1] == "outlier"
+    # six peers that all differ this much: the "outlier" is inside their spread
+    spread = 100e6 * np.linspace(1.0, 2.6, 6)[None, :] * (1 + 0.01 * rng.standard_normal((40, 6)))
+    assert not context.judge(_ctx(w, 40), spread, 1.2, np.zeros(6, np.int64)).flag.any()
+
+
+def test_an_excess_below_the_jobs_own_noise_is_not_material() -> None:
+    """A rank a millisecond slower in a job whose step time swings by tens of milliseconds
+    (ranks sharing cores) costs the job nothing it can tell from its noise."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(6)
+    m = _noisy(rng, 40, w.grid.world)
+    m[:, 1] *= 1.3  # +30 ms on every step: an outlier among its peers
+    calm = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    assert context.judge(_ctx(w, 40, calm), m, 1.05).flag[1]
+    stormy = np.full(40, 1e9) + rng.normal(0, 200e6, 40)  # σ 200 ms: floor 100 ms
+    assert not context.judge(_ctx(w, 40, stormy), m, 1.05).flag[1]
+
+
+def test_pp_calls_get_their_microbatch_from_the_1f1b_plan() -> None:
+    from diagnosis.rules.pipeline_ops import pp_call_microbatch, pp_plan
+
+    pp, mbs = 4, 6
+    for s in range(pp):
+        plan = pp_plan(pp, mbs, s)
+        seq = np.arange(2 * len(plan))  # two steps
+        send = np.asarray([op == "Send" for op, _, _ in plan] * 2)
+        fwd = np.asarray([kind == "F" for _, kind, _ in plan] * 2)
+        mb, ok = pp_call_microbatch(pp, mbs, np.full(seq.size, s), seq, send, fwd)
+        assert ok.all()
+        assert mb.tolist() == [m for _, _, m in plan] * 2
+        _, bad = pp_call_microbatch(pp, mbs, np.full(seq.size, s), seq, ~send, fwd)
+        assert not bad.any()
+
+
+def test_an_intermittent_excess_needs_many_more_spikes_than_its_peers() -> None:
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    stage = w.grid.stage
+    a, b = np.flatnonzero(stage == 0)[:2].tolist()
+    c, d = np.flatnonzero(stage == 1)[:2].tolist()
+    m = np.full((40, w.grid.world), 8e6)
+    m[[-9, -6, -3, -1], a] += 180e6  # four slow batches late in the window
+    m[[5, 15, 25, 35], c] += 180e6  # four...
+    m[[6, 16, 26], d] += 180e6  # ...beside a stage peer with three: the stage's noise
+    v = context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True)
+    assert v.flag[a] and v.how[a] == "sparse" and v.exc[a] > 50e6
+    assert int(v.since[a]) == 31
+    assert not v.flag[[b, c, d]].any()
+    m[[-5, -2], b] += 180e6  # two: too few, and with them a's four are within 3×2 + 2
+    assert not context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True).flag[[a, b]].any()
+
+
+def test_a_tiny_phase_at_a_high_ratio_does_not_make_a_data_stall_host_cpu() -> None:
+    """"host cpu" needs two CPU-side phases in excess, each by a material share of the step: a
+    callbacks phase of microseconds that is 8x its peers' (noise) leaves a slow data loader a
+    data-loader finding; the same callbacks excess at 10 % of the step is host CPU."""
+    w, now = window("data_tail rank=10 p=1.0 delay=80ms at=1s")
+    st_ = dict(w.tables["stages"])
+    rank = np.asarray(st_["rank"])
+    cb = np.asarray(st_["callbacks"], dtype=np.int64).copy()
+    cb[:] = 5_000  # 5 µs
+    cb[rank == 10] = 40_000  # 8x, +35 µs a step
+    st_["callbacks"] = cb
+    tiny = Window(w.topo, {**w.tables, "stages": st_}, w.start_ns, w.now_ns)
+    c = slow.analyze(tiny, now)
+    assert c is not None and c.ranks == (10,) and c.stage == "data", c
+    big = cb.copy()
+    step_ns = float(np.median(sum(np.asarray(st_[k], dtype=np.int64) for k in (
+        "data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
+        "step_other"))))
+    big[rank == 10] = 5_000 + int(0.1 * step_ns)
+    st_["callbacks"] = big
+    c = slow.analyze(Window(w.topo, {**w.tables, "stages": st_}, w.start_ns, w.now_ns), now)
+    assert c is not None and c.ranks == (10,) and c.stage == "host cpu", c
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_union_of_intervals_per_group_matches_a_plain_sweep(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, groups = int(rng.integers(0, 40)), int(rng.integers(1, 6))
+    g = rng.integers(0, groups, n)
+    a = rng.integers(0, 1000, n)
+    b = a + rng.integers(1, 300, n)
+    got = own_time._union_by(g, a, b, groups)
+    for k in range(groups):
+        covered = np.zeros(1400, dtype=bool)
+        for lo, hi in zip(a[g == k].tolist(), b[g == k].tolist(), strict=True):
+            covered[lo:hi] = True
+        assert got[k] == covered.sum()
+
+
+def _ddp_window(slow_rank: int, factor: float, from_step: int, steps: int = 40) -> Window:
+    """A 4-rank data-parallel job on one host: each step data 1 ms, forward 5 ms, backward
+    (5 ms of compute, then the gradient all-reduce, which ends when the slowest rank's
+    compute is done), optimizer 1 ms. `slow_rank`'s backward compute is `factor`× from
+    `from_step`: every rank's backward *stage* time then grows (the waiting), its own time
+    only on the slow rank."""
+    from ingest.records import Communicator, JobTopology
+
+    ms = 1_000_000
+    world = 4
+    topo = JobTopology(job_id="d", ts=0, world_size=world, dp=world, hosts=["h"] * world,
+                       communicators=[Communicator(comm_id="dp0", kind="dp",
+                                                   members=list(range(world)))])
+    st_rows: dict[str, list[int]] = {k: [] for k in (
+        "rank", "step", "t_start", "data_next_wait", "model_fwd_loss", "model_backward",
+        "callbacks", "optim_step", "step_other")}
+    op_rows: dict[str, list] = {k: [] for k in (
+        "rank", "comm_id", "op_seq", "op", "bytes", "peer", "stream", "t_enqueue", "t_start",
+        "t_end", "step")}
+    t = 10**18
+    rng = np.random.default_rng(1)
+    for s in range(steps):
+        comp = [5 * ms * (factor if (r == slow_rank and s >= from_step) else 1.0)
+                + rng.normal(0, 0.05 * ms) for r in range(world)]
+        bwd_start = t + 6 * ms
+        done = bwd_start + int(max(comp)) + ms  # the all-reduce ends 1 ms after the last joins
+        for r in range(world):
+            issue = bwd_start + int(comp[r])
+            bwd = done - bwd_start
+            for k, v in (("rank", r), ("step", s), ("t_start", t), ("data_next_wait", ms),
+                         ("model_fwd_loss", 5 * ms), ("model_backward", bwd),
+                         ("callbacks", 0), ("optim_step", ms), ("step_other", 0)):
+                st_rows[k].append(int(v))
+            for k, v in (("rank", r), ("comm_id", "dp0"), ("op_seq", s), ("op", "AllReduce"),
+                         ("bytes", 4096), ("peer", -1), ("stream", 0), ("t_enqueue", issue),
+                         ("t_start", issue), ("t_end", done), ("step", s)):
+                op_rows[k].append(v)
+        t = done + ms + ms
+    tables = {"stages": {k: np.asarray(v, dtype=np.int64) for k, v in st_rows.items()},
+              "ops": {k: np.asarray(v, dtype=object if k in ("comm_id", "op") else np.int64)
+                      for k, v in op_rows.items()}}
+    return Window(topo, tables, 10**18, t)
+
+
+def test_own_time_takes_the_waiting_out_of_the_backward_stage() -> None:
+    w = _ddp_window(slow_rank=2, factor=4.0, from_step=25)
+    st_ = w.get("stages")
+    late = np.asarray(st_["step"]) >= 26
+    raw = np.asarray(st_["model_backward"])[late].reshape(-1, 4)
+    assert np.ptp(raw.mean(axis=0)) < 0.01 * raw.mean()  # every rank's stage looks the same
+    c = slow.analyze(w, w.now_ns)
+    assert c is not None and c.ranks == (2,) and c.stage == "bwd pp=0", c
+    assert c.component == "gpu_compute" and c.kind == "slowdown"
+    assert "rankwatch.own_time.bwd" in {f.rule for f in c.findings}
+    assert c.onset_ns is not None and c.confidence >= 0.8
+
+
+def test_a_fault_free_job_has_no_conclusion() -> None:
+    w = _ddp_window(slow_rank=-1, factor=1.0, from_step=0)
+    assert slow.analyze(w, w.now_ns) is None
