@@ -68,8 +68,12 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
                            "model_backward", "callbacks", "optim_step", "step_other")),
     "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
     "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq")),
+    "kernel_summaries": ("window_start", ("rank", "stream", "kernel", "cluster", "count",
+                                          "p50_ns", "p99_ns", "window_start")),
 }
-TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts"}
+TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts", "window_start"}
+#: kinds read with FINAL: a replaced row counted twice would weigh its cluster twice
+FINAL_KINDS = {"kernel_summaries"}
 KERNEL_WINDOW_S = 40.0
 #: How long the feed agents wait to fill a buffer: the feeds carry a few messages a second, so
 #: a long wait is pure latency (Faust's take_events waits this long unless the buffer fills).
@@ -118,14 +122,15 @@ def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int,
         # aliases must not shadow the columns the WHERE clause compares
         sel = ", ".join(f"toUnixTimestamp64Nano({c}) AS {c}__ns" if c in TIME_COLUMNS else c
                         for c in cols)
-        lo = max(start_ns, now_ns - int(KERNEL_WINDOW_S * SECOND)) if kind == "kernels" \
-            else start_ns
+        lo = max(start_ns, now_ns - int(KERNEL_WINDOW_S * SECOND)) \
+            if kind in ("kernels", "kernel_summaries") else start_ns
         where = (f"job_id = {{j:String}} AND {tcol} >= fromUnixTimestamp64Nano({{lo:Int64}}, "
                  f"'UTC') AND {tcol} <= fromUnixTimestamp64Nano({{hi:Int64}}, 'UTC')")
         if kind == "ops":
             where = (f"({where}) OR (job_id = {{j:String}} AND toUnixTimestamp64Nano(t_end) = 0"
                      " AND t_start >= fromUnixTimestamp64Nano({lo2:Int64}, 'UTC'))")
-        res = db.query_coded(f"SELECT {sel} FROM {kind} WHERE {where}",
+        final = " FINAL" if kind in FINAL_KINDS else ""
+        res = db.query_coded(f"SELECT {sel} FROM {kind}{final} WHERE {where}",
                              {"j": topo.job_id, "lo": lo, "hi": now_ns,
                               "lo2": start_ns - 3600 * SECOND})
         if res and len(next(iter(res.values()))):

@@ -53,7 +53,7 @@ from diagnosis.window import Window
 SECOND = 1_000_000_000
 #: The raw kinds a sweep reads: what `slow.analyze` and `hang_rca.stuck_ranks` use
 #: (tests/unit/test_analyst.py checks the conclusions equal those on every kind).
-SWEEP_KINDS = ("stages", "ops", "chunks", "kernels")
+SWEEP_KINDS = ("stages", "ops", "chunks", "kernels", "kernel_summaries")
 #: Full steps before the slowdown analysis's `recent` ones whose raw rows a sweep still reads:
 #: room for the recovered stall's steps the analysis leaves out (`slow.reach_start`).
 SWEEP_MARGIN_STEPS = 5

@@ -17,6 +17,7 @@ enough to show it, a persistent outlier. Each analysis is a module with one func
 
 Suspects of one host with one (stage, component) merge into a host-level suspect. The suspect
 explaining the most excess ns per step is the culprit; the stage of the next is the top-2 route.
+ARGUS L3 on the stored kernel summaries (`kernel_dist`) confirms a GPU-compute culprit.
 StageFrontier's frontier accounting (`diagnosis.rules.frontier_labels`, §3–4) runs over the
 same steps' stage vectors: its labels (direct_exposure, co_critical, telemetry_limited…) and
 stage shares go into the conclusion, and whether its blame falls on the culprit sets part of
@@ -35,7 +36,7 @@ from diagnosis.columns import ints
 from diagnosis.conclusion import Conclusion, Suspicion
 from diagnosis.rules import frontier_labels
 from diagnosis.rules.base import Component, Finding, Kind
-from diagnosis.slow import compute, launch, network, own_time, p2p, phases
+from diagnosis.slow import compute, kernel_dist, launch, network, own_time, p2p, phases
 from diagnosis.slow.context import (
     STAGE_COLS,
     Ctx,
@@ -72,12 +73,16 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     if not sus:
         return None
     sus.sort(key=lambda s: -s.score)
+    sus, explained = _explained_links(sus, cfg)
+    sus += explained
     top = sus[0]
     kind: Kind = "jitter" if top.how == "sparse" or "intermittent" in top.summary \
         else "slowdown"
     stages = tuple(dict.fromkeys(s.stage for s in sus if s.stage))[:3]
     front = _frontier(ctx, top)
-    conf = confidence(top, sus[1] if len(sus) > 1 else None, front, cfg)
+    argus = kernel_dist.confirm(ctx, top)
+    rival = next((s for s in sus[1:] if s not in explained), None)
+    conf = confidence(top, rival, front, cfg, argus is not None)
     labels = ["excess_over_peers", f"evidence_{top.how}" if top.how else "evidence"]
     if len(top.ranks) > 1:
         labels.append("host_level")
@@ -87,6 +92,12 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
                                   "how": s.how})
                 for s in sus[:4] for r in s.rules]
     summaries = [(s.rules[0], s.summary) for s in sus[:4]]
+    if argus is not None:
+        labels.append("argus_l3_outlier")
+        findings.append(argus)
+        summaries.append((argus.rule, f"ARGUS L3: ranks {list(argus.culprit_ranks)} run "
+                          f"{argus.stage} with a deviating duration distribution (mean W1 "
+                          f"{argus.score:.2f}x the IQR fence of their stage peers)"))
     if front is not None:
         labels += [lb for lb in front.labels if lb not in labels]
         findings += frontier_labels.findings(front)
@@ -97,8 +108,33 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
                       onset_ns=_onset(ctx, top))
 
 
+LINK_RULES = ("venustrace.ar_node",)
+
+
+def _explained_links(sus: list[Suspicion], cfg: SlowConfig
+                     ) -> tuple[list[Suspicion], list[Suspicion]]:
+    """(suspects, link suspects explained by a rank's own slowdown): a DP ring or p2p hop whose
+    transfer time changed no earlier than `onset_steps` before some rank's own compute or stage
+    time changed is taken as that rank's effect, not a second cause — the order of the two
+    onsets is the evidence (a degraded link does not make a rank's own work slower first);
+    on hosts whose CPUs the ranks share, and on a CPU-backed transport (gloo), a rank's
+    slowdown shifts its peers' transfers. The dependency order of Mycroft §5 and VenusTrace
+    §3: a link is the root cause when the ranks' own work is normal. The explained links stay
+    in the conclusion as further suspects, after the others."""
+    own = [s for s in sus if not set(s.rules) & set(LINK_RULES) and s.onset_step >= 0]
+    keep, explained = [], []
+    for s in sus:
+        link = bool(set(s.rules) & set(LINK_RULES))
+        if link and any(s.onset_step >= o.onset_step - cfg.onset_steps for o in own):
+            explained.append(s)
+        else:
+            keep.append(s)
+    return keep, explained
+
+
 def confidence(top: Suspicion, second: Suspicion | None,
-               front: frontier_labels.FrontierReport | None, cfg: SlowConfig) -> float:
+               front: frontier_labels.FrontierReport | None, cfg: SlowConfig,
+               argus: bool = False) -> float:
     """0.5 (a guess among suspects) … 0.95: the product of
     - separation: the culprit's share of the excess it and the next suspect explain, mapped
       from [0.5, 1] to [0, 1] (two suspects alike: the evidence cannot separate them);
@@ -106,11 +142,15 @@ def confidence(top: Suspicion, second: Suspicion | None,
       admitted it (at the threshold 0.5, at twice the threshold or more 1); a unit kept only
       because its incident is open (`confirm`) has 0.5;
     - agreement: 1 when the frontier's blame includes a culprit rank (or no frontier ran),
-      0.6 when it blames others."""
+      0.6 when it blames others;
+    an ARGUS L3 outlier kernel on the culprit (`argus`) lifts the strength to its maximum: a
+    second, independent comparison found the same rank."""
     sep = 1.0 if second is None else top.score / max(top.score + second.score, 1.0)
     sep = min(max((sep - 0.5) / 0.5, 0.0), 1.0)
     z_min = {"change": cfg.z_change, "outlier": cfg.z_peers, "sparse": 2.0}.get(top.how)
     strength = 0.5 if z_min is None else min(0.5 + 0.5 * (top.z / z_min - 1.0), 1.0)
+    if argus:
+        strength = 1.0
     agree = 1.0 if front is None or not front.culprit_ranks or \
         set(front.culprit_ranks) & set(top.ranks) else 0.6
     return float(round(0.5 + 0.45 * sep * max(strength, 0.0) * agree, 3))

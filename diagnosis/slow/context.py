@@ -11,12 +11,14 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   step time, at least `job_noise` × the robust σ of the job's step time (`Ctx.noise_floor`),
   and its ratio to the reference at least the analysis' `ratio_min`;
 - and the excess must stand out of the quantity's own noise, in one of two ways:
-  - a *change* (`change`): the unit's excess over its peers rose, in the last `onset_steps` or
-    more steps, by at least `z_change` robust standard deviations of that same excess over the
-    steps before (1.4826 × MAD: the unit's own step-to-step noise), every one of those steps
-    above the baseline's median + 2σ; the job's own step time must have risen over the same
-    steps by at least `z_change` of *its* noise (a slowdown is first a change of the job's step
-    time; a unit that slows without slowing the job is not an incident);
+  - a *change* (`change`): the unit's excess over its peers rose, over its last `onset_steps`
+    or more steps, by at least `z_change` robust standard deviations of that same excess over
+    the steps before (1.4826 × MAD: the unit's own step-to-step noise), 80 % of those steps
+    above the baseline's median + 2σ (`_change`); and the job's own median step time must
+    have risen over the same steps by `z_job` standard errors of the median (`job_change`: a
+    slowdown is first a change of the job's step time) — except for links (DP rings, p2p
+    hops: `job_gate=False`), whose slower transfer a pipeline bubble can hide from the step
+    time: such a change is named "absorbed", with the confidence of weaker evidence;
   - an *outlier* (`outlier`, persistent since before the window): only in a peer set of at
     least `min_peers` units, the unit's mean is `z_peers` robust deviations above its peers'
     means, and above the reference on at least 80 % of the steps. Two DP rings or two ranks of a
@@ -204,17 +206,19 @@ def job_change(ctx: Ctx, since: int) -> float:
 
 def judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None = None, *,
           ref: Array | None = None, floor: float | None = None, sparse: bool = False,
-          confirmable: Array | None = None) -> Verdict:
+          confirmable: Array | None = None, job_gate: bool = True) -> Verdict:
     """The verdict for every unit (column) of `m` (module docstring). `groups`: the peer set of
     each unit (default: the PP stage of each rank); `confirmable`: bool per unit, the units an
-    open incident's ranks own (default: units are ranks, those in `ctx.confirm`)."""
+    open incident's ranks own (default: units are ranks, those in `ctx.confirm`);
+    `job_gate=False` for links (module docstring, "absorbed")."""
     with warnings.catch_warnings():  # all-nan columns (a unit without rows) are expected
         warnings.simplefilter("ignore", RuntimeWarning)
-        return _judge(ctx, m, ratio_min, groups, ref, floor, sparse, confirmable)
+        return _judge(ctx, m, ratio_min, groups, ref, floor, sparse, confirmable, job_gate)
 
 
 def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Array | None,
-           floor: float | None, sparse: bool, confirmable: Array | None) -> Verdict:
+           floor: float | None, sparse: bool, confirmable: Array | None,
+           job_gate: bool) -> Verdict:
     cfg = ctx.cfg
     n, u = m.shape
     groups = ctx.stage_of if groups is None else groups
@@ -252,14 +256,18 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         with np.errstate(all="ignore"):
             base0 = _nanmedian(d[: n // 2], axis=0)
             last = d[-(k + 2):]
-            known = ~np.isnan(last)
-            tail = np.all(~known | (last > base0 + floor), axis=0) & (known.sum(axis=0) >= k)
+            tail = _nanmedian(last, axis=0) > base0 + floor
+            tail &= (~np.isnan(last)).sum(axis=0) >= k
     else:
         tail = np.zeros(u, dtype=bool)
     for x in np.flatnonzero(~flag & present & tail).tolist():
         res = _change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min)
-        if res is not None:
-            flag[x], exc[x], ratio[x], z[x], how[x] = True, res[0], res[1], res[2], "change"
+        if res is None:
+            continue
+        job_moved = job_change(ctx, res[3]) >= cfg.z_job
+        if job_moved or not job_gate:
+            flag[x], exc[x], ratio[x], z[x] = True, res[0], res[1], res[2]
+            how[x] = "change" if job_moved else "absorbed"
             since[x] = n - res[3]
     # -- sparse: intermittent excess, many more spikes than any peer ---------------------------
     if sparse and n > k:
@@ -293,37 +301,39 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
 def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
             ratio_min: float) -> tuple[float, float, float, int] | None:
     """(excess, ratio, z, steps since the onset) of a unit whose excess series `d` rose beyond
-    its own noise in a trailing run of steps while the job's step time rose too; else None."""
+    its own noise over its newest steps; else None (the job's step time is the caller's to
+    check). Every split of the series into a baseline and its newest L ≥ `onset_steps` steps
+    is tried: the split counts when at least 80 % of the newest steps lie above the baseline's
+    median + 2σ (σ: 1.4826 × the baseline's MAD, the unit's own noise) and their median rose
+    by `z_change` σ and by the materiality floor; of those, the one whose rise is largest in
+    standard errors of the two medians is the onset."""
     cfg = ctx.cfg
     k = cfg.onset_steps
     ok = ~np.isnan(d)
     dd, mm, rr = d[ok], m[ok], ref[ok]
     n = dd.size
-    if n < 2 * k:
+    best: tuple[float, int, float] | None = None
+    for length in range(k, n - k + 1):
+        before, after = dd[:-length], dd[-length:]
+        mb = float(np.median(before))
+        sd = max(float(_mad_sigma(before)), 0.01 * float(np.median(rr[:-length])), 1.0)
+        if np.mean(after > mb + 2 * sd) < 0.8:
+            continue
+        rise = float(np.median(after)) - mb
+        if rise < floor or rise < cfg.z_change * sd:
+            continue
+        t = rise / (sd * np.sqrt(1.0 / length + 1.0 / before.size))
+        if best is None or t > best[0]:
+            best = (t, length, rise / sd)
+    if best is None:
         return None
-    # the trailing run: newest steps whose excess sits above the first half's median by the
-    # materiality floor (a cheap pre-test before the robust one)
-    base0 = float(np.median(dd[: n // 2]))
-    run = int(np.argmax(~(dd[::-1] > base0 + floor))) if (dd[::-1] <= base0 + floor).any() else n
-    if run < k or n - run < k:
-        return None
-    before, after = dd[:-run], dd[-run:]
-    sd = max(float(_mad_sigma(before)), 0.01 * float(np.nanmedian(rr[:-run])), 1.0)
-    mb = float(np.median(before))
-    if (after <= mb + 2 * sd).any():
-        return None
-    rise = float(np.median(after)) - mb
-    zx = rise / sd
-    if zx < cfg.z_change or rise < floor:
-        return None
-    steps_since = d.size - int(np.flatnonzero(ok)[n - run])  # judged steps, gaps included
-    if job_change(ctx, steps_since) < cfg.z_job:
-        return None
+    _, run, zx = best
     with np.errstate(all="ignore"):
         ratio = float(np.mean(mm[-run:]) / np.mean(rr[-run:]))
     if ratio < ratio_min:
         return None
-    return float(np.mean(np.maximum(after, 0.0))), ratio, zx, steps_since
+    steps_since = d.size - int(np.flatnonzero(ok)[n - run])  # judged steps, gaps included
+    return float(np.mean(np.maximum(dd[-run:], 0.0))), ratio, zx, steps_since
 
 
 def full_steps(step: Array) -> Array:

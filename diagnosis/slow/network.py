@@ -49,7 +49,7 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     mine = np.asarray([bool(ctx.confirm & set(members.get(str(c), np.zeros(0)).tolist()))
                        for c in cu.tolist()], dtype=bool)
     v = judge(ctx, m, ctx.cfg.net_ratio, np.zeros(cu.size, np.int64),
-              floor=ctx.cfg.net_abs_ns, confirmable=mine)
+              floor=ctx.cfg.net_abs_ns, job_gate=False, confirmable=mine)
     out = []
     for c in np.flatnonzero(v.flag).tolist():
         name = str(cu[c])

@@ -287,3 +287,34 @@ def test_own_time_takes_the_waiting_out_of_the_backward_stage() -> None:
 def test_a_fault_free_job_has_no_conclusion() -> None:
     w = _ddp_window(slow_rank=-1, factor=1.0, from_step=0)
     assert slow.analyze(w, w.now_ns) is None
+
+
+def _with_summaries(w: Window) -> Window:
+    """`w` plus the kernel summaries the worker would store for its kernels (streams.kde over
+    each (rank, kernel)), as the live path reads them from ClickHouse."""
+    from streams.kde import summarize
+
+    k = w.get("kernels")
+    names, code = np.unique(np.asarray(k["kernel"]).astype(str), return_inverse=True)
+    rank = np.asarray(k["rank"], dtype=np.int64)
+    key = rank * names.size + code
+    s = summarize(key, np.asarray(k["duration"], dtype=np.int64))
+    rows = {"rank": s.key // names.size, "kernel": names[s.key % names.size].astype(object),
+            "stream": np.zeros(s.n_rows, np.int64), "cluster": s.cluster.astype(np.int64),
+            "count": s.count, "p50_ns": s.p50.astype(np.int64),
+            "p99_ns": s.p99.astype(np.int64), "window_start": np.zeros(s.n_rows, np.int64)}
+    return Window(w.topo, {**w.tables, "kernel_summaries": rows}, w.start_ns, w.now_ns)
+
+
+def test_argus_l3_on_the_kernel_summaries_confirms_a_slower_kernel() -> None:
+    w, now = window("kernel_slow rank=9 kernel=attn factor=3 at=1s")
+    c = slow.analyze(_with_summaries(w), now)
+    assert c is not None and c.ranks == (9,)
+    argus = [f for f in c.findings if f.rule == "argus.l3"]
+    assert argus and argus[0].culprit_ranks == (9,)
+    # the attention kernels (flash_*) deviate, none of the others
+    assert all(k.startswith("flash") for k in argus[0].evidence["kernels"]), argus[0].evidence
+    assert "argus_l3_outlier" in c.labels
+    plain = slow.analyze(w, now)  # no summaries stored: ARGUS did not run, and says so
+    assert plain is not None and "argus.l3" not in {f.rule for f in plain.findings}
+    assert c.confidence >= plain.confidence
