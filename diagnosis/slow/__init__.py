@@ -109,23 +109,31 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
 
 
 LINK_RULES = ("venustrace.ar_node",)
+LAUNCH_RULES = ("mycroft.table3.late_start",)
 
 
 def _explained_links(sus: list[Suspicion], cfg: SlowConfig
                      ) -> tuple[list[Suspicion], list[Suspicion]]:
-    """(suspects, link suspects explained by a rank's own slowdown): a DP ring or p2p hop whose
-    transfer time changed no earlier than `onset_steps` before some rank's own compute or stage
-    time changed is taken as that rank's effect, not a second cause — the order of the two
-    onsets is the evidence (a degraded link does not make a rank's own work slower first);
-    on hosts whose CPUs the ranks share, and on a CPU-backed transport (gloo), a rank's
-    slowdown shifts its peers' transfers. The dependency order of Mycroft §5 and VenusTrace
-    §3: a link is the root cause when the ranks' own work is normal. The explained links stay
-    in the conclusion as further suspects, after the others."""
-    own = [s for s in sus if not set(s.rules) & set(LINK_RULES) and s.onset_step >= 0]
+    """(suspects, suspects explained by a rank's own slowdown) — the dependency order of
+    Mycroft §5 and VenusTrace §3: communication is the root cause when the ranks' own work is
+    normal.
+    - A DP/TP ring or p2p hop whose transfer time changed no earlier than `onset_steps` before
+      some rank's own compute or stage time changed is taken as that rank's effect: the order
+      of the two onsets is the evidence (a degraded link does not make a rank's own work slower
+      first); on hosts whose CPUs the ranks share, and on a CPU-backed transport (gloo), a
+      rank's slowdown shifts its peers' transfers.
+    - Calls that start late on a rank whose own compute is slower are that compute's effect (a
+      device busy with slow kernels starts its collectives late), not its proxy's.
+    The explained suspects stay in the conclusion, after the others."""
+    own = [s for s in sus if not set(s.rules) & set(LINK_RULES + LAUNCH_RULES)
+           and s.onset_step >= 0]
+    own_ranks = {r for o in own for r in o.ranks}
     keep, explained = [], []
     for s in sus:
         link = bool(set(s.rules) & set(LINK_RULES))
-        if link and any(s.onset_step >= o.onset_step - cfg.onset_steps for o in own):
+        launch = not link and bool(set(s.rules) & set(LAUNCH_RULES))
+        if (link and any(s.onset_step >= o.onset_step - cfg.onset_steps for o in own)) or \
+                (launch and set(s.ranks) <= own_ranks):
             explained.append(s)
         else:
             keep.append(s)

@@ -49,8 +49,8 @@ STAGE_COLS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks",
 
 @dataclass(frozen=True)
 class SlowConfig:
-    recent: int = 40  # full steps examined (the newest); older full steps are the baseline
-    baseline: int = 40  # at most this many steps before `recent` for the change test
+    recent: int = 20  # the newest full steps: the step time of the job is their median
+    baseline: int = 30  # full steps before `recent` also judged: the change test's baseline
     min_share: float = 0.03  # mean excess ≥ this share of the step time
     min_ratio: float = 1.05
     phase_ratio: float = 1.5  # CPU phases: ratio for "host cpu" (≥ 2 phases, each with an
@@ -61,7 +61,7 @@ class SlowConfig:
     other_ratio: float = 1.1
     onset_steps: int = 6  # a change must hold for this many steps
     z_change: float = 4.0  # a change: this many robust σ of the unit's own excess noise
-    z_job: float = 3.0  # and the job's step time rose by this many σ of its own noise
+    z_job: float = 2.0  # and the job's median step time rose by this many standard errors
     job_noise: float = 0.5  # an excess must reach this × the job step time's robust σ
     min_peers: int = 4  # an outlier verdict needs a peer set of this many units
     z_peers: float = 5.0  # an outlier: this many robust σ above its peers' means
@@ -98,7 +98,9 @@ class Ctx:
         nothing it can tell from that noise (a co-scheduled rank a millisecond slower)."""
         if self.job_step.size < 2 * self.cfg.onset_steps:
             return 0.0
-        return self.cfg.job_noise * float(_mad_sigma(self.job_step))
+        # from step-to-step differences: a slowdown's level shift is one outlier among them,
+        # not noise (the MAD of the levels would count the change itself as noise)
+        return self.cfg.job_noise * float(_mad_sigma(np.diff(self.job_step))) / float(np.sqrt(2))
 
     def ops_of_kind(self, kind: str) -> Array:
         """Mask over ops rows on a communicator of `kind` (through the comm_id codes)."""
@@ -324,7 +326,9 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
             continue
         t = rise / (sd * np.sqrt(1.0 / length + 1.0 / before.size))
         if best is None or t > best[0]:
-            best = (t, length, rise / sd)
+            # the onset: the first of the newest steps above the baseline's band
+            first = int(np.argmax(after > mb + 2 * sd))
+            best = (t, length - first, rise / sd)
     if best is None:
         return None
     _, run, zx = best

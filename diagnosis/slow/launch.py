@@ -18,7 +18,7 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     delay = (ints(ops, "t_start") - ints(ops, "t_enqueue"))[sel]
     rank = col(ops, "rank")[sel].astype(np.int64)
     m = matrix(ctx, ints(ops, "step", -1)[sel], rank, np.maximum(delay, 0), aligned=True)
-    v = judge(ctx, m, 1.5)
+    v = judge(ctx, m, 1.5, sparse=True)  # a proxy that sometimes starts late (Mycroft #7)
     flagged = np.flatnonzero(v.flag).tolist()
     if not flagged:
         return []

@@ -1,6 +1,7 @@
-"""DP communicators: per ring and step, the transfer time of its collectives — the *shortest*
-time any member spent in each (the last arriver's; everyone else's includes waiting: Mycroft
-Fig. 2, VenusTrace's AR node duration, §3.2.2) — compared across the job's DP rings (`judge`).
+"""DP and TP communicators: per ring and step, the transfer time of its collectives — the
+*shortest* time any member spent in each (the last arriver's; everyone else's includes waiting:
+Mycroft Fig. 2, VenusTrace's AR node duration, §3.2.2) — compared across the job's rings of the
+same kind (`judge`).
 A job with fewer than `min_peers` rings gives no cross-ring verdict, only a change of a ring's
 transfer time against its own noise (two rings are two samples).
 
@@ -23,12 +24,19 @@ from diagnosis.conclusion import Suspicion
 from diagnosis.rules.base import Component
 from diagnosis.slow.context import Array, Ctx, judge
 
+#: communicator kinds whose collectives are compared, and the stage a slower one names
+KINDS = (("dp", "dp_allreduce"), ("tp", "tp_collectives"))
+
 
 def suspects(ctx: Ctx) -> list[Suspicion]:
+    return [s for kind, stage in KINDS for s in _rings(ctx, kind, stage)]
+
+
+def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
     ops = ctx.w.get("ops")
     if not ops:
         return []
-    sel = ctx.ops_of_kind("dp") & ctx.ops_recent()
+    sel = ctx.ops_of_kind(kind) & ctx.ops_recent()
     if not sel.any():
         return []
     uniq, code = codes(col(ops, "comm_id"))
@@ -49,12 +57,12 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     mine = np.asarray([bool(ctx.confirm & set(members.get(str(c), np.zeros(0)).tolist()))
                        for c in cu.tolist()], dtype=bool)
     v = judge(ctx, m, ctx.cfg.net_ratio, np.zeros(cu.size, np.int64),
-              floor=ctx.cfg.net_abs_ns, job_gate=False, confirmable=mine)
+              floor=ctx.cfg.net_abs_ns, job_gate=False, confirmable=mine, sparse=True)
     out = []
     for c in np.flatnonzero(v.flag).tolist():
         name = str(cu[c])
         x, comp, why, rule = ring_member(ctx, name)
-        out.append(Suspicion(x, "dp_allreduce", comp, float(v.exc[c]),
+        out.append(Suspicion(x, stage, comp, float(v.exc[c]),
                              ("venustrace.ar_node", *((rule,) if rule else ())),
                              f"{name}: transfer {v.ratio[c]:.2f}x the other rings', "
                              f"+{v.exc[c] / 1e6:.1f} ms/step ({v.how[c]} {v.z[c]:.1f}σ); {why}",
@@ -85,6 +93,10 @@ def ring_member(ctx: Ctx, comm: str) -> tuple[tuple[int, ...], Component | None,
             "compute excess: its host/proxy starts the op late"), "mycroft.table3.late_start"
     if not ch:
         return tuple(int(r) for r in members), "nic_rdma", "no chunk counters: the whole ring", ""
+    if len({ctx.w.grid.hosts[int(r)] for r in members}) == 1:
+        # no NIC carries a ring inside one host: its counters cannot name a NIC
+        return (tuple(int(r) for r in members), None,
+                "the ring stays inside one host: no NIC to name, the whole ring", "")
     sel = is_comm(ch, comm) & (ints(ch, "ts") >= ctx.lo_ns)
     r = ints(ch, "rank")[sel]
     tot = np.maximum(ints(ch, "total_chunks")[sel], 1).astype(np.float64)

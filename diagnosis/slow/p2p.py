@@ -81,6 +81,7 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     groups = ctx.stage_of[ls] * ctx.w.grid.pp + ctx.stage_of[ld]
     ref = reference(m, groups)
     v = judge(ctx, m, ctx.cfg.net_ratio, groups, ref=ref, floor=ctx.cfg.net_abs_ns, job_gate=False,
+              sparse=True,
               confirmable=np.isin(ls, list(ctx.confirm)))
     flag, exc, ratio = v.flag, v.exc, v.ratio
     out = []

@@ -66,10 +66,10 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
 
 
 @pytest.mark.parametrize("fault", [
-    "nic_bw rank=7 factor=0.2 at=3s", "pcie rank=5 factor=0.25 at=3s",
-    "gpu_slow rank=9 factor=1.5 at=3s", "kernel_slow rank=12 kernel=attn factor=3 at=3s",
-    "data_tail rank=10 p=0.3 delay=180ms at=3s", "proxy_delay rank=3 p=0.1 delay=1s at=3s",
-    "ecc_jitter rank=6 p=0.05 factor=10 at=3s", "hang rank=13 stage=bwd mb=3 at=3s",
+    "nic_bw rank=7 factor=0.2 at=7s", "pcie rank=5 factor=0.25 at=7s",
+    "gpu_slow rank=9 factor=1.5 at=7s", "kernel_slow rank=12 kernel=attn factor=3 at=7s",
+    "data_tail rank=10 p=0.5 delay=180ms at=7s", "proxy_delay rank=3 p=0.1 delay=1s at=7s",
+    "ecc_jitter rank=6 p=0.05 factor=10 at=7s", "hang rank=13 stage=bwd mb=3 at=7s",
 ])
 def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
     """The sweep's window holds only SWEEP_KINDS (no flows, no beats): its rules conclude on it
@@ -79,7 +79,7 @@ def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
     from diagnosis.analyst import SWEEP_KINDS
     from tests.unit.test_diagnosis_engine import window
 
-    w, now = window(fault, steps=16)
+    w, now = window(fault, steps=24)  # the fault after 9 steps: a baseline to judge it by
     part = Window(w.topo, {k: v for k, v in w.tables.items() if k in SWEEP_KINDS}, w.start_ns,
                   w.now_ns)
     assert set(w.tables) - set(part.tables) >= {"flows", "beats"}
@@ -112,8 +112,8 @@ def test_a_job_without_stage_records_is_not_read_by_the_sweep() -> None:
 @pytest.mark.parametrize("fault", [
     "nic_bw rank=7 factor=0.2 at=20s", "gpu_slow rank=9 factor=1.5 at=20s",
     "kernel_slow rank=12 kernel=attn factor=3 at=20s", "data_tail rank=10 p=0.3 delay=180ms at=20s",
-    "pcie rank=5 factor=0.25 at=20s", "hang rank=13 stage=bwd mb=3 at=30s",
-    "hang rank=4 stage=bwd mb=1 for=6s at=30s",
+    "pcie rank=5 factor=0.25 at=20s", "hang rank=13 stage=bwd mb=3 at=50s",
+    "hang rank=4 stage=bwd mb=1 for=6s at=50s",
 ])
 def test_a_sweep_reads_raw_rows_only_from_the_steps_it_judges(fault: str) -> None:
     """The sweep reads ops, chunks and kernels from `slow.reach_start` on (the recent steps
@@ -124,7 +124,7 @@ def test_a_sweep_reads_raw_rows_only_from_the_steps_it_judges(fault: str) -> Non
     from diagnosis.window import without_superseded_in_flight
     from tests.unit.test_diagnosis_engine import window
 
-    w, now = window(fault, steps=60)
+    w, now = window(fault, steps=80)
     lo = slow.reach_start(w.tables["stages"], SWEEP_MARGIN_STEPS)
     assert lo is not None and lo > int(w.tables["stages"]["t_start"].min())
     cut = {"ops": "t_start", "chunks": "ts", "kernels": "t_start"}
