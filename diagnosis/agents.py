@@ -67,9 +67,9 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
     "stages": ("t_start", ("rank", "step", "t_start", "data_next_wait", "model_fwd_loss",
                            "model_backward", "callbacks", "optim_step", "step_other")),
     "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
-    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq")),
+    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq", "step", "stage", "stage_ts")),
 }
-TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts"}
+TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts", "stage_ts"}
 KERNEL_WINDOW_S = 40.0
 #: How long the feed agents wait to fill a buffer: the feeds carry a few messages a second, so
 #: a long wait is pure latency (Faust's take_events waits this long unless the buffer fills).

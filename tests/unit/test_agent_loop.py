@@ -214,3 +214,49 @@ def test_full_ring_drops_and_counts_never_raises(tmp_path: Path, prefix: str) ->
     agent.discover()
     assert agent.stats()["tracer_dropped"] == 36 and agent.stats()["ring_backlog"] == 64
     s.close()
+
+
+def test_beats_carry_the_stage_the_rank_is_inside(tmp_path: Path, prefix: str) -> None:
+    """A rank's stage clock publishes its position into its ring header; every beat carries it:
+    inside backward of step 7 (a step that has not ended, so no stage record says so), then
+    between stages once backward is left."""
+    from ingest.torch.stages import StageClock
+
+    s = sink(tmp_path, prefix, 0)
+    clock = StageClock()
+    clock.publish_position(s.writer.position())
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix, beat_s=0.0), pub)
+
+    def last_beat() -> dict[str, Any]:
+        agent.step()
+        agent.out.flush(force=True)
+        pub.flush()
+        return kinds(pub, "beats")[-1]
+
+    with clock.step(7):
+        with clock.data():
+            pass
+        before = time.time_ns()
+        with clock.backward():
+            b = last_beat()
+            assert b["step"].tolist() == [7] and b["stage"].tolist() == ["model.backward"]
+            assert before - 8 <= int(b["stage_ts"][0]) <= time.time_ns()
+        left = time.time_ns()
+        b = last_beat()
+        assert b["step"].tolist() == [7] and b["stage"].tolist() == [""]
+        assert int(b["stage_ts"][0]) >= left - 10_000_000  # when backward was left
+    clock.publish_position(None)
+    s.close()
+
+
+def test_beats_without_a_stage_clock_say_unknown(tmp_path: Path, prefix: str) -> None:
+    s = sink(tmp_path, prefix, 0)
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix), pub)
+    agent.step()
+    agent.out.flush(force=True)
+    pub.flush()
+    b = kinds(pub, "beats")[-1]
+    assert (b["step"].tolist(), b["stage"].tolist(), b["stage_ts"].tolist()) == ([-1], [""], [0])
+    s.close()
