@@ -189,6 +189,10 @@ class JobTopology(BaseModel):
     schedule: Literal["1f1b", "gpipe", "none"] = "1f1b"
     hosts: list[Name]  # hosts[rank] is the host that runs the rank
     communicators: list[Communicator] = []
+    #: where each of tp, pp, dp, microbatches, schedule came from: "given" by the launcher
+    #: (RANKWATCH_TP/PP/DP/MICROBATCHES), "inferred" from the ops (the p2p pattern,
+    #: ingest/agent/shape.py) or "default" (assumed); empty when the producer does not say
+    shape_source: dict[str, Literal["given", "inferred", "default"]] = {}
 
     @model_validator(mode="after")
     def _consistent(self) -> JobTopology:

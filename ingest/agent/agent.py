@@ -38,6 +38,7 @@ import numpy as np
 from ingest import ring
 from ingest.agent import decode
 from ingest.agent.outbox import Outbox, Publisher
+from ingest.agent.shape import P2PLog, PipelineShape, infer_pipeline
 from ingest.agent.spill import Pending
 from ingest.agent.topology import build, read_sidecar
 from ingest.batch import encode_topology
@@ -100,7 +101,9 @@ class Agent:
         self.counters = Counters()
         self._dtypes = ring.record_dtypes()
         self._next_beat = 0.0
-        self._topo_stamp: dict[str, tuple[float, ...]] = {}
+        self._topo_stamp: dict[str, tuple[Any, ...]] = {}
+        self._p2p: dict[str, P2PLog] = {}  # job -> its p2p pattern (pipeline shape inference)
+        self._shape_said: dict[str, str] = {}  # job -> the shape last logged
 
     # -- rings ---------------------------------------------------------------------------------
 
@@ -173,7 +176,12 @@ class Agent:
 
     def _add_ops(self, r: RankRing, rows: np.ndarray) -> None:
         if len(rows):
-            self._append(r.job, "ops", decode.op_columns(rows, r.rank, r.names))
+            cols = decode.op_columns(rows, r.rank, r.names)
+            log = self._p2p.get(r.job)
+            if log is None:
+                log = self._p2p[r.job] = P2PLog()
+            log.observe(cols)
+            self._append(r.job, "ops", cols)
 
     def _retire(self, r: RankRing, unlink: bool = True) -> None:
         """The producer is gone: drain, publish its open ops in flight, unlink the ring."""
@@ -223,18 +231,52 @@ class Agent:
                 self._refresh_sidecar(r)
                 jobs.setdefault(r.job, []).append(r)
         for job, rings in jobs.items():
-            stamp = tuple(sorted(r.sidecar_mtime for r in rings))
-            if self._topo_stamp.get(job) == stamp or not any(r.rank == 0 for r in rings):
+            if not any(r.rank == 0 for r in rings):
                 continue
             docs = [r.sidecar for r in rings if r.sidecar is not None]
+            shape = self._infer_shape(job, docs)
+            stamp = (*sorted(r.sidecar_mtime for r in rings), shape)
+            if self._topo_stamp.get(job) == stamp:
+                continue
             try:
-                topo = build(job, docs, now_ns)
+                topo = build(job, docs, now_ns, shape)
             except (ValueError, KeyError, TypeError) as e:
                 print(f"rankwatch agent: job {job}: no topology: {e}", flush=True)
                 continue
             self._topo_stamp[job] = stamp
+            self._say_shape(job, topo, shape)
             self.out.send(Pending("jobs", job.encode(), encode_topology(
                 topo, producer=self.cfg.producer), 1, time.monotonic()))
+
+    def _infer_shape(self, job: str, docs: list[dict[str, Any]]) -> PipelineShape | None:
+        """The pipeline shape the job's p2p pattern shows, unless the launcher declared the
+        sizes (then it is not needed); None when there is no pipeline to see."""
+        log = self._p2p.get(job)
+        if log is None or not log.edges or not docs:
+            return None
+        if any(k in (d.get("parallel") or {}) for d in docs for k in ("tp", "pp", "dp", "cp")):
+            return None
+        try:
+            world = max(int(d["world_size"]) for d in docs)
+            groups = [(str(c["kind"]), [int(m) for m in c["members"]])
+                      for d in docs for c in d["comms"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+        return infer_pipeline(world, log.edges, log.first_is_send(), log.sends_per_step(),
+                              groups)
+
+    def _say_shape(self, job: str, topo: Any, shape: PipelineShape | None) -> None:
+        """Log the job's shape and where it came from, when that changed."""
+        src = topo.shape_source
+        line = (f"pp={topo.pp} ({src.get('pp')}) dp={topo.dp} ({src.get('dp')}) tp={topo.tp} "
+                f"({src.get('tp')}) microbatches={topo.microbatches} "
+                f"({src.get('microbatches')})")
+        if self._shape_said.get(job) == line:
+            return
+        self._shape_said[job] = line
+        how = (f"; inferred from the p2p pattern: {shape.describe()}" if shape is not None
+               and "inferred" in src.values() else "")
+        print(f"rankwatch agent: job {job}: {line}{how}", flush=True)
 
     # -- loop ----------------------------------------------------------------------------------
 
