@@ -312,6 +312,8 @@ class RingReader(_Ring):
         _check(self._lib.rw_ring__attach(name.encode(), ctypes.byref(self._handle)), name)
         self._buf = np.empty(batch, dtype=self._dtypes["raw"])
         self._bytes = self._buf.view(np.uint8)
+        self._addr = self._buf.ctypes.data  # the buffer never moves: no ctypes object per drain
+        self._empty = self._buf[:0].copy()
 
     def drain(self, max_records: int | None = None, *, skip_torn: bool = False) -> Records:
         """Every committed record (up to `max_records`), oldest first, as a "raw" array.
@@ -326,9 +328,11 @@ class RingReader(_Ring):
         while limit > 0:
             want = min(limit, len(self._buf))
             n = _check(
-                self._lib.rw_ring__drain(self._handle, self._buf.ctypes.data, want, flags),
+                self._lib.rw_ring__drain(self._handle, self._addr, want, flags),
                 f"drain {self.name}",
             )
+            if n == 0 and not chunks:
+                return self._empty  # an idle ring: nothing allocated
             # Copy as bytes: numpy copies structured dtypes field by field, much slower.
             chunks.append(self._bytes[: n * RECORD_SIZE].copy().view(self._buf.dtype))
             limit -= n

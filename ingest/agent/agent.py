@@ -4,7 +4,8 @@ Loop (one thread; `run` until stopped):
 
 1. discover the native rings ``/dev/shm/rankwatch.<job>.<rank>.<source>`` (`ingest.ring`; the
    Python tracer's ``py``, the NCCL plugin's ``nccl``, the CUPTI injector's ``cupti``), and
-   re-open one that was re-created;
+   re-open one that was re-created — looked for only when the shm directory changed, and at
+   every beat;
 2. drain each ring in bulk (one ctypes call into a numpy array, `split_kinds`, no per-record
    Python), join op starts to ends (decode.OpJoin), append the columns to the (job, kind) buffer;
 3. every `beat_s`, for each Python-tracer ring one `beats` row per communicator — only while
@@ -19,7 +20,13 @@ Loop (one thread; `run` until stopped):
 
 A ring whose producer is dead is drained (skipping slots it reserved but never committed), its
 open ops are published in flight, and the ring is unlinked. `stats()` reports lag and drop
-counters; `run` writes them to ``<sidecar_dir>/agent.json``.
+counters; `run` writes them to ``<sidecar_dir>/agent.json`` when they change.
+
+Idle cost: a pass over rings with nothing in them is a directory stat and one drain call per
+ring; after `idle_after_s` without a record the loop polls every `idle_poll_s` instead of
+`poll_s` (never past the next beat), and returns to `poll_s` on the first record, whose batch
+it sends at once rather than lingering: waking adds no latency over polling at `poll_s`
+(`rankwatch bench agent`, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class AgentConfig:
     prefix: str = ring.DEFAULT_PREFIX
     shm_dir: str = "/dev/shm"
     poll_s: float = 0.05
+    idle_after_s: float = 2.0  # no record for this long: the host is idle ...
+    idle_poll_s: float = 0.25  # ... and the loop looks this often (beats stay on time)
     linger_s: float = 0.25
     max_rows: int = 65_536
     beat_s: float = 1.0
@@ -68,6 +77,7 @@ class RankRing:
     source: str
     reader: ring.RingReader
     created_ns: int
+    inode: int  # of the shm file when attached: a re-created ring has another
     join: decode.OpJoin
     names: decode.Names = field(default_factory=decode.Names)
     sidecar: dict[str, Any] | None = None
@@ -101,31 +111,55 @@ class Agent:
         self.counters = Counters()
         self._dtypes = ring.record_dtypes()
         self._next_beat = 0.0
+        self._shm_stamp: tuple[int, int] | None = None  # shm dir (mtime, inode) at last scan
+        self._last_stats: dict[str, Any] | None = None
+        self._last_record = 0.0  # monotonic time of the last pass that read records
+        self._slept_idle = False  # the loop slept longer than poll_s since records last came
         self._topo_stamp: dict[str, tuple[Any, ...]] = {}
         self._p2p: dict[str, P2PLog] = {}  # job -> its p2p pattern (pipeline shape inference)
         self._shape_said: dict[str, str] = {}  # job -> the shape last logged
 
     # -- rings ---------------------------------------------------------------------------------
 
-    def discover(self) -> None:
-        for name in ring.list_rings(self.cfg.prefix, self.cfg.shm_dir):
+    def discover(self, force: bool = False) -> None:
+        """Attach rings that appeared, re-attach re-created ones. Without `force`, nothing is
+        looked at unless the shm directory changed since the last scan (one stat per pass:
+        creating or unlinking a ring changes its mtime); `force` scans anyway (the loop does
+        every beat, since a coarse mtime can hide a change made right after a scan)."""
+        shm = self.cfg.shm_dir
+        try:
+            st = os.stat(shm)
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            stamp = None
+        if not force and stamp is not None and stamp == self._shm_stamp:
+            return
+        self._shm_stamp = stamp
+        for name in ring.list_rings(self.cfg.prefix, shm):
             known = self.rings.get(name)
             try:
+                inode = os.stat(os.path.join(shm, name.lstrip("/"))).st_ino
+            except OSError:
+                continue  # unlinked meanwhile
+            if known is not None and known.inode == inode:
+                continue
+            try:
                 reader = ring.RingReader(name)
-                st = reader.stat()
+                rst = reader.stat()
             except (OSError, ValueError):
                 continue  # not a ring (yet), or foreign: try again next time
-            if known is not None and known.created_ns == st.created_ns:
+            if known is not None and known.created_ns == rst.created_ns:
+                known.inode = inode  # the same ring (stat raced its creation): keep ours
                 reader.close()
                 continue
-            if self.cfg.job and st.job_id != self.cfg.job:
+            if self.cfg.job and rst.job_id != self.cfg.job:
                 reader.close()
                 continue
             if known is not None:
                 self._retire(known, unlink=False)  # re-created by a new producer
-            self.rings[name] = RankRing(name, st.job_id or "default", st.rank, st.source, reader,
-                                        st.created_ns, decode.OpJoin(int(self.cfg.inflight_s
-                                                                         * 1e9)))
+            self.rings[name] = RankRing(name, rst.job_id or "default", rst.rank, rst.source,
+                                        reader, rst.created_ns, inode,
+                                        decode.OpJoin(int(self.cfg.inflight_s * 1e9)))
 
     def _sidecar(self, r: RankRing) -> Path:
         return self.cfg.sidecar_dir / r.job / f"rank-{r.rank}.json"
@@ -144,7 +178,7 @@ class Agent:
     def drain(self, now_ns: int) -> int:
         """Drain every ring once; returns the number of records read."""
         total = 0
-        for r in list(self.rings.values()):
+        for r in self.rings.values():  # draining never adds or removes a ring
             total += self._drain_one(r, now_ns, skip_torn=False)
         self.counters.read += total
         return total
@@ -234,6 +268,8 @@ class Agent:
             if not any(r.rank == 0 for r in rings):
                 continue
             docs = [r.sidecar for r in rings if r.sidecar is not None]
+            if not docs:
+                continue  # no sidecar yet (or unreadable): nothing to describe the job with
             shape = self._infer_shape(job, docs)
             stamp = (*sorted(r.sidecar_mtime for r in rings), shape)
             if self._topo_stamp.get(job) == stamp:
@@ -283,21 +319,41 @@ class Agent:
     def step(self) -> int:
         """One pass of the loop (tests drive it directly)."""
         now_ns = time.time_ns()
-        self.discover()
+        mono = time.monotonic()
+        beat = mono >= self._next_beat
+        self.discover(force=beat)
         n = self.drain(now_ns)
-        if time.monotonic() >= self._next_beat:
-            self._next_beat = time.monotonic() + self.cfg.beat_s
+        if beat:
+            self._next_beat = mono + self.cfg.beat_s
             self.beat(now_ns)
+        if n:
+            self._last_record = mono
         self.out.pump()
-        self.out.flush()
+        if self.out.buffers:
+            # records found after an idle pause already waited up to idle_poll_s: send them
+            # now instead of lingering too, so waking costs no latency over polling at poll_s
+            self.out.flush(force=n > 0 and self._slept_idle)
+        if n:
+            self._slept_idle = False
         self.out.poll(0)  # serve delivery callbacks
         return n
+
+    def pause(self, now: float) -> float:
+        """How long the loop sleeps after a pass that read nothing: `poll_s` while records flow
+        or wait in the outbox; once none came for `idle_after_s`, `idle_poll_s` — never past the
+        next beat."""
+        if now - self._last_record < self.cfg.idle_after_s or self.out.buffers \
+                or len(self.out.spill):
+            return self.cfg.poll_s
+        return max(self.cfg.poll_s, min(self.cfg.idle_poll_s, self._next_beat - now))
 
     def run(self, stop: Callable[[], bool], stats_every_s: float = 1.0) -> None:
         next_stats = 0.0
         while not stop():
             if self.step() == 0:
-                time.sleep(self.cfg.poll_s)
+                pause = self.pause(time.monotonic())
+                self._slept_idle = self._slept_idle or pause > self.cfg.poll_s
+                time.sleep(pause)
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + stats_every_s
                 self.write_stats()
@@ -320,11 +376,16 @@ class Agent:
         }
 
     def write_stats(self) -> None:
+        """Write `stats()` to agent.json — only when they changed (an idle agent writes none)."""
+        stats = self.stats()
+        if stats == self._last_stats:
+            return
         path = self.cfg.sidecar_dir / "agent.json"
         try:
             self.cfg.sidecar_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.stats()))
+            tmp.write_text(json.dumps(stats))
             os.replace(tmp, path)
+            self._last_stats = stats
         except OSError:
             pass
