@@ -15,7 +15,10 @@ each (per-thread run time from /proc/<pid>/task/*/schedstat):
    latency is, per published batch, the publish time minus the write time of its oldest record
    (p50, p99, max over batches);
 4. ``bursts`` — one record per ring every `--burst-every` s, quiet in between: the latency of an
-   agent woken from idle (its slower idle polling shows here).
+   agent woken from idle (its slower idle polling shows here);
+5. with ``--job-steps N``: a real traced job (examples/train.py, DDP over gloo, `--rings` ranks
+   under torchrun, needs torch): the agent's CPU from the job's start to one second after its
+   end, and per 1,000 records it published.
 
 With ``--baseline FILE`` (another version of ingest/agent/agent.py, e.g. ``git show
 REV:ingest/agent/agent.py > /tmp/agent_old.py``) the phases run for that agent too, interleaved
@@ -31,6 +34,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +55,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--burst-every", type=float, default=3.0,
                    help="seconds between the bursts of the last phase (an idle agent waking)")
     p.add_argument("--repeat", type=int, default=1, help="runs of every phase per agent")
+    p.add_argument("--job-steps", type=int, default=0,
+                   help="also trace a real DDP job (examples/train.py, torch) of this many steps")
     p.add_argument("--baseline", help="another agent.py to compare against (before/after)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -103,13 +109,17 @@ def _agent_main(agent_file: str | None, sidecars: str, prefix: str, stop: Any,
     a = mod.Agent(mod.AgentConfig(Path(sidecars), prefix=prefix), pub)
     a.run(stop.is_set)
     lat: list[float] = []
+    records = 0
     from ingest.batch import decode_batch
 
     for t, kind, data in pub.got:
+        if kind == "jobs":
+            continue
+        b = decode_batch(data)
+        records += b.n
         if kind == "stages":
-            b = decode_batch(data)
             lat.append((t - int(b.cols["t_start"].min())) / 1e6)
-    results.put(lat)
+    results.put((lat, records))
 
 
 def _phase(agent_file: str | None, rings: int, rate: float, seconds: float,
@@ -157,7 +167,7 @@ def _phase(agent_file: str | None, rings: int, rate: float, seconds: float,
         cpu, wall = _cpu_s(proc.pid) - c0, time.monotonic() - t0
         time.sleep(0.5)  # let the last records out before stopping
         stop.set()
-        lat = results.get(timeout=60)
+        lat, _ = results.get(timeout=60)
         proc.join(30)
         for s in sinks:
             s.close(unlink=True)
@@ -168,6 +178,47 @@ def _phase(agent_file: str | None, rings: int, rate: float, seconds: float,
             "lat_p50_ms": statistics.median(lat) if lat else 0.0,
             "lat_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
             "lat_max_ms": lat[-1] if lat else 0.0}
+
+
+def _job(agent_file: str | None, args: argparse.Namespace) -> dict[str, float]:
+    """A real job: examples/train.py (DDP, gloo, CPU) under torchrun with `--rings` ranks for
+    `--job-steps` steps, traced; the agent's CPU from the job's start to its end."""
+    from ingest.torch.provision import pythonpath_with_torch
+
+    prefix = f"/rwbjob{os.getpid()}"
+    ctx = mp.get_context("fork")
+    stop, results = ctx.Event(), ctx.Queue()
+    root = Path(__file__).resolve().parent.parent
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm) as sidecars:
+        proc = ctx.Process(target=_agent_main, args=(agent_file, sidecars, prefix, stop,
+                                                     results), daemon=True)
+        proc.start()
+        assert proc.pid is not None
+        time.sleep(1.0)
+        env = pythonpath_with_torch({
+            **{k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")},
+            "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "RANKWATCH_JOB": "bench-job",
+            "RANKWATCH_RING_DIR": sidecars, "RANKWATCH_RING_PREFIX": prefix})
+        from rankwatch.stack import free_port
+
+        c0, t0 = _cpu_s(proc.pid), time.monotonic()
+        train = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+             str(args.rings), "--master-port", str(free_port()), "-m", "ingest.torch.run",
+             "examples/train.py", "--mode", "ddp", "--steps", str(args.job_steps),
+             "--width", "128"], env=env, cwd=root, capture_output=True, timeout=600)
+        time.sleep(1.0)  # the last records out
+        cpu, wall = _cpu_s(proc.pid) - c0, time.monotonic() - t0
+        stop.set()
+        _, records = results.get(timeout=60)
+        proc.join(30)
+    for name in ring.list_rings(prefix):
+        ring.load_library().rw_ring__unlink(name.encode())
+    if train.returncode:
+        raise SystemExit(f"bench agent: the training job failed: {train.stderr[-2000:]!r}")
+    return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 2), "records": records,
+            "cpu_ms_per_1k_records": round(cpu / max(records, 1) * 1e6, 2)}
 
 
 def _measure(agent_file: str | None, args: argparse.Namespace,
@@ -181,6 +232,10 @@ def _measure(agent_file: str | None, args: argparse.Namespace,
     busy = _phase(agent_file, args.rings, args.rate, args.seconds, [])
     progress(f"{name}: a burst every {args.burst_every:g} s")
     bursts = _phase(agent_file, args.rings, 0, args.seconds, [], args.burst_every)
+    job = None
+    if args.job_steps:
+        progress(f"{name}: a real {args.rings}-rank DDP job, {args.job_steps} steps")
+        job = _job(agent_file, args)
     idle_rate = idle["cpu_s"] / idle["wall_s"]
     net = busy["cpu_s"] - idle_rate * busy["wall_s"]
     return {
@@ -191,6 +246,7 @@ def _measure(agent_file: str | None, args: argparse.Namespace,
                  "records": busy["records"], "lat_p50_ms": busy["lat_p50_ms"],
                  "lat_p99_ms": busy["lat_p99_ms"], "lat_max_ms": busy["lat_max_ms"]},
         "bursts": {"lat_p50_ms": bursts["lat_p50_ms"], "lat_max_ms": bursts["lat_max_ms"]},
+        **({"job": job} if job else {}),
     }
 
 
@@ -248,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         bu = r["bursts"]
         print(f"    a burst every {args.burst_every:g} s: write→publish p50 "
               f"{bu['lat_p50_ms']:.0f} ms, max {bu['lat_max_ms']:.0f} ms")
+        if "job" in r:
+            j = r["job"]
+            print(f"    real job ({args.rings} ranks, {args.job_steps} steps, "
+                  f"{j['wall_s']:.1f} s): {j['cpu_s']:.3f} CPU-s, {j['records']:.0f} records, "
+                  f"{j['cpu_ms_per_1k_records']:.2f} CPU-ms per 1,000 records")
     if "ratio" in out:
         print("  ratio current / baseline: " + ", ".join(
             f"{k} {v}×" for k, v in out["ratio"].items() if v is not None))
