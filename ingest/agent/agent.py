@@ -227,6 +227,9 @@ class Agent:
             ring.load_library().rw_ring__unlink(r.name.encode())
             if not any(o.job == r.job and o.rank == r.rank for o in self.rings.values()):
                 self._sidecar(r).unlink(missing_ok=True)
+        if not any(o.job == r.job for o in self.rings.values()):
+            for per_job in (self._p2p, self._shape_said, self._topo_stamp):
+                per_job.pop(r.job, None)  # the job left this host
 
     # -- beats and topology --------------------------------------------------------------------
 

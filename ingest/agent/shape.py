@@ -30,6 +30,9 @@ import numpy as np
 
 #: complete steps remembered per rank (sends per step, first op of a step)
 KEEP_STEPS = 8
+#: p2p pairs remembered per job: a pipeline has ~2 per rank; a producer writing nonsense peers
+#: must not grow the agent without bound
+MAX_PAIRS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,17 @@ class P2PLog:
         step = np.asarray(ops["step"], dtype=np.int64)[rows]
         t = np.asarray(ops["t_start"], dtype=np.int64)[rows]
         pairs = np.unique(np.stack([np.minimum(rank, peer), np.maximum(rank, peer)], 1), axis=0)
-        self.edges.update((int(a), int(b)) for a, b in pairs if a != b)
+        if len(self.edges) < MAX_PAIRS:
+            self.edges.update((int(a), int(b)) for a, b in pairs[:MAX_PAIRS] if a != b)
         if is_send.any():
             keys, counts = np.unique(np.stack([rank[is_send], peer[is_send], step[is_send]], 1),
                                      axis=0, return_counts=True)
             for (r, p, s), n in zip(keys.tolist(), counts.tolist(), strict=True):
-                per = self.sends.setdefault((r, p), {})
+                per = self.sends.get((r, p))
+                if per is None:
+                    if len(self.sends) >= MAX_PAIRS:
+                        continue
+                    per = self.sends[(r, p)] = {}
                 per[s] = per.get(s, 0) + n
                 if len(per) > KEEP_STEPS + 1:
                     del per[min(per)]
@@ -96,14 +104,22 @@ class P2PLog:
         head[1:] = np.any(r_s[1:] != r_s[:-1], axis=1)
         for i in order[head].tolist():
             r, s = int(rank[i]), int(step[i])
-            per_rank = self.first.setdefault(r, {})
+            per_rank = self.first.get(r)
+            if per_rank is None:
+                if len(self.first) >= MAX_PAIRS:
+                    continue
+                per_rank = self.first[r] = {}
             old = per_rank.get(s)
             if old is None or int(t[i]) < old[0]:
                 per_rank[s] = (int(t[i]), bool(is_send[i]))
             if len(per_rank) > KEEP_STEPS + 1:
                 del per_rank[min(per_rank)]
-        for r, s in zip(rank.tolist(), step.tolist(), strict=True):
-            if s > self.last_step.get(r, -1):
+        ranks, inv = np.unique(rank, return_inverse=True)
+        top = np.full(len(ranks), -1, dtype=np.int64)
+        np.maximum.at(top, inv.reshape(-1), step)
+        for r, s in zip(ranks.tolist(), top.tolist(), strict=True):  # per distinct rank
+            if s > self.last_step.get(r, -1) and (r in self.last_step
+                                                   or len(self.last_step) < MAX_PAIRS):
                 self.last_step[r] = s
 
     def sends_per_step(self) -> list[int]:

@@ -153,3 +153,16 @@ def test_topology_lists_chains_that_megatron_order_would_misplace() -> None:
     pp = {c.comm_id: c.members for c in topo.communicators if c.kind == "pp"}
     assert pp == {"pp:inferred:0": [1, 0], "pp:inferred:1": [3, 2]}
     assert grid_of(topo).stage.tolist() == [1, 0, 1, 0]
+
+
+def test_log_stays_bounded_under_nonsense_peers(monkeypatch: Any) -> None:
+    from ingest.agent import shape
+
+    monkeypatch.setattr(shape, "MAX_PAIRS", 50)
+    log = P2PLog()
+    n = 2000
+    log.observe({"rank": np.zeros(n, np.int64), "op": np.full(n, "Send", object),
+                 "peer": np.arange(1, n + 1), "step": np.arange(n) % 3,
+                 "t_start": np.arange(n), "t_end": np.arange(n) + 1})
+    assert len(log.edges) <= 50 and len(log.sends) <= 50
+    assert infer_pipeline(4, log.edges, {}, [], []) is None  # and no pipeline of it
