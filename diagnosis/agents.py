@@ -67,11 +67,11 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
     "stages": ("t_start", ("rank", "step", "t_start", "data_next_wait", "model_fwd_loss",
                            "model_backward", "callbacks", "optim_step", "step_other")),
     "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
-    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq")),
+    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq", "step", "stage", "stage_ts")),
     "kernel_summaries": ("window_start", ("rank", "stream", "kernel", "cluster", "count",
                                           "p50_ns", "p99_ns", "window_start")),
 }
-TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts", "window_start"}
+TIME_COLUMNS = {"t_enqueue", "t_start", "t_end", "ts", "stage_ts", "window_start"}
 #: kinds read with FINAL: a replaced row counted twice would weigh its cluster twice
 FINAL_KINDS = {"kernel_summaries"}
 KERNEL_WINDOW_S = 40.0

@@ -139,14 +139,28 @@ class WorkRequest(Record):
     bytes_done: Count  # cumulative since the NIC's counters were opened
 
 
+#: A beat's stage: StageFrontier's ordered stages (ingest.torch.events.STAGES), "" for none.
+StageName = Literal["", "data.next_wait", "model.fwd_loss", "model.backward", "callbacks",
+                    "optim.step"]
+
+
 class Beat(Record):
-    """A liveness heartbeat: one row per rank and communicator (comm_id "" for a rank with none)."""
+    """A liveness heartbeat: one row per rank and communicator (comm_id "" for a rank with none).
+
+    `step`, `stage` and `stage_ts` are the rank's position when the beat was taken, from its stage
+    clock (ingest/torch/stages.py): the step it is in, the stage it is inside ("" between stages
+    or unknown) and when it entered that stage — or left its last one, when "" (0: unknown). A
+    rank hung inside a stage keeps beating with the same position.
+    """
 
     rank: Rank
     ts: Ns
     comm_id: OptName = ""
     last_op_seq: Annotated[int, Field(ge=-1)] = -1
     dropped: Count = 0  # records the rank's tracepoints dropped so far (ring full)
+    step: Step = -1
+    stage: StageName = ""
+    stage_ts: Ns = 0
 
 
 class Communicator(BaseModel):
@@ -175,6 +189,10 @@ class JobTopology(BaseModel):
     schedule: Literal["1f1b", "gpipe", "none"] = "1f1b"
     hosts: list[Name]  # hosts[rank] is the host that runs the rank
     communicators: list[Communicator] = []
+    #: where each of tp, pp, dp, microbatches, schedule came from: "given" by the launcher
+    #: (RANKWATCH_TP/PP/DP/MICROBATCHES), "inferred" from the ops (the p2p pattern,
+    #: ingest/agent/shape.py) or "default" (assumed); empty when the producer does not say
+    shape_source: dict[str, Literal["given", "inferred", "default"]] = {}
 
     @model_validator(mode="after")
     def _consistent(self) -> JobTopology:

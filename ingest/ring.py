@@ -69,6 +69,14 @@ FUNCS: Final = (
     "Barrier",
 )
 DRAIN_SKIP_TORN: Final = 1
+#: the producer's position words in the ring header (rw_ring.h RW_POS_*): step, realtime minus
+#: the clock the times use, when a stage was last left, when each stage was last entered
+POS_STEP: Final = 0
+POS_OFFSET: Final = 1
+POS_LEFT: Final = 2
+POS_ENTER: Final = 3
+POS_STAGES: Final = 5
+POS_WORDS: Final = POS_ENTER + POS_STAGES
 DEFAULT_PREFIX: Final = "/rankwatch"
 PRODUCER_STATES: Final = ("dead", "alive", "unknown")
 
@@ -103,6 +111,10 @@ class _Stat(ctypes.Structure):
         ("version", ctypes.c_uint32),
         ("producer", ctypes.c_int32),
         ("job_id", ctypes.c_char * 64),
+        ("pos_step", ctypes.c_int64),
+        ("pos_ts", ctypes.c_int64),
+        ("pos_stage", ctypes.c_int32),
+        ("pos_pad", ctypes.c_int32),
     )
 
 
@@ -122,10 +134,20 @@ class RingStat:
     version: int
     producer: str
     job_id: str
+    pos_step: int = -1  # the producer's current step; -1 unknown (`RingWriter.position`)
+    pos_stage: int = 0  # the stage it is inside, 1..POS_STAGES; 0 between stages or unknown
+    pos_ts: int = 0  # when it entered that stage (or left its last one), realtime ns; 0 unknown
 
     @property
     def pending(self) -> int:
         return self.prod_pos - self.cons_pos
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(step, stage, entry time ns) the producer last published (`RingWriter.position`):
+        stage 0 is "between stages", 1.. index the producer's stage names from 1; (-1, 0, 0)
+        when it never published one."""
+        return self.pos_step, self.pos_stage, self.pos_ts
 
 
 def default_library_path() -> Path:
@@ -148,6 +170,7 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
         "rw_ring__write_batch": (ctypes.c_long, [vp, vp, sz]),
         "rw_ring__drain": (ctypes.c_long, [vp, vp, sz, ctypes.c_uint]),
         "rw_ring__stat": (ctypes.c_int, [vp, ctypes.POINTER(_Stat)]),
+        "rw_ring__position": (ctypes.c_void_p, [vp]),
         "rw_ring__name": (ctypes.c_int, [cp, sz, cp, cp, ctypes.c_int, cp]),
         "rw_record__schema": (cp, []),
         "rw_now_ns": (ctypes.c_int64, []),
@@ -242,6 +265,9 @@ def _stat(lib: ctypes.CDLL, handle: ctypes.c_void_p, name: str) -> RingStat:
         version=st.version,
         producer=PRODUCER_STATES[st.producer] if 0 <= st.producer < 3 else "unknown",
         job_id=st.job_id.decode(errors="replace"),
+        pos_step=st.pos_step,
+        pos_stage=st.pos_stage,
+        pos_ts=st.pos_ts,
     )
 
 
@@ -286,6 +312,8 @@ class RingReader(_Ring):
         _check(self._lib.rw_ring__attach(name.encode(), ctypes.byref(self._handle)), name)
         self._buf = np.empty(batch, dtype=self._dtypes["raw"])
         self._bytes = self._buf.view(np.uint8)
+        self._addr = self._buf.ctypes.data  # the buffer never moves: no ctypes object per drain
+        self._empty = self._buf[:0].copy()
 
     def drain(self, max_records: int | None = None, *, skip_torn: bool = False) -> Records:
         """Every committed record (up to `max_records`), oldest first, as a "raw" array.
@@ -300,9 +328,11 @@ class RingReader(_Ring):
         while limit > 0:
             want = min(limit, len(self._buf))
             n = _check(
-                self._lib.rw_ring__drain(self._handle, self._buf.ctypes.data, want, flags),
+                self._lib.rw_ring__drain(self._handle, self._addr, want, flags),
                 f"drain {self.name}",
             )
+            if n == 0 and not chunks:
+                return self._empty  # an idle ring: nothing allocated
             # Copy as bytes: numpy copies structured dtypes field by field, much slower.
             chunks.append(self._bytes[: n * RECORD_SIZE].copy().view(self._buf.dtype))
             limit -= n
@@ -361,6 +391,17 @@ class RingWriter(_Ring):
     def _write_raw(self, address: int, n: int) -> int:
         self._require_open()
         return _check(self._lib.rw_ring__write_batch(self._handle, address, n), self.name)
+
+    def position(self) -> Any:
+        """The producer's `POS_WORDS` position words in the ring header, a writable ctypes int64
+        array (an item store is one aligned 8-byte write, cheaper than a memoryview's): at a
+        step's start store `POS_OFFSET` (realtime − your clock, ns), then `POS_STEP`, then
+        `POS_LEFT` = now; on entering stage i (1..POS_STAGES) store ``[POS_ENTER + i - 1]`` = now,
+        on leaving it ``[POS_LEFT]`` = now — one store each, any monotonic ns clock. `stat`
+        reads back (step, stage, realtime entry ns). Valid until `close`: drop it before."""
+        self._require_open()
+        addr = self._lib.rw_ring__position(self._handle)
+        return (ctypes.c_int64 * POS_WORDS).from_address(addr)
 
     def unlink(self) -> None:
         """Remove the ring's name (the reader's mapping stays valid)."""

@@ -4,13 +4,15 @@ Loop (one thread; `run` until stopped):
 
 1. discover the native rings ``/dev/shm/rankwatch.<job>.<rank>.<source>`` (`ingest.ring`; the
    Python tracer's ``py``, the NCCL plugin's ``nccl``, the CUPTI injector's ``cupti``), and
-   re-open one that was re-created;
+   re-open one that was re-created — looked for only when the shm directory changed, and at
+   every beat;
 2. drain each ring in bulk (one ctypes call into a numpy array, `split_kinds`, no per-record
    Python), join op starts to ends (decode.OpJoin), append the columns to the (job, kind) buffer;
 3. every `beat_s`, for each Python-tracer ring one `beats` row per communicator — only while
    its producer is alive (a hung rank still beats, a dead one stops: the difference hang
-   diagnosis needs) — with the last op_seq and the ring's drop counter (the NCCL plugin writes
-   its own beats); publish the job topology when a rank's sidecar changed;
+   diagnosis needs) — with the last op_seq, the ring's drop counter and the rank's position
+   (step, stage, stage entry time) from the ring header (the NCCL plugin writes its own beats);
+   publish the job topology when a rank's sidecar changed;
 4. hand the columns to the outbox (outbox.py): one encoded batch per (job, kind) when it holds
    `max_rows` rows or is `linger_s` old, published through `BatchPublisher` (idempotent, zstd,
    linger), with a bounded spill for what the broker does not take (outage), retried first,
@@ -18,7 +20,13 @@ Loop (one thread; `run` until stopped):
 
 A ring whose producer is dead is drained (skipping slots it reserved but never committed), its
 open ops are published in flight, and the ring is unlinked. `stats()` reports lag and drop
-counters; `run` writes them to ``<sidecar_dir>/agent.json``.
+counters; `run` writes them to ``<sidecar_dir>/agent.json`` when they change.
+
+Idle cost: a pass over rings with nothing in them is a directory stat and one drain call per
+ring; after `idle_after_s` without a record the loop polls every `idle_poll_s` instead of
+`poll_s` (never past the next beat), and returns to `poll_s` on the first record, whose batch
+it sends at once rather than lingering: waking adds no latency over polling at `poll_s`
+(`rankwatch bench agent`, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import numpy as np
 from ingest import ring
 from ingest.agent import decode
 from ingest.agent.outbox import Outbox, Publisher
+from ingest.agent.shape import P2PLog, PipelineShape, infer_pipeline
 from ingest.agent.spill import Pending
 from ingest.agent.topology import build, read_sidecar
 from ingest.batch import encode_topology
@@ -49,6 +58,8 @@ class AgentConfig:
     prefix: str = ring.DEFAULT_PREFIX
     shm_dir: str = "/dev/shm"
     poll_s: float = 0.05
+    idle_after_s: float = 2.0  # no record for this long: the host is idle ...
+    idle_poll_s: float = 0.25  # ... and the loop looks this often (beats stay on time)
     linger_s: float = 0.25
     max_rows: int = 65_536
     beat_s: float = 1.0
@@ -66,6 +77,7 @@ class RankRing:
     source: str
     reader: ring.RingReader
     created_ns: int
+    inode: int  # of the shm file when attached: a re-created ring has another
     join: decode.OpJoin
     names: decode.Names = field(default_factory=decode.Names)
     sidecar: dict[str, Any] | None = None
@@ -99,29 +111,55 @@ class Agent:
         self.counters = Counters()
         self._dtypes = ring.record_dtypes()
         self._next_beat = 0.0
-        self._topo_stamp: dict[str, tuple[float, ...]] = {}
+        self._shm_stamp: tuple[int, int] | None = None  # shm dir (mtime, inode) at last scan
+        self._last_stats: dict[str, Any] | None = None
+        self._last_record = 0.0  # monotonic time of the last pass that read records
+        self._slept_idle = False  # the loop slept longer than poll_s since records last came
+        self._topo_stamp: dict[str, tuple[Any, ...]] = {}
+        self._p2p: dict[str, P2PLog] = {}  # job -> its p2p pattern (pipeline shape inference)
+        self._shape_said: dict[str, str] = {}  # job -> the shape last logged
 
     # -- rings ---------------------------------------------------------------------------------
 
-    def discover(self) -> None:
-        for name in ring.list_rings(self.cfg.prefix, self.cfg.shm_dir):
+    def discover(self, force: bool = False) -> None:
+        """Attach rings that appeared, re-attach re-created ones. Without `force`, nothing is
+        looked at unless the shm directory changed since the last scan (one stat per pass:
+        creating or unlinking a ring changes its mtime); `force` scans anyway (the loop does
+        every beat, since a coarse mtime can hide a change made right after a scan)."""
+        shm = self.cfg.shm_dir
+        try:
+            st = os.stat(shm)
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            stamp = None
+        if not force and stamp is not None and stamp == self._shm_stamp:
+            return
+        self._shm_stamp = stamp
+        for name in ring.list_rings(self.cfg.prefix, shm):
             known = self.rings.get(name)
             try:
+                inode = os.stat(os.path.join(shm, name.lstrip("/"))).st_ino
+            except OSError:
+                continue  # unlinked meanwhile
+            if known is not None and known.inode == inode:
+                continue
+            try:
                 reader = ring.RingReader(name)
-                st = reader.stat()
+                rst = reader.stat()
             except (OSError, ValueError):
                 continue  # not a ring (yet), or foreign: try again next time
-            if known is not None and known.created_ns == st.created_ns:
+            if known is not None and known.created_ns == rst.created_ns:
+                known.inode = inode  # the same ring (stat raced its creation): keep ours
                 reader.close()
                 continue
-            if self.cfg.job and st.job_id != self.cfg.job:
+            if self.cfg.job and rst.job_id != self.cfg.job:
                 reader.close()
                 continue
             if known is not None:
                 self._retire(known, unlink=False)  # re-created by a new producer
-            self.rings[name] = RankRing(name, st.job_id or "default", st.rank, st.source, reader,
-                                        st.created_ns, decode.OpJoin(int(self.cfg.inflight_s
-                                                                         * 1e9)))
+            self.rings[name] = RankRing(name, rst.job_id or "default", rst.rank, rst.source,
+                                        reader, rst.created_ns, inode,
+                                        decode.OpJoin(int(self.cfg.inflight_s * 1e9)))
 
     def _sidecar(self, r: RankRing) -> Path:
         return self.cfg.sidecar_dir / r.job / f"rank-{r.rank}.json"
@@ -140,7 +178,7 @@ class Agent:
     def drain(self, now_ns: int) -> int:
         """Drain every ring once; returns the number of records read."""
         total = 0
-        for r in list(self.rings.values()):
+        for r in self.rings.values():  # draining never adds or removes a ring
             total += self._drain_one(r, now_ns, skip_torn=False)
         self.counters.read += total
         return total
@@ -172,7 +210,12 @@ class Agent:
 
     def _add_ops(self, r: RankRing, rows: np.ndarray) -> None:
         if len(rows):
-            self._append(r.job, "ops", decode.op_columns(rows, r.rank, r.names))
+            cols = decode.op_columns(rows, r.rank, r.names)
+            log = self._p2p.get(r.job)
+            if log is None:
+                log = self._p2p[r.job] = P2PLog()
+            log.observe(cols)
+            self._append(r.job, "ops", cols)
 
     def _retire(self, r: RankRing, unlink: bool = True) -> None:
         """The producer is gone: drain, publish its open ops in flight, unlink the ring."""
@@ -184,11 +227,14 @@ class Agent:
             ring.load_library().rw_ring__unlink(r.name.encode())
             if not any(o.job == r.job and o.rank == r.rank for o in self.rings.values()):
                 self._sidecar(r).unlink(missing_ok=True)
+        if not any(o.job == r.job for o in self.rings.values()):
+            for per_job in (self._p2p, self._shape_said, self._topo_stamp):
+                per_job.pop(r.job, None)  # the job left this host
 
     # -- beats and topology --------------------------------------------------------------------
 
     def beat(self, now_ns: int) -> None:
-        by_job: dict[str, list[tuple[int, str, int, int]]] = {}
+        by_job: dict[str, list[tuple[int, str, int, int, int, str, int]]] = {}
         for r in list(self.rings.values()):
             st = r.reader.stat()
             if st.producer == "dead":
@@ -197,20 +243,22 @@ class Agent:
             if r.source != "py" or r.rank < 0:
                 continue  # the NCCL plugin beats itself
             rows = by_job.setdefault(r.job, [])
+            step, stage, stage_ts = decode.position(*st.position)
             seqs = r.join.last_seq
             if not seqs:
-                rows.append((r.rank, "", -1, st.drops))
+                rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts))
                 continue
             hashes = np.array(list(seqs), dtype=np.int64)
             for comm, seq in zip(r.names.lookup(hashes).tolist(), seqs.values(), strict=True):
-                rows.append((r.rank, comm, seq, st.drops))
+                rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts))
         for job, rows in by_job.items():
             if rows:
-                rk, c, sq, d = zip(*rows, strict=True)
+                rk, c, sq, d, step_, stage_, sts = zip(*rows, strict=True)
                 self._append(job, "beats", {
                     "rank": np.array(rk, np.int64), "ts": np.full(len(rk), now_ns, np.int64),
                     "comm_id": np.array(c, object), "last_op_seq": np.array(sq, np.int64),
-                    "dropped": np.array(d, np.int64)})
+                    "dropped": np.array(d, np.int64), "step": np.array(step_, np.int64),
+                    "stage": np.array(stage_, object), "stage_ts": np.array(sts, np.int64)})
         self._topologies(now_ns)
 
     def _topologies(self, now_ns: int) -> None:
@@ -220,39 +268,95 @@ class Agent:
                 self._refresh_sidecar(r)
                 jobs.setdefault(r.job, []).append(r)
         for job, rings in jobs.items():
-            stamp = tuple(sorted(r.sidecar_mtime for r in rings))
-            if self._topo_stamp.get(job) == stamp or not any(r.rank == 0 for r in rings):
+            if not any(r.rank == 0 for r in rings):
                 continue
             docs = [r.sidecar for r in rings if r.sidecar is not None]
+            if not docs:
+                continue  # no sidecar yet (or unreadable): nothing to describe the job with
+            shape = self._infer_shape(job, docs)
+            stamp = (*sorted(r.sidecar_mtime for r in rings), shape)
+            if self._topo_stamp.get(job) == stamp:
+                continue
             try:
-                topo = build(job, docs, now_ns)
+                topo = build(job, docs, now_ns, shape)
             except (ValueError, KeyError, TypeError) as e:
                 print(f"rankwatch agent: job {job}: no topology: {e}", flush=True)
                 continue
             self._topo_stamp[job] = stamp
+            self._say_shape(job, topo, shape)
             self.out.send(Pending("jobs", job.encode(), encode_topology(
                 topo, producer=self.cfg.producer), 1, time.monotonic()))
+
+    def _infer_shape(self, job: str, docs: list[dict[str, Any]]) -> PipelineShape | None:
+        """The pipeline shape the job's p2p pattern shows, unless the launcher declared the
+        sizes (then it is not needed); None when there is no pipeline to see."""
+        log = self._p2p.get(job)
+        if log is None or not log.edges or not docs:
+            return None
+        if any(k in (d.get("parallel") or {}) for d in docs for k in ("tp", "pp", "dp", "cp")):
+            return None
+        try:
+            world = max(int(d["world_size"]) for d in docs)
+            groups = [(str(c["kind"]), [int(m) for m in c["members"]])
+                      for d in docs for c in d["comms"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+        return infer_pipeline(world, log.edges, log.first_is_send(), log.sends_per_step(),
+                              groups)
+
+    def _say_shape(self, job: str, topo: Any, shape: PipelineShape | None) -> None:
+        """Log the job's shape and where it came from, when that changed."""
+        src = topo.shape_source
+        line = (f"pp={topo.pp} ({src.get('pp')}) dp={topo.dp} ({src.get('dp')}) tp={topo.tp} "
+                f"({src.get('tp')}) microbatches={topo.microbatches} "
+                f"({src.get('microbatches')})")
+        if self._shape_said.get(job) == line:
+            return
+        self._shape_said[job] = line
+        how = (f"; inferred from the p2p pattern: {shape.describe()}" if shape is not None
+               and "inferred" in src.values() else "")
+        print(f"rankwatch agent: job {job}: {line}{how}", flush=True)
 
     # -- loop ----------------------------------------------------------------------------------
 
     def step(self) -> int:
         """One pass of the loop (tests drive it directly)."""
         now_ns = time.time_ns()
-        self.discover()
+        mono = time.monotonic()
+        beat = mono >= self._next_beat
+        self.discover(force=beat)
         n = self.drain(now_ns)
-        if time.monotonic() >= self._next_beat:
-            self._next_beat = time.monotonic() + self.cfg.beat_s
+        if beat:
+            self._next_beat = mono + self.cfg.beat_s
             self.beat(now_ns)
+        if n:
+            self._last_record = mono
         self.out.pump()
-        self.out.flush()
+        if self.out.buffers:
+            # records found after an idle pause already waited up to idle_poll_s: send them
+            # now instead of lingering too, so waking costs no latency over polling at poll_s
+            self.out.flush(force=n > 0 and self._slept_idle)
+        if n:
+            self._slept_idle = False
         self.out.poll(0)  # serve delivery callbacks
         return n
+
+    def pause(self, now: float) -> float:
+        """How long the loop sleeps after a pass that read nothing: `poll_s` while records flow
+        or wait in the outbox; once none came for `idle_after_s`, `idle_poll_s` — never past the
+        next beat."""
+        if now - self._last_record < self.cfg.idle_after_s or self.out.buffers \
+                or len(self.out.spill):
+            return self.cfg.poll_s
+        return max(self.cfg.poll_s, min(self.cfg.idle_poll_s, self._next_beat - now))
 
     def run(self, stop: Callable[[], bool], stats_every_s: float = 1.0) -> None:
         next_stats = 0.0
         while not stop():
             if self.step() == 0:
-                time.sleep(self.cfg.poll_s)
+                pause = self.pause(time.monotonic())
+                self._slept_idle = self._slept_idle or pause > self.cfg.poll_s
+                time.sleep(pause)
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + stats_every_s
                 self.write_stats()
@@ -275,11 +379,16 @@ class Agent:
         }
 
     def write_stats(self) -> None:
+        """Write `stats()` to agent.json — only when they changed (an idle agent writes none)."""
+        stats = self.stats()
+        if stats == self._last_stats:
+            return
         path = self.cfg.sidecar_dir / "agent.json"
         try:
             self.cfg.sidecar_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.stats()))
+            tmp.write_text(json.dumps(stats))
             os.replace(tmp, path)
+            self._last_stats = stats
         except OSError:
             pass

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ingest import ring
+from ingest.torch.events import STAGES
 
 Cols = dict[str, np.ndarray]
 _FUNCS = np.array(ring.FUNCS, dtype=object)
@@ -181,9 +182,26 @@ def wr_columns(recs: Any, rank: int, names: Names) -> Cols:
 
 
 def beat_columns(recs: Any, rank: int, names: Names) -> Cols:
+    """The NCCL plugin's beats: it knows no stage position (step -1, stage "", stage_ts 0)."""
     out = _cols(recs, rank, {"ts": "ts", "last_op_seq": "last_op_seq", "dropped": "dropped"})
     out["comm_id"] = names.lookup(_i64(np.asarray(recs["comm_hash"])))
+    n = len(recs)
+    out["step"] = np.full(n, -1, np.int64)
+    out["stage"] = np.full(n, "", object)
+    out["stage_ts"] = np.zeros(n, np.int64)
     return out
+
+
+#: ring position stage (ingest.ring.RingStat.position: 0 between stages, i = STAGES[i - 1])
+POSITION_STAGES: tuple[str, ...] = ("", *STAGES)
+
+
+def position(step: int, stage: int, ts: int) -> tuple[int, str, int]:
+    """A ring's position (`ingest.ring.RingStat.position`) as the beat's (step, stage,
+    stage_ts), clamped to what the contract accepts: a damaged header never fails a batch."""
+    return (step if step >= -1 else -1,
+            POSITION_STAGES[stage] if 0 <= stage < len(POSITION_STAGES) else "",
+            ts if ts > 0 else 0)
 
 
 def n_rows(cols: Cols) -> int:

@@ -120,6 +120,7 @@ class Session:
         if self.tracer is not None:
             self.tracer.polled.clear()
             self.tracer.comms.forget()
+            self.clock.publish_position(None)  # the view dies with the ring's mapping
             self.tracer.sink.close()
         self.clock.tracer = self.tracer = None
 
@@ -169,6 +170,7 @@ class Session:
         self.tracer = tracer
         self.group_index(None)
         self.originals = collectives.install(tracer, dist)
+        self.clock.publish_position(sink.writer.position())
         self.clock.tracer = tracer
 
     def _group_of(self, group: Any) -> int:

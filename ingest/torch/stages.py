@@ -21,35 +21,53 @@ events around `fwd_loss` on the current stream and polls them (``Event.query``, 
 ``synchronize``) when the step closes; a ready pair gives ``device_ns``, otherwise -1 (missing).
 It never enters the ordered vector.
 
+Position: entering and leaving a span or a step also publishes where the rank is — its step, the
+stage it is inside (or none: between stages) and since when — in its ring's header
+(`ingest.ring.RingWriter.position`); the host agent copies it into every `beats` row, so a rank
+hung inside backward says so while its step never ends. A transition is one store of the
+``perf_counter_ns`` the span reads anyway into that stage's entry word (or the "left" word); the
+step start also stores the step and the realtime offset. No call, no lock, no allocation.
+
 Every context manager is preallocated: entering and leaving allocates nothing but the ints.
-Without an active tracer the spans still time (cheaply) and nothing is written.
+Without an active tracer the spans still time (cheaply) and the position goes to a private
+scratch array.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
+from ingest.ring import POS_ENTER, POS_LEFT, POS_OFFSET, POS_STEP, POS_WORDS
 from ingest.torch.events import STAGES
 
 _perf = time.perf_counter_ns
+_LEFT = POS_LEFT
+
+
+def scratch_position() -> Any:
+    """Position words nobody reads: where the position goes while no ring is attached."""
+    return (ctypes.c_int64 * POS_WORDS)()
 
 
 class _Span:
-    __slots__ = ("acc", "i", "owner", "t0")
+    __slots__ = ("acc", "i", "owner", "pos", "slot", "t0")
 
     def __init__(self, owner: StageClock, i: int) -> None:
         self.owner, self.acc, self.i, self.t0 = owner, owner.acc, i, 0
+        self.pos, self.slot = owner.pos, POS_ENTER + i
 
     def __call__(self) -> _Span:
         return self
 
     def __enter__(self) -> _Span:
-        self.t0 = _perf()
+        self.t0 = self.pos[self.slot] = _perf()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.acc[self.i] += _perf() - self.t0
+        t = self.pos[_LEFT] = _perf()
+        self.acc[self.i] += t - self.t0
 
 
 class _FwdSpan(_Span):
@@ -59,11 +77,12 @@ class _FwdSpan(_Span):
         o = self.owner
         if o.sample_every and o.step_index % o.sample_every == 0:
             o.cuda_begin()
-        self.t0 = _perf()
+        self.t0 = self.pos[self.slot] = _perf()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.acc[self.i] += _perf() - self.t0
+        t = self.pos[_LEFT] = _perf()
+        self.acc[self.i] += t - self.t0
         if self.owner.events_armed:
             self.owner.cuda_end()
 
@@ -84,13 +103,18 @@ class _Step:
             tracer.step = o.step_index
             if tracer.outstanding:
                 tracer.harvest()
-        self.t0 = time.time_ns()
-        self.p0 = _perf()
+        self.t0 = t0 = time.time_ns()
+        self.p0 = p0 = _perf()
+        pos = o.pos
+        pos[POS_OFFSET] = t0 - p0
+        pos[POS_STEP] = o.step_index
+        pos[_LEFT] = p0
         return self
 
     def __exit__(self, *exc: object) -> None:
-        wall = _perf() - self.p0
         o = self.owner
+        p1 = o.pos[_LEFT] = _perf()
+        wall = p1 - self.p0
         a = o.acc
         other = wall - (a[0] + a[1] + a[2] + a[3] + a[4])
         tracer = o.tracer
@@ -116,6 +140,7 @@ class StageClock:
         self.sample_every = 0
         self.events_armed = False
         self._events: tuple[Any, Any] | None = None
+        self.pos = scratch_position()
         self._step = _Step(self)
         self.spans = {name: (_FwdSpan if i == 1 else _Span)(self, i)
                       for i, name in enumerate(STAGES)}
@@ -124,6 +149,15 @@ class StageClock:
         self.backward = self.spans["model.backward"]
         self.callbacks = self.spans["callbacks"]
         self.optim = self.spans["optim.step"]
+
+    def publish_position(self, words: Any) -> None:
+        """Publish the position into `words` (a ring's `RingWriter.position`), or stop (None:
+        before that ring closes). Call from the training thread, outside any span."""
+        pos = words if words is not None else scratch_position()
+        pos[POS_OFFSET] = time.time_ns() - _perf()
+        self.pos = pos
+        for span in self.spans.values():
+            span.pos = pos
 
     def step(self, index: int | None = None) -> _Step:
         """The step context manager; `index` sets this step's number (default: previous + 1)."""

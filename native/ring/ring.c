@@ -55,6 +55,9 @@ struct rw_ring_hdr {
 	alignas(64) _Atomic uint64_t cons_pos;
 	alignas(64) _Atomic uint64_t drops; /* reserves that failed because the ring was full */
 	_Atomic uint64_t torn;              /* slots skipped after their producer died */
+	/* The producer's position (rw_ring__position, RW_POS_*): plain stores by the producer, one
+	 * word per transition; rw_ring__stat derives step, stage and entry time from them. */
+	alignas(64) _Atomic int64_t pos[RW_POS_WORDS];
 };
 
 _Static_assert(sizeof(struct rw_ring_hdr) <= RW_RING_HDR_SIZE, "header fits its page");
@@ -248,6 +251,8 @@ int rw_ring__create(const char *name, const struct rw_ring_opts *opts, struct rw
 	atomic_store_explicit(&hdr->cons_pos, 0, memory_order_relaxed);
 	atomic_store_explicit(&hdr->drops, 0, memory_order_relaxed);
 	atomic_store_explicit(&hdr->torn, 0, memory_order_relaxed);
+	for (int i = 0; i < RW_POS_WORDS; i++)
+		atomic_store_explicit(&hdr->pos[i], i == RW_POS_STEP ? -1 : 0, memory_order_relaxed);
 	/* Pairs with the load-acquire of magic in hdr__validate: publishes the header. */
 	atomic_store_explicit(&hdr->magic, RW_RING_MAGIC, memory_order_release);
 	*out = ring;
@@ -440,6 +445,8 @@ long rw_ring__drain(struct rw_ring *ring, void *out, size_t max, unsigned int fl
 	return (long)n;
 }
 
+static void pos__read(struct rw_ring_hdr *hdr, struct rw_ring_stat *st);
+
 int rw_ring__stat(struct rw_ring *ring, struct rw_ring_stat *st)
 {
 	struct rw_ring_hdr *hdr;
@@ -462,7 +469,51 @@ int rw_ring__stat(struct rw_ring *ring, struct rw_ring_stat *st)
 	st->producer = hdr__producer_state(hdr);
 	memcpy(st->job_id, hdr->job_id, sizeof(st->job_id));
 	st->job_id[sizeof(st->job_id) - 1] = '\0';
+	pos__read(hdr, st);
 	return 0;
+}
+
+/* The position from the producer's words: the stage with the latest entry, unless the producer
+ * left a stage (or began a step) after it. Each transition is one store, so two equal reads of
+ * all words are a state the producer was in; a producer racing us past every try leaves the
+ * last read, at worst one transition off. */
+static void pos__read(struct rw_ring_hdr *hdr, struct rw_ring_stat *st)
+{
+	int64_t w[RW_POS_WORDS], again[RW_POS_WORDS];
+	int64_t latest = 0;
+	int stage = 0;
+
+	for (int tries = 0; tries < 8; tries++) {
+		for (int i = 0; i < RW_POS_WORDS; i++)
+			w[i] = atomic_load_explicit(&hdr->pos[i], memory_order_acquire);
+		for (int i = 0; i < RW_POS_WORDS; i++)
+			again[i] = atomic_load_explicit(&hdr->pos[i], memory_order_acquire);
+		if (!memcmp(w, again, sizeof(w)))
+			break;
+	}
+	for (int i = 1; i <= RW_POS_STAGES; i++) {
+		int64_t t = w[RW_POS_ENTER + i - 1];
+
+		if (t > latest) {
+			latest = t;
+			stage = i;
+		}
+	}
+	if (w[RW_POS_LEFT] >= latest) {
+		latest = w[RW_POS_LEFT];
+		stage = 0;
+	}
+	st->pos_step = w[RW_POS_STEP] >= -1 ? w[RW_POS_STEP] : -1;
+	st->pos_stage = stage;
+	st->pos_ts = latest > 0 && w[RW_POS_OFFSET] > -latest ? latest + w[RW_POS_OFFSET] : 0;
+}
+
+int64_t *rw_ring__position(struct rw_ring *ring)
+{
+	/* Naturally aligned int64s in the shared header: a producer's plain 8-byte store is atomic
+	 * on every platform rankwatch builds for, and the pointer lets an interpreter store them
+	 * without a library call. */
+	return ring ? (int64_t *)ring->hdr->pos : NULL;
 }
 
 static int name__valid_part(const char *s)

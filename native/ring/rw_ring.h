@@ -55,7 +55,26 @@ struct rw_ring_stat {
 	uint32_t version;
 	int32_t producer; /* enum rw_producer_state */
 	char job_id[RW_JOB_ID_MAX];
+	int64_t pos_step;  /* the producer's current step, -1 unknown (RW_POS_*) */
+	int64_t pos_ts;    /* when it entered pos_stage (or left its last stage), ns; 0 unknown */
+	int32_t pos_stage; /* 1..RW_POS_STAGES: the stage it is inside; 0 between stages/unknown */
+	int32_t pos_pad;
 };
+
+/* The producer's position: RW_POS_WORDS int64 words in the ring header (rw_ring__position),
+ * each transition one plain store of a monotonic-clock time (any clock: RW_POS_OFFSET converts
+ * it to CLOCK_REALTIME ns).
+ *   [RW_POS_STEP]      the current step (-1 unknown), stored at a step's start
+ *   [RW_POS_OFFSET]    realtime - monotonic clock, ns, stored at a step's start (before the step)
+ *   [RW_POS_LEFT]      when the producer last left a stage or began a step
+ *   [RW_POS_ENTER + i] when it last entered stage i + 1 (the producer's stage list, from 1)
+ * The current stage is the one entered last, unless a stage was left after that. */
+#define RW_POS_STEP 0
+#define RW_POS_OFFSET 1
+#define RW_POS_LEFT 2
+#define RW_POS_ENTER 3
+#define RW_POS_STAGES 5
+#define RW_POS_WORDS (RW_POS_ENTER + RW_POS_STAGES)
 
 /* Drain flags. */
 #define RW_DRAIN_SKIP_TORN 1u /* skip uncommitted slots, but only once the producer is dead */
@@ -91,6 +110,9 @@ RW_API int rw_ring__write_name(struct rw_ring *ring, uint32_t src, uint16_t ns, 
  * their slots. Returns the count (0 when empty). Single consumer only. */
 RW_API long rw_ring__drain(struct rw_ring *ring, void *out, size_t max, unsigned int flags);
 RW_API int rw_ring__stat(struct rw_ring *ring, struct rw_ring_stat *st);
+/* The producer's RW_POS_WORDS position words in the header, for it to store into directly — no
+ * call, no lock, nothing that can block; rw_ring__stat reads them back (pos_*). */
+RW_API int64_t *rw_ring__position(struct rw_ring *ring);
 
 /* Build "<prefix>.<job>.<rank>.<source>" into buf; -ENAMETOOLONG / -EINVAL on bad input. */
 RW_API int rw_ring__name(char *buf, size_t len, const char *prefix, const char *job_id,

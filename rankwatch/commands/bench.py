@@ -18,6 +18,8 @@ BENCHES = {
     "streams": "bench.streams",
     "raw_order": "bench.raw_order",
     "sweep": "bench.sweep",
+    "spans": "bench.spans",
+    "agent": "bench.agent",
 }
 
 

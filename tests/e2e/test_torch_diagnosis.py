@@ -3,7 +3,8 @@ by `rankwatch agent`, through the real broker, worker and ClickHouse, diagnosed 
 
 - data parallel (DDP): rank 2's data loading is 80 ms slower on every step, and rank 1 hangs
   before the backward of step 25. Over the steps before the hang the engine must blame rank 2's
-  data stage; after it, rank 1 (its peers wait in the all-reduce it never joins).
+  data stage; after it, rank 1 (its peers wait in the all-reduce it never joins). Rank 1's beats
+  carry its position: inside model.backward of step 25.
 - 2-stage pipeline (send/recv, per-stage DP all-reduce): rank 3 (stage 1) hangs before its
   backward of step 15; rank 1, its stage-0 partner, waits in Recv for a gradient that never
   comes, and ranks 0 and 2 in their all-reduces. The engine must blame rank 3.
@@ -32,6 +33,7 @@ import pytest
 
 from diagnosis import engine
 from diagnosis.columns import Columns
+from diagnosis.position import current_stage
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
 from ingest import ring
@@ -66,7 +68,8 @@ QUERIES = {
     "stages": "SELECT rank, step, toUnixTimestamp64Nano(t_start) AS t_start, data_next_wait,"
               " model_fwd_loss, model_backward, callbacks, optim_step, step_other, device_ns"
               " FROM stages WHERE job_id = '{job}'",
-    "beats": "SELECT rank, toUnixTimestamp64Nano(ts) AS ts, comm_id, last_op_seq, dropped"
+    "beats": "SELECT rank, toUnixTimestamp64Nano(ts) AS ts, comm_id, last_op_seq, dropped,"
+             " step, stage, toUnixTimestamp64Nano(stage_ts) AS stage_ts"
              " FROM beats WHERE job_id = '{job}'",
 }
 TIME_COL = {"ops": "t_start", "stages": "t_start", "beats": "ts"}
@@ -210,6 +213,19 @@ def test_ddp_slow_data_rank_and_hung_rank(rig: Rig) -> None:
     hang = engine.diagnose(hang_w, Trigger(job, hang_w.now_ns, "hang", (0, 2, 3)),
                            hang_w.now_ns)
     assert hang is not None and hang.kind == "hang" and hang.ranks == (1,), hang
+
+    # the hung rank's beats say where it is: inside backward of step 25, since it got there
+    last = rig.rows(f"SELECT toUnixTimestamp64Nano(ts) AS ts, step, stage, "
+                    f"toUnixTimestamp64Nano(stage_ts) AS stage_ts FROM beats WHERE job_id = "
+                    f"'{job}' AND rank = 1 ORDER BY ts DESC LIMIT 1")
+    assert last["step"].tolist() == [25] and last["stage"].tolist() == ["model.backward"], last
+    assert last["ts"][0] - last["stage_ts"][0] > 10**9  # entered long before this beat
+    where = current_stage(hang_w.get("beats"), 1)
+    assert where is not None and where[:2] == (25, "model.backward"), where
+    hung_stages = hang_w.get("stages")
+    # no stage record says so: step 25 never ended
+    hung_1 = np.asarray(hung_stages["rank"]) == 1
+    assert max(np.asarray(hung_stages["step"])[hung_1]) < 25
 
 
 def test_pipeline_hung_stage_rank(rig: Rig) -> None:

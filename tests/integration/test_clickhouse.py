@@ -109,7 +109,7 @@ def test_raw_tables_follow_the_record_contract(clickhouse_db: Database) -> None:
         for c in spec:
             if c.kind == "str":
                 assert types[c.name] == "LowCardinality(String)", (kind, c.name)
-            elif c.name in ("t_enqueue", "t_start", "t_end", "ts"):
+            elif c.name in ("t_enqueue", "t_start", "t_end", "ts", "stage_ts"):
                 assert types[c.name] == "DateTime64(9, 'UTC')", (kind, c.name)
             else:
                 assert types[c.name] == ("Int32" if c.dtype == np.int32 else "Int64"), c.name

@@ -120,3 +120,44 @@ def test_a_call_that_completed_before_the_window_is_not_read_as_stuck(
     # judged during the stall (its end is after that moment), both were stuck
     during = read_window(clickhouse_db, topo, t - 10 * s, t + 50 * s)
     assert stuck_ranks(during, t + 50 * s).tolist() == [0, 1]
+
+
+def test_window_beats_carry_the_ranks_position(clickhouse_db: Database) -> None:
+    """Beats stored through the writer come back in the window with step, stage and stage_ts
+    (ns), and `current_stage` reads a hung rank's stage from them; a beat of an old producer
+    (no position columns) reads as unknown."""
+    from diagnosis.position import current_stage
+    from ingest.batch import encode_batch
+
+    s, t = 1_000_000_000, 1_700_000_000 * 1_000_000_000
+    job = "win-beats"
+    new = decode_batch(encode_batch("beats", job, {
+        "rank": [0, 1, 1], "ts": [t, t, t + s], "comm_id": ["world"] * 3,
+        "last_op_seq": [9, 8, 8], "step": [12, 12, 12],
+        "stage": ["optim.step", "model.backward", "model.backward"],
+        "stage_ts": [t - 5, t - 300 * 1_000_000, t - 300 * 1_000_000]}))
+    old = decode_batch(encode_batch("beats", job, {"rank": [2], "ts": [t]}))
+    asyncio.run(ClickHouseWriter(clickhouse_db).write("beats", [new, old], "beats:0"))
+    topo = Simulation(JobConfig(job_id=job, tp=1, pp=1, dp=4), []).topology()
+    w = read_window(clickhouse_db, topo, t - 10 * s, t + 10 * s, ("beats",))
+    b = w.get("beats")
+    order = np.lexsort((b["ts"], b["rank"]))
+    assert b["step"][order].tolist() == [12, 12, 12, -1]
+    assert [str(x) for x in b["stage"][order]] == ["optim.step", "model.backward",
+                                                    "model.backward", ""]
+    assert b["stage_ts"][order].tolist() == [t - 5, t - 300 * 1_000_000, t - 300 * 1_000_000, 0]
+    assert current_stage(b, 1) == (12, "model.backward", t - 300 * 1_000_000)
+    assert current_stage(b, 0) == (12, "optim.step", t - 5)
+    assert current_stage(b, 2) is None
+    # the README's query: each rank's newest beat, its stage and for how long
+    rows = clickhouse_db.query(
+        "SELECT rank, step, stage, toFloat64(ts - stage_ts) AS for_s FROM beats "
+        "WHERE job_id = 'win-beats' ORDER BY ts DESC LIMIT 1 BY rank").result_rows
+    rows.sort()
+    assert [(r, s_, st) for r, s_, st, _ in rows] == [(0, 12, "optim.step"),
+                                                      (1, 12, "model.backward"), (2, -1, "")]
+    assert abs(rows[1][3] - 1.3) < 1e-6  # entered 0.3 s before its first beat, 1 s before
+    readme = clickhouse_db.query(
+        "SELECT rank, step, stage, now64(9) - stage_ts AS for_s FROM beats "
+        "WHERE job_id = 'win-beats' ORDER BY ts DESC LIMIT 1 BY rank").result_rows
+    assert sorted(r[:3] for r in readme) == [r[:3] for r in rows]

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
@@ -214,3 +215,112 @@ def test_full_ring_drops_and_counts_never_raises(tmp_path: Path, prefix: str) ->
     agent.discover()
     assert agent.stats()["tracer_dropped"] == 36 and agent.stats()["ring_backlog"] == 64
     s.close()
+
+
+def test_beats_carry_the_stage_the_rank_is_inside(tmp_path: Path, prefix: str) -> None:
+    """A rank's stage clock publishes its position into its ring header; every beat carries it:
+    inside backward of step 7 (a step that has not ended, so no stage record says so), then
+    between stages once backward is left."""
+    from ingest.torch.stages import StageClock
+
+    s = sink(tmp_path, prefix, 0)
+    clock = StageClock()
+    clock.publish_position(s.writer.position())
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix, beat_s=0.0), pub)
+
+    def last_beat() -> dict[str, Any]:
+        agent.step()
+        agent.out.flush(force=True)
+        pub.flush()
+        return kinds(pub, "beats")[-1]
+
+    with clock.step(7):
+        with clock.data():
+            pass
+        before = time.time_ns()
+        with clock.backward():
+            b = last_beat()
+            assert b["step"].tolist() == [7] and b["stage"].tolist() == ["model.backward"]
+            assert before - 8 <= int(b["stage_ts"][0]) <= time.time_ns()
+        left = time.time_ns()
+        b = last_beat()
+        assert b["step"].tolist() == [7] and b["stage"].tolist() == [""]
+        assert int(b["stage_ts"][0]) >= left - 10_000_000  # when backward was left
+    clock.publish_position(None)
+    s.close()
+
+
+def test_beats_without_a_stage_clock_say_unknown(tmp_path: Path, prefix: str) -> None:
+    s = sink(tmp_path, prefix, 0)
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix), pub)
+    agent.step()
+    agent.out.flush(force=True)
+    pub.flush()
+    b = kinds(pub, "beats")[-1]
+    assert (b["step"].tolist(), b["stage"].tolist(), b["stage_ts"].tolist()) == ([-1], [""], [0])
+    s.close()
+
+
+def test_idle_passes_look_at_nothing_until_the_shm_directory_changes(
+        tmp_path: Path, prefix: str) -> None:
+    """A pass attaches no ring while /dev/shm is unchanged; a ring created (or re-created by a
+    new producer under the same name) is attached at the next pass; a beat rescans anyway."""
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix, beat_s=3600.0), pub)
+    agent.step()  # beat + full scan
+    assert agent.rings == {}
+    s0 = sink(tmp_path, prefix, 0)
+    agent.step()
+    assert list(agent.rings) == [s0.name]
+    first = agent.rings[s0.name]
+    calls: list[str] = []
+    real = ring.RingReader
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, name: str, **kw: Any) -> None:
+            calls.append(name)
+            super().__init__(name, **kw)
+
+    ring.RingReader = Counting  # type: ignore[misc]
+    try:
+        for _ in range(5):
+            agent.step()
+        assert calls == []  # nothing attached while nothing changed
+        s0.close(unlink=True)
+        s0b = sink(tmp_path, prefix, 0)  # a new producer, same name
+        agent.step()
+        assert calls == [s0b.name] and agent.rings[s0b.name] is not first
+        agent._shm_stamp = None  # as if a change hid under a coarse mtime
+        agent.discover(force=True)
+        assert calls == [s0b.name]  # the known ring is recognised by its inode, not re-opened
+    finally:
+        ring.RingReader = real  # type: ignore[misc]
+    s0b.close()
+
+
+def test_polls_slowly_only_when_idle_and_never_past_a_beat(tmp_path: Path, prefix: str) -> None:
+    agent = Agent(config(tmp_path, prefix, beat_s=1.0, poll_s=0.05, idle_after_s=2.0,
+                         idle_poll_s=0.25), FakePublisher())
+    agent._last_record, agent._next_beat = 100.0, 1000.0
+    assert agent.pause(101.0) == 0.05  # records came a second ago: keep polling fast
+    assert agent.pause(103.0) == 0.25  # idle
+    agent._next_beat = 103.1
+    assert agent.pause(103.0) == pytest.approx(0.1)  # the beat is due before
+    agent._next_beat = 1000.0
+    agent.out.append("j", "beats", {"rank": np.array([0]), "ts": np.array([1])})
+    assert agent.pause(103.0) == 0.05  # a batch lingers: its flush must not wait
+
+
+def test_stats_file_written_only_when_they_change(tmp_path: Path, prefix: str) -> None:
+    agent = Agent(config(tmp_path, prefix), FakePublisher())
+    agent.write_stats()
+    path = tmp_path / "agent.json"
+    first = path.stat().st_mtime_ns
+    path.write_text("{}")  # would be overwritten by a write
+    agent.write_stats()
+    assert path.read_text() == "{}" and path.stat().st_mtime_ns >= first
+    agent.counters.read += 1
+    agent.write_stats()
+    assert orjson.loads(path.read_text())["read"] == 1

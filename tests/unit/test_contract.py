@@ -327,3 +327,17 @@ def test_framed_envelope_rejections() -> None:
     with pytest.raises(BatchError, match="le64") as exc:
         decode_batch(orjson.dumps(d))
     assert exc.value.field == "bytes"
+
+
+def test_beat_stage_names_are_the_tracers_stages() -> None:
+    from typing import get_args
+
+    from ingest.records import Beat, StageName
+    from ingest.torch.events import STAGES
+
+    assert get_args(StageName) == ("", *STAGES)
+    assert Beat(rank=0, ts=1).model_dump() | {} == {
+        "rank": 0, "ts": 1, "comm_id": "", "last_op_seq": -1, "dropped": 0, "step": -1,
+        "stage": "", "stage_ts": 0}  # an old producer's beat stays valid
+    with pytest.raises(ValueError):
+        Beat(rank=0, ts=1, stage="backward")

@@ -218,7 +218,7 @@ def test_errors_name_the_problem(name: str) -> None:
     assert ring.ring_name("job-1", 3, "py") == "/rankwatch.job-1.3.py"
     with pytest.raises(OSError):
         ring.ring_name("bad/job", 3, "py")
-    assert ctypes.sizeof(ring._Stat) == 136
+    assert ctypes.sizeof(ring._Stat) == 160
 
 
 def test_packer_writes_records_one_by_one(name: str) -> None:
@@ -247,3 +247,27 @@ def test_every_func_of_the_c_enum_is_an_op_name_of_the_contract() -> None:
     from ingest.ring import FUNCS
 
     assert FUNCS[0] == "" and set(FUNCS[1:]) <= set(get_args(OpName))
+
+
+def test_position_words_round_trip(name: str) -> None:
+    """The producer's position words: plain stores into the header, read back by another
+    mapping through rw_ring__stat as (step, stage, realtime ns); a new ring starts unknown."""
+    with ring.RingWriter(name, capacity=64, rank=1, job_id="job-p") as w, \
+            ring.RingReader(name) as r:
+        assert r.stat().position == (-1, 0, 0)
+        pos = w.position()
+        off = 1_700_000_000_000_000_000
+        pos[ring.POS_OFFSET] = off
+        pos[ring.POS_STEP] = 42
+        pos[ring.POS_LEFT] = 1000  # the step began
+        assert r.stat().position == (42, 0, off + 1000)
+        pos[ring.POS_ENTER + 0] = 1100  # stage 1 entered
+        assert r.stat().position == (42, 1, off + 1100)
+        pos[ring.POS_LEFT] = 1200
+        pos[ring.POS_ENTER + 2] = 1300  # stage 3 entered; stage 1's entry is older
+        assert r.stat().position == (42, 3, off + 1300)
+        pos[ring.POS_LEFT] = 1400
+        assert r.stat().position == (42, 0, off + 1400)
+        pos[ring.POS_STEP] = -7  # damaged: read as unknown, never below -1
+        assert r.stat().position[0] == -1
+        del pos
