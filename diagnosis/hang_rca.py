@@ -17,6 +17,10 @@ Combination (each rule's own docstring states its assumptions):
    record is what tells the two apart. Without a 1F1B schedule (a plain data-parallel job) the
    hung step is the one the waiting ranks' calls carry; only calls issued by the analysis
    moment count.
+   Where the culprit's beats carry its position (`diagnosis.position`: the PyTorch tracer
+   records stage entry), the stage it is inside names the stage ("bwd pp=1" for a rank hung
+   in its backward), above the schedule's guess; a halt point of the same pass stays (it
+   names the microbatch too).
 4. `mycroft_flow.slow_flows`'s "flow_incomplete" corroborates NIC hangs (computed only on the
    min-data path: a min-op culprit is named by the ops alone).
 5. A stall that already recovered (`past_stall`: the longest gap between op completions, at
@@ -39,6 +43,7 @@ import numpy as np
 
 from diagnosis.columns import codes, col, distinct, ints
 from diagnosis.conclusion import Conclusion
+from diagnosis.position import current_stage
 from diagnosis.rules.base import Component, Finding
 from diagnosis.rules.halt_point import halt_point, hung_step
 from diagnosis.rules.mycroft_flow import FlowConfig, slow_flows
@@ -75,6 +80,26 @@ def _between_steps(w: Window, rank: int, step: int, now_ns: int) -> str | None:
     have = (ints(st, "rank") == rank) & (ints(st, "step") == step - 1)
     peers = (ints(st, "step") == step - 1).any()
     return "data" if have.any() or not peers else "optim"
+
+
+#: a stage the tracer reports a rank inside → (diagnosis stage, component); "{pp}" is the rank's
+#: pipeline stage
+POSITION_STAGE: dict[str, tuple[str, Component]] = {
+    "data.next_wait": ("data", "data_loader"), "model.fwd_loss": ("fwd pp={pp}", "gpu_compute"),
+    "model.backward": ("bwd pp={pp}", "gpu_compute"), "callbacks": ("callbacks", "host_software"),
+    "optim.step": ("optim", "gpu_compute")}
+
+
+def _inside_stage(w: Window, rank: int, step: int) -> tuple[str, Component] | None:
+    """The stage the hung rank is inside, from the position its beats carry
+    (`diagnosis.position`: the tracer records stage entry, so an unfinished step still has a
+    current stage): (stage, component), or None when its beats carry none, it is between
+    stages, or the position is of a step before the hung one (it is stale)."""
+    pos = current_stage(w.get("beats"), rank)
+    if pos is None or pos[1] not in POSITION_STAGE or (step >= 0 and 0 <= pos[0] < step):
+        return None
+    name, comp = POSITION_STAGE[pos[1]]
+    return name.format(pp=int(w.grid.stage[rank])), comp
 
 
 def _waiters_step(w: Window, top: Finding, now_ns: int) -> int:
@@ -208,14 +233,21 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
             except (ValueError, IndexError):
                 k = -1
         between = _between_steps(w, x, k, now_ns)
-        if between is not None and (hp is None or "min_tp_calls" in hp.labels
-                                    or "no_tp_calls_in_pass" in hp.labels
-                                    or hp.stage in ("between_steps", "data")):
+        inside = _inside_stage(w, x, k)
+        if inside is not None and not (hp is not None and hp.stage
+                                       and hp.stage.split(" ")[0] == inside[0].split(" ")[0]):
+            # where the rank says it is beats where the schedule guesses it is; a halt point
+            # that agrees (same pass) is kept: it also names the microbatch
+            alt = stage
+            stage, comp = inside
+        elif between is not None and (hp is None or "min_tp_calls" in hp.labels
+                                      or "no_tp_calls_in_pass" in hp.labels
+                                      or hp.stage in ("between_steps", "data")):
             alt = stage
             stage, comp = between, "data_loader" if between == "data" else "gpu_compute"
         else:
             alt = normalize_stage(top.stage)
-        conf = 0.95 if hp is not None else 0.75
+        conf = 0.95 if hp is not None or inside is not None else 0.75
     ranks = tuple(sorted({int(r) for f in min_op for r in f.culprit_ranks}))
     labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))
     summ = [(top.rule, f"rank {x} never reached the op its peers wait in "

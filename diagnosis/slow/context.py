@@ -8,8 +8,9 @@ work: ranks of one PP stage, DP rings, links between the same pair of stages).
 
 The verdict (`judge`) — the rule every comparison across ranks goes through:
 - materiality: the unit's mean excess over the peer reference is at least `min_share` of the
-  step time, at least `job_noise` × the robust σ of the job's step time (`Ctx.noise_floor`),
-  and its ratio to the reference at least the analysis' `ratio_min`;
+  step time (links: `net_abs_ns`), at least `job_noise` × the robust σ of the job's step time
+  (`Ctx.noise_floor`; not for links, see `job_gate`), and its ratio to the reference at least
+  the analysis' `ratio_min`;
 - and the excess must stand out of the quantity's own noise, in one of two ways:
   - a *change* (`change`): the unit's excess over its peers rose, over its last `onset_steps`
     or more steps, by at least `z_change` robust standard deviations of that same excess over
@@ -25,7 +26,11 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     stage are two samples: their ratio is not evidence, and no such verdict is given;
   - `sparse` (intermittent excess: a stalled callback, a slow batch): at least three steps above
     the reference by the whole materiality floor, three times as many as the busiest peer plus
-    two, the first of them inside the window.
+    two, the first of them inside the window; a count of spikes is compared across peers, so
+    this too needs a peer set of `min_peers`.
+  The noise of a series is the larger of its robust σ and its upper tail's width (`_spread`):
+  a rank that shares its cores is descheduled now and then, a heavy tail the MAD reads as
+  quiet.
 - `confirm`: units of an incident already open need only stay material on most steps
   (hysteresis: the opening needed the evidence above, staying open needs persistence).
 The strength of the evidence (`z`) feeds the conclusion's confidence.
@@ -185,6 +190,15 @@ def _mad_sigma(x: Array, axis: int = 0) -> Array:
         return np.asarray(1.4826 * np.nanmedian(np.abs(x - med), axis=axis))
 
 
+def _spread(x: Array) -> float:
+    """The noise of a 1-D series for the change test: the larger of its robust σ and its upper
+    tail's width, (p90 − p50) / 1.2816 — equal for Gaussian noise, larger for the heavy upper
+    tail of a rank that shares its cores (descheduled now and then for milliseconds), which
+    the MAD alone reads as quiet."""
+    q50, q90 = np.percentile(x, [50, 90])
+    return max(float(_mad_sigma(x)), float(q90 - q50) / 1.2816)
+
+
 def _nanmedian(x: Array, axis: int = 0) -> Array:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -225,7 +239,9 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     n, u = m.shape
     groups = ctx.stage_of if groups is None else groups
     ref = reference(m, groups) if ref is None else ref
-    floor = max(cfg.min_share * ctx.step_ns if floor is None else floor, ctx.noise_floor())
+    floor = cfg.min_share * ctx.step_ns if floor is None else floor
+    if job_gate:  # a link's change is judged by its own noise, the job's does not hide it
+        floor = max(floor, ctx.noise_floor())
     d = m - ref  # per-step excess over the peer reference
     with np.errstate(all="ignore"):
         exc = np.nan_to_num(np.nanmean(np.maximum(d, 0.0), axis=0))
@@ -277,7 +293,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             spike = d >= floor
         cnt = spike.sum(axis=0)
         first = np.argmax(spike, axis=0)
-        for x in np.flatnonzero(~flag & (cnt >= 3) & (first > 0)).tolist():
+        for x in np.flatnonzero(~flag & (cnt >= 3) & (first > 0)
+                                & (peers >= cfg.min_peers)).tolist():
             others = np.flatnonzero((gi == gi[x]) & present)
             others = others[others != x]
             busiest = int(cnt[others].max()) if others.size else 0
@@ -318,7 +335,7 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
     for length in range(k, n - k + 1):
         before, after = dd[:-length], dd[-length:]
         mb = float(np.median(before))
-        sd = max(float(_mad_sigma(before)), 0.01 * float(np.median(rr[:-length])), 1.0)
+        sd = max(_spread(before), 0.01 * float(np.median(rr[:-length])), 1.0)
         if np.mean(after > mb + 2 * sd) < 0.8:
             continue
         rise = float(np.median(after)) - mb
