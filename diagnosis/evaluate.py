@@ -22,6 +22,7 @@ whose job stops (hang, death, nic_down, recv_fail lasting ≥ 5 s or forever).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,8 @@ class ScenarioScore:
     incidents: int = 0
     wall_s: float = 0.0
     analysis_ms: list[float] = field(default_factory=list)
+    #: (confidence, right) of every published version but resolutions (`grade_versions`)
+    graded: list[tuple[float, bool]] = field(default_factory=list)
 
 
 def _incidents(diags: Sequence[Diagnosis]) -> dict[str, list[Diagnosis]]:
@@ -133,6 +136,7 @@ def score_scenario(name: str, tags: Sequence[str], truth: Sequence[Any],
                                 "version": final.version, "primary": primary}
                 break
         sc.faults.append(fs)
+    sc.graded = grade_versions(truth, diags)
     hang_truth = {r for t in truth if t.expect_diagnosis for r in t.ranks}
     for iid, versions in inc.items():
         final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
@@ -143,6 +147,40 @@ def score_scenario(name: str, tags: Sequence[str], truth: Sequence[Any],
         if iid not in used:
             sc.false_alarms += 1
     return sc
+
+
+def grade_versions(truth: Sequence[Any], diags: Sequence[Diagnosis]) -> list[tuple[float, bool]]:
+    """(confidence, right) for every published version except resolutions: right when some
+    expected fault active by then (started at most 2 s after the version) has the version's
+    culprit ranks among its ranks, its stage (`stage_match`) and its component. A version of a
+    job without such a fault (a control, a fault too small to matter) is wrong: what the
+    calibration table (`calibration`) measures is how often a version of a given confidence
+    is right as published."""
+    out = []
+    for d in diags:
+        if d.status == "resolved":
+            continue
+        ok = any(t.expect_diagnosis and t.start_ns <= d.detected_ns + 2 * SECOND
+                 and d.culprit_ranks and set(d.culprit_ranks) <= set(t.ranks)
+                 and stage_match(t.stage, d.stage)
+                 and d.component == COMPONENT_OF_TRUTH.get(t.component, t.component)
+                 for t in truth)
+        out.append((float(d.confidence), bool(ok)))
+    return out
+
+
+CONFIDENCE_BINS = (0.0, 0.5, 0.7, 0.8, 0.9, 1.01)
+
+
+def calibration(graded: Sequence[tuple[float, bool]]) -> list[dict[str, Any]]:
+    """Per confidence bin: versions published and the share of them that were right."""
+    rows = []
+    for lo, hi in itertools.pairwise(CONFIDENCE_BINS):
+        sel = [ok for c, ok in graded if lo <= c < hi]
+        rows.append({"confidence": f"[{lo:.2f}, {min(hi, 1.0):.2f}]" if hi > 1 else
+                     f"[{lo:.2f}, {hi:.2f})", "versions": len(sel),
+                     "right": round(float(np.mean(sel)), 3) if sel else None})
+    return rows
 
 
 def _pct(x: list[bool]) -> float | None:
@@ -184,6 +222,7 @@ def summarize(scores: Sequence[ScenarioScore]) -> dict[str, Any]:
         "false_alarms_small": sum(s.incidents for s in small),
         "analysis_ms_p50": round(float(np.median([m for s in scores for m in s.analysis_ms]
                                                   or [0.0])), 1),
+        "calibration": calibration([g for s in scores for g in s.graded]),
     }
 
 

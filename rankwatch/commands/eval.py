@@ -84,6 +84,9 @@ def table(summary: dict[str, Any], scores: list[ScenarioScore], mode: str) -> st
                                                f"{summary['false_alarms_small']}"),
         ("root-cause analysis p50 (ms)", f"{summary['analysis_ms_p50']}"),
     ]
+    cal = ", ".join(f"{r['confidence']}: {r['right']} of {r['versions']}"
+                    for r in summary.get("calibration", []) if r["versions"])
+    rows.append(("versions right, by confidence", cal or "(none published)"))
     w = max(len(a) for a, _ in rows)
     out = [f"  {a:<{w}}  {b}" for a, b in rows]
     out.append("")
