@@ -427,6 +427,8 @@ def run_batches(batches: Any, epoch: int, config: AnalystConfig | None = None
                 topo.append(b.topologies[0])
                 watch.append(JobWatch(b.topologies[0]))
                 analyst.jobs.add(b.topologies[0].job_id)
+            else:  # a later topology (a shape the agent inferred since) replaces it
+                topo[0] = b.topologies[0]
             continue
         store.add(kind, b.cols)
         fresh.setdefault(kind, []).append(b.cols)
