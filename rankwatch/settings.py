@@ -66,6 +66,9 @@ class Settings(BaseModel):
     progress_window_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     iteration_window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     kernel_window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    #: `rankwatch notify`'s configuration file (diagnosis/sinks/config.py); empty: the file
+    #: <home>/notify.toml if it exists. `rankwatch up` starts notify when there is one.
+    notify_config: str = ""
 
     @field_validator("clickhouse_url")
     @classmethod
