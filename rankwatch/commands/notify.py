@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--config", help="the notify configuration file (TOML)")
     p.add_argument("--check", action="store_true",
                    help="validate the configuration, print sinks and routes, and exit")
+    p.add_argument("--metrics-port", type=int, default=8127,
+                   help="serve Prometheus metrics at http://BIND_HOST:PORT/metrics (per sink: "
+                        "delivered, retries, dead letters, backlog; 0: off; default 8127)")
     p.add_argument("--json", action="store_true", help="--check prints JSON")
     p.add_argument("--loglevel", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -87,6 +90,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     ledger = Path(cfg.state_file) if cfg.state_file else settings.home / "notify" / "ledger.sqlite"
     notifier = Notifier(cfg, bootstrap=settings.bootstrap, topic=settings.topics.diagnoses,
                         dlq_topic=settings.topics.dlq, ledger_path=ledger)
+    if args.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        from rankwatch import metrics
+
+        registry = CollectorRegistry()
+        registry.register(metrics.NotifyCollector(notifier))
+        metrics.serve(registry, settings.bind_host, args.metrics_port)
     stop = threading.Event()
 
     def on_signal(_sig: int, _frame: FrameType | None) -> None:
