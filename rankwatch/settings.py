@@ -56,6 +56,8 @@ class Settings(BaseModel):
     sql_writable: bool = False
     #: The worker's Prometheus metrics at http://bind_host:metrics_port/metrics (0: off).
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8125
+    #: The worker's incident pages at http://bind_host:page_port/ (0: off).
+    page_port: Annotated[int, Field(ge=0, le=65535)] = 8128
     topic_prefix: str = "rw"
     #: Writer batching: one insert per partition for at most this many Kafka messages (each a
     #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.

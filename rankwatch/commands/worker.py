@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from diagnosis.agents import attach as attach_diagnosis
 from ingest.records import DERIVED
-from rankwatch import metrics
+from rankwatch import metrics, pages
 from rankwatch.settings import Settings
 from streams.app import AppConfig, StreamsApp
 from streams.db import ClickHouseError, Database, migrate
@@ -111,14 +111,24 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
         if rows:
             await writer.write_metrics(rows)
 
+    async def serve_pages() -> None:
+        if settings.page_port:
+            pages_runner = await pages.start(pages.db_query(db), settings.bind_host,
+                                             settings.page_port)
+            if pages_runner is not None:
+                runner["pages"] = pages_runner
+
     async def close_sql(sender: Any, *args: Any, signal: Any = None, **kwargs: Any) -> None:
         if "sql" in runner:
             await stop_sql_endpoint(runner.pop("sql"))
+        if "pages" in runner:
+            await runner.pop("pages").cleanup()
 
     async def trim_memory() -> None:
         await asyncio.to_thread(release_free_memory)
 
     sapp.app.task(serve_sql)
+    sapp.app.task(serve_pages)
     sapp.app.timer(METRICS_INTERVAL_S)(store_metrics)
     sapp.app.timer(TRIM_INTERVAL_S)(trim_memory)
     sapp.app.timer(derived.tick_s)(derive)
