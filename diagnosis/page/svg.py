@@ -20,7 +20,7 @@ import numpy as np
 CULPRIT = "#d62728"
 PEER = (31, 78, 156)
 CULPRIT_RGB = (214, 39, 40)
-MAX_ROWS = 200
+MAX_ROWS = 256
 STAGE_COLOURS = ("#8c564b", "#1f77b4", "#ff7f0e", "#9467bd", "#2ca02c", "#7f7f7f")
 
 
@@ -53,36 +53,44 @@ def progress_heatmap(progress: np.ndarray, culprits: list[int], t0_ns: int, bin_
     n_rows, n_bins = len(rows), progress.shape[1]
     cell_w = 12
     cell_h = max(3, min(14, 640 // max(1, n_rows)))
+    culprit_h = max(cell_h, 10)  # a culprit's row stays readable among thin peer rows
+    heights = [culprit_h if c else cell_h for _l, _v, c in rows]
+    ys = np.concatenate([[0], np.cumsum(heights)]).tolist()
     left, top = 96, 24
-    width, height = left + n_bins * cell_w + 20, top + n_rows * cell_h + 40
+    bottom = top + ys[-1]
+    width, height = left + n_bins * cell_w + 20, bottom + 40
     nz = progress[progress > 0]
     vmax = float(np.percentile(nz, 95)) if nz.size else 1.0
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" role="img" aria-label="completed ops per rank '
              'and time" class="heatmap">']
-    label_every = max(1, -(-11 // cell_h))  # labels at least 11 px apart
+    labels: list[tuple[float, str, bool]] = []
     for i, (label, values, culprit) in enumerate(rows):
-        y = top + i * cell_h
+        y, h = top + ys[i], heights[i]
         rgb = CULPRIT_RGB if culprit else PEER
         for j in range(n_bins):
             v = float(values[j]) / vmax if vmax else 0.0
             if v <= 0 and not culprit:
                 continue
             parts.append(f'<rect x="{left + j * cell_w}" y="{y}" width="{cell_w}" '
-                         f'height="{cell_h}" fill="{_shade(max(v, 0.0), rgb)}"/>')
+                         f'height="{h}" fill="{_shade(max(v, 0.0), rgb)}"/>')
         if culprit:
             parts.append(f'<rect class="culprit-row" x="{left}" y="{y}" '
-                         f'width="{n_bins * cell_w}" height="{cell_h}" fill="none" '
-                         f'stroke="{CULPRIT}" stroke-width="2"><title>{escape(label)} '
+                         f'width="{n_bins * cell_w}" height="{h}" fill="none" '
+                         f'stroke="{CULPRIT}" stroke-width="1.5"><title>{escape(label)} '
                          '(culprit)</title></rect>')
-        if culprit or i % label_every == 0:
-            colour = CULPRIT if culprit else "#444"
-            weight = "bold" if culprit else "normal"
-            parts.append(f'<text x="{left - 6}" y="{y + cell_h - 1}" font-size="10" '
-                         f'text-anchor="end" fill="{colour}" font-weight="{weight}">'
-                         f'{escape(label)}</text>')
+        labels.append((y + h / 2 + 3.5, label, culprit))
+    # every culprit is labelled; peers where a label fits (11 px from any other)
+    taken = [y for y, _l, c in labels if c]
+    for y, label, culprit in labels:
+        if not culprit and any(abs(y - t) < 11 for t in taken):
+            continue
+        if not culprit:
+            taken.append(y)
+        colour, weight = (CULPRIT, "bold") if culprit else ("#444", "normal")
+        parts.append(f'<text x="{left - 6}" y="{y:.1f}" font-size="10" text-anchor="end" '
+                     f'fill="{colour}" font-weight="{weight}">{escape(label)}</text>')
     x_on = left + (onset_ns - t0_ns) / bin_ns * cell_w
-    bottom = top + n_rows * cell_h
     parts.append(f'<line x1="{x_on:.1f}" y1="{top - 6}" x2="{x_on:.1f}" y2="{bottom + 4}" '
                  'stroke="#111" stroke-width="1.5" stroke-dasharray="4 3"/>')
     parts.append(f'<text x="{x_on:.1f}" y="{top - 9}" font-size="11" text-anchor="middle">'
