@@ -61,7 +61,7 @@ def _versions(query: Query, incident_id: str) -> list[Diagnosis]:
     return [Diagnosis.model_validate_json(r["json"]) for r in rows]
 
 
-def _topology(query: Query, job_id: str) -> tuple[int, list[str]]:
+def topology(query: Query, job_id: str) -> tuple[int, list[str]]:
     rows = query(f"SELECT argMax(topology, ts) AS t FROM jobs WHERE job_id = {literal(job_id)}")
     if rows and rows[0].get("t"):
         topo = orjson.loads(rows[0]["t"])
@@ -80,7 +80,7 @@ def load(query: Query, incident_id: str, before_s: float = 30.0, after_s: float 
     t0 = onset - int(before_s * SECOND)
     t1 = onset + int(after_s * SECOND)
     bin_ns = max(1, (t1 - t0) // bins)
-    world, hosts = _topology(query, d.job_id)
+    world, hosts = topology(query, d.job_id)
     job = literal(d.job_id)
     span = (f"BETWEEN fromUnixTimestamp64Nano(toInt64({t0})) "
             f"AND fromUnixTimestamp64Nano(toInt64({t1}))")

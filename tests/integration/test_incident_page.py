@@ -12,6 +12,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from ingest.publish import BatchPublisher
 from ingest.records import Communicator, JobTopology
 from ingest.synthetic import ops_columns
 from rankwatch import stack
-from rankwatch.commands import report
+from rankwatch.commands import export, report
 from rankwatch.commands.sql import execute
 from rankwatch.kafka_broker import delete_topics
 from tests.conftest import KafkaService, free_ports
@@ -84,6 +86,12 @@ def publish_job(s: Any, job: str, onset: int) -> int:
               "optim_step": np.full(ranks.size, 50_000_000),
               "step_other": np.full(ranks.size, 25_000_000)}
     pub.publish("stages", encode_batch("stages", job, stages, producer="t", seq=0), key=job)
+    kr = np.repeat(np.arange(WORLD), 10)
+    kernels = {"rank": kr, "stream": np.full(kr.size, 7),
+               "kernel": (np.zeros(kr.size, np.int64), ["ampere_sgemm_128x64_nn"]),
+               "t_start": onset - 5 * S + np.tile(np.arange(10), WORLD) * 100_000_000,
+               "duration": np.full(kr.size, 40_000_000)}
+    pub.publish("kernels", encode_batch("kernels", job, kernels, producer="t", seq=0), key=job)
     assert pub.flush(10) == 0
     return int(keep.sum())
 
@@ -96,8 +104,18 @@ def get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-def test_the_worker_serves_the_page_and_report_writes_it_both_render_in_chromium(
-        kafka: KafkaService, settings_factory: Any, tmp_path: Path) -> None:
+@dataclass
+class Incident:
+    settings: Any
+    job: str
+    incident_id: str
+    onset: int
+
+
+@pytest.fixture(scope="module")
+def incident(kafka: KafkaService, settings_factory: Any) -> Iterator[Incident]:
+    """A real worker holding one job (16 ranks; rank 5 stops at the onset and spends 4.5x its
+    peers' time in backward) and one stored hang incident naming rank 5."""
     sql_port, page_port = free_ports(2)
     s = settings_factory(kafka_bootstrap=kafka.bootstrap, kafka_partitions=1,
                          topic_prefix=f"pg{uuid.uuid4().hex[:10]}", sql_port=sql_port,
@@ -112,37 +130,98 @@ def test_the_worker_serves_the_page_and_report_writes_it_both_render_in_chromium
         n_ops = publish_job(s, job, onset)
         execute(s, "INSERT INTO diagnoses FORMAT JSONEachRow\n" + diagnosis_row(d).decode(),
                 "TSV")
+        want = {"ops": n_ops, "stages": WORLD * 20, "kernels": WORLD * 10}
         t0 = time.monotonic()
         while time.monotonic() - t0 < 60:
-            got = execute(s, f"SELECT count() FROM ops WHERE job_id = '{job}'", "TSV")
-            if int(got) >= n_ops and int(execute(s, "SELECT count() FROM stages WHERE "
-                                                 f"job_id = '{job}'", "TSV")) >= WORLD * 20:
+            if all(int(execute(s, f"SELECT count() FROM {t} WHERE job_id = '{job}'", "TSV"))
+                   >= n for t, n in want.items()):
                 break
             time.sleep(0.3)
-
-        out = tmp_path / "incident.html"
-        args = argparse.Namespace(incident_id=iid, html=str(out), json=False)
-        assert report.run(args, s) == 0
-        html = out.read_text()
-        bare = html.replace('xmlns="http://www.w3.org/2000/svg"', "")
-        for needle in ("http://", "https://", "<script", "<link", " src="):
-            assert needle not in bare  # self-contained: nothing fetched, nothing run
-        assert f"rank {CULPRIT}" in html and "ORDER BY t_enqueue" in html
-        assert "&lt;x&gt;" in html  # evidence text escaped
-
-        base = f"http://127.0.0.1:{page_port}"
-        status, served = get(f"{base}/incidents/{urllib.parse.quote(iid, safe='')}")
-        assert status == 200 and served == html
-        status, index = get(f"{base}/")
-        assert status == 200 and iid in index
-        status, missing = get(f"{base}/incidents/nope")
-        assert status == 404 and "no incident" in missing
-        args = argparse.Namespace(incident_id="nope", html=str(tmp_path / "x.html"), json=False)
-        assert report.run(args, s) == 1 and not (tmp_path / "x.html").exists()
-
-        check_rendered(screenshot(out.as_uri(), tmp_path / "file.png", tmp_path))
-        check_rendered(screenshot(f"{base}/incidents/{urllib.parse.quote(iid, safe='')}",
-                                  tmp_path / "served.png", tmp_path))
+        yield Incident(s, job, iid, onset)
     finally:
         stack.down(s, progress=lambda m: None)
         delete_topics(kafka.bootstrap, [t.name for t in s.topics.specs(1)])
+
+
+def test_the_worker_serves_the_page_and_report_writes_it_both_render_in_chromium(
+        incident: Incident, tmp_path: Path) -> None:
+    s, iid = incident.settings, incident.incident_id
+    out = tmp_path / "incident.html"
+    args = argparse.Namespace(incident_id=iid, html=str(out), json=False)
+    assert report.run(args, s) == 0
+    html = out.read_text()
+    bare = html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    for needle in ("http://", "https://", "<script", "<link", " src="):
+        assert needle not in bare  # self-contained: nothing fetched, nothing run
+    assert f"rank {CULPRIT}" in html and "ORDER BY t_enqueue" in html
+    assert "&lt;x&gt;" in html  # evidence text escaped
+
+    base = f"http://127.0.0.1:{s.page_port}"
+    status, served = get(f"{base}/incidents/{urllib.parse.quote(iid, safe='')}")
+    assert status == 200 and served == html
+    status, index = get(f"{base}/")
+    assert status == 200 and iid in index
+    status, missing = get(f"{base}/incidents/nope")
+    assert status == 404 and "no incident" in missing
+    args = argparse.Namespace(incident_id="nope", html=str(tmp_path / "x.html"), json=False)
+    assert report.run(args, s) == 1 and not (tmp_path / "x.html").exists()
+
+    check_rendered(screenshot(out.as_uri(), tmp_path / "file.png", tmp_path))
+    check_rendered(screenshot(f"{base}/incidents/{urllib.parse.quote(iid, safe='')}",
+                              tmp_path / "served.png", tmp_path))
+
+
+def test_export_perfetto_reads_back_with_perfettos_own_protobuf_classes(
+        incident: Incident, tmp_path: Path) -> None:
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+    out = tmp_path / "job.perfetto-trace"
+    args = argparse.Namespace(format="perfetto", job=incident.job, around=incident.incident_id,
+                              seconds=30.0, limit=1_000_000, out=str(out), json=True)
+    assert export.run(args, incident.settings) == 0
+    trace = pb.Trace()
+    trace.ParseFromString(out.read_bytes())
+    tracks = {p.track_descriptor.uuid: p.track_descriptor for p in trace.packet
+              if p.HasField("track_descriptor")}
+    top = {t.uuid: t.name for t in tracks.values() if not t.parent_uuid}
+    assert sorted(top.values()) == sorted(f"rank {r} · node{r // 4:04d}" for r in range(WORLD))
+    children: dict[str, set[str]] = {}
+    for t in tracks.values():
+        if t.parent_uuid:
+            children.setdefault(top[t.parent_uuid], set()).add(t.name)
+    assert all(c == {"ops dp:world", "stages", "kernels stream 7"} for c in children.values())
+
+    open_: dict[int, list[tuple[int, str]]] = {}
+    slices: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+    last_ts = 0
+    for p in trace.packet:
+        if not p.HasField("track_event"):
+            continue
+        assert p.timestamp >= last_ts  # one sequence, in time order
+        last_ts = p.timestamp
+        e = p.track_event
+        if e.type == pb.TrackEvent.TYPE_SLICE_BEGIN:
+            open_.setdefault(e.track_uuid, []).append((p.timestamp, e.name))
+        else:
+            assert e.type == pb.TrackEvent.TYPE_SLICE_END
+            begin, name = open_[e.track_uuid].pop()
+            track = tracks[e.track_uuid]
+            slices.setdefault((top[track.parent_uuid], track.name), []).append(
+                (begin, p.timestamp, name))
+    assert not any(open_.values())  # every slice closed
+
+    culprit = f"rank {CULPRIT} · node0001"
+    stage_names = {n for _b, _e, n in slices[(culprit, "stages")]}
+    assert stage_names == {"data.next_wait", "model.fwd_loss", "model.backward", "callbacks",
+                           "optim.step", "step.other"}
+    backward = [e - b for b, e, n in slices[(culprit, "stages")] if n == "model.backward"]
+    assert backward and all(d == 900_000_000 for d in backward)
+    # the culprit's ops stop at the onset; a peer's go on
+    assert max(b for b, _e, _n in slices[(culprit, "ops dp:world")]) <= incident.onset
+    assert max(b for b, _e, _n in slices[("rank 0 · node0000", "ops dp:world")]) > incident.onset
+    kernels = slices[(culprit, "kernels stream 7")]
+    assert len(kernels) == 10 and {n for _b, _e, n in kernels} == {"ampere_sgemm_128x64_nn"}
+
+    missing = argparse.Namespace(format="perfetto", job="no-such-job", around=None,
+                                 seconds=30.0, limit=10, out=str(tmp_path / "x"), json=False)
+    assert export.run(missing, incident.settings) == 1 and not (tmp_path / "x").exists()
