@@ -74,6 +74,9 @@ class Notifier:
         self.cfg = cfg
         self.topic, self.dlq_topic = topic, dlq_topic
         self.ledger = Ledger(ledger_path)
+        # a version older than max_age_s is skipped before the ledger is asked: keep twice that
+        self.ledger.prune(max(2 * cfg.max_age_s, 7 * 86400.0))
+        self._stopping = threading.Event()
         self.book = OffsetBook()
         self.stats = NotifyStats()
         self._on_delivered = on_delivered
@@ -161,7 +164,8 @@ class Notifier:
                    "field": where, "row": -1, "reason": f"not a diagnosis: {first['msg']}",
                    "payload_b64": base64.b64encode(raw[: 1 << 20]).decode()}
             while not self._publish_dead(rec, key=f"{topic}:{partition}"):
-                time.sleep(1.0)
+                if self._stopping.wait(1.0):
+                    return  # uncommitted: the next run dead-letters it
             done("invalid")
             return
         age_s = (time.time_ns() - d.detected_ns) / 1e9
@@ -194,6 +198,7 @@ class Notifier:
                      "paused" if full else "resumed", self.book.pending())
 
     def run(self, stop: threading.Event) -> None:
+        self._stopping = stop  # a dead letter that cannot be written waits on it
         for w in self.workers.values():
             w.start()
         self.consumer.subscribe([self.topic], on_assign=self._on_assign,

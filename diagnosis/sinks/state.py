@@ -40,6 +40,16 @@ class Ledger:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
 
+    def prune(self, older_than_s: float) -> int:
+        """Forget deliveries and resolved alerts older than `older_than_s` (versions that old
+        are skipped by age before the ledger is asked); returns the rows removed."""
+        cutoff = time.time() - older_than_s
+        with self._lock:
+            a = self._db.execute("DELETE FROM delivered WHERE ts < ?", (cutoff,)).rowcount
+            b = self._db.execute("DELETE FROM alerts WHERE open = 0 AND ts < ?",
+                                 (cutoff,)).rowcount
+        return int(a) + int(b)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

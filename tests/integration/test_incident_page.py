@@ -163,6 +163,9 @@ def test_the_worker_serves_the_page_and_report_writes_it_both_render_in_chromium
     assert status == 200 and iid in index
     status, missing = get(f"{base}/incidents/nope")
     assert status == 404 and "no incident" in missing
+    hostile = "x' OR 1=1 --\\'; SELECT 1"  # reaches SQL only as a quoted literal
+    status, missing = get(f"{base}/incidents/{urllib.parse.quote(hostile, safe='')}")
+    assert status == 404 and "no incident" in missing
     args = argparse.Namespace(incident_id="nope", html=str(tmp_path / "x.html"), json=False)
     assert report.run(args, s) == 1 and not (tmp_path / "x.html").exists()
 

@@ -17,12 +17,14 @@ from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, Producer
+from prometheus_client import CollectorRegistry, generate_latest
 
 from diagnosis.model import Diagnosis
 from diagnosis.sinks import config as nc
 from diagnosis.sinks.notifier import Notifier
 from diagnosis.sinks.webhook import verify
 from ingest.topics import Topics
+from rankwatch.metrics import NotifyCollector
 from tests.conftest import KafkaService
 from tests.integration.services import Receiver, alertmanager
 from tests.unit.notify_fixtures import life, version
@@ -148,6 +150,13 @@ def test_a_sink_down_then_back_loses_nothing_duplicates_nothing_and_blocks_no_ot
         pd.wait(len(versions))
         hook.start()
         hook.wait(len(versions), timeout=30)
+        wait_for(lambda: n.workers["hook"].stats.delivered == len(versions), what="the stats")
+        reg = CollectorRegistry()
+        reg.register(NotifyCollector(n))
+        text = generate_latest(reg).decode()
+        assert f'rankwatch_notify_delivered_total{{sink="hook"}} {len(versions)}.0' in text
+        assert 'rankwatch_notify_sink_up{sink="hook"} 1.0' in text
+        assert 'rankwatch_notify_dead_total{sink="pd"} 0.0' in text
     # a restart reads from the committed offsets; a redelivered copy is recognised by id
     publish(kafka, topics.diagnoses, [versions[0], versions[5]])
     with running(cfg, kafka, topics, ledger) as n:
