@@ -18,6 +18,7 @@ sequence. This is an offline export: one Python loop over events, capped by the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -71,20 +72,36 @@ def track_descriptor(uuid: int, name: str, parent: int = 0, order: int | None = 
     return _bytes(TRACE_PACKET, _bytes(PKT_TRACK_DESCRIPTOR, body))
 
 
+@functools.lru_cache(maxsize=4096)
+def _string_annotation(name: str, value: str) -> bytes:
+    return _bytes(TE_DEBUG, _str(DA_NAME, name) + _str(DA_STRING, value))
+
+
 def annotation(name: str, value: int | str) -> bytes:
-    v = _str(DA_STRING, value) if isinstance(value, str) else _int(DA_INT, value)
-    return _bytes(TE_DEBUG, _str(DA_NAME, name) + v)
+    if isinstance(value, str):
+        return _string_annotation(name, value)
+    return _bytes(TE_DEBUG, _str(DA_NAME, name) + _int(DA_INT, value))
+
+
+_HEAD = _int(PKT_SEQ_ID, SEQUENCE_ID)
+
+
+@functools.lru_cache(maxsize=65536)
+def _static(track: int, name: str, category: str) -> tuple[bytes, bytes]:
+    """The parts of a slice's begin and end events that depend only on track and name."""
+    begin = (_int(TE_TYPE, SLICE_BEGIN) + _int(TE_TRACK_UUID, track)
+             + _str(TE_CATEGORIES, category) + _str(TE_NAME, name))
+    return begin, _int(TE_TYPE, SLICE_END) + _int(TE_TRACK_UUID, track)
 
 
 def slice_packets(ts: int, end: int, track: int, name: str, category: str,
                   args: bytes = b"") -> tuple[bytes, bytes]:
     """(begin packet, end packet) of one slice."""
-    head = _int(PKT_SEQ_ID, SEQUENCE_ID)
-    begin = (_int(TE_TYPE, SLICE_BEGIN) + _int(TE_TRACK_UUID, track)
-             + _str(TE_CATEGORIES, category) + _str(TE_NAME, name) + args)
-    stop = _int(TE_TYPE, SLICE_END) + _int(TE_TRACK_UUID, track)
-    return (_bytes(TRACE_PACKET, _int(PKT_TIMESTAMP, ts) + head + _bytes(PKT_TRACK_EVENT, begin)),
-            _bytes(TRACE_PACKET, _int(PKT_TIMESTAMP, end) + head + _bytes(PKT_TRACK_EVENT, stop)))
+    begin, stop = _static(track, name, category)
+    return (_bytes(TRACE_PACKET, _int(PKT_TIMESTAMP, ts) + _HEAD
+                   + _bytes(PKT_TRACK_EVENT, begin + args)),
+            _bytes(TRACE_PACKET, _int(PKT_TIMESTAMP, end) + _HEAD
+                   + _bytes(PKT_TRACK_EVENT, stop)))
 
 
 @dataclass
@@ -93,6 +110,7 @@ class TraceBuilder:
 
     rank_names: dict[int, str] = field(default_factory=dict)
     _tracks: dict[tuple[int, str], int] = field(default_factory=dict)
+    _children: dict[int, int] = field(default_factory=dict)
     #: (time, order within the time: ends before begins, packet)
     _events: list[tuple[int, int, bytes]] = field(default_factory=list)
     slices: int = 0
@@ -104,8 +122,9 @@ class TraceBuilder:
         key = (rank, name)
         uuid = self._tracks.get(key)
         if uuid is None:
-            uuid = self._tracks[key] = self.rank_track(rank) + 1 + len(
-                [k for k in self._tracks if k[0] == rank])
+            n = self._children.get(rank, 0)
+            self._children[rank] = n + 1
+            uuid = self._tracks[key] = self.rank_track(rank) + 1 + n
             self.rank_names.setdefault(rank, f"rank {rank}")
         return uuid
 
