@@ -19,6 +19,7 @@ BENCHES = {
     "raw_order": "bench.raw_order",
     "sweep": "bench.sweep",
     "notify": "bench.notify",
+    "export": "bench.export",
 }
 
 
