@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,8 @@ def _version(job: str, iid: str, v: int, status: str, onset_ns: int) -> Diagnosi
         summary="hang — rank 141 on node0017")
 
 
-def run(incidents: int, interval: float, outage: float, home: Path, say: object) -> dict:
+def run(incidents: int, interval: float, outage: float, home: Path, say: object
+        ) -> dict[str, Any]:
     log = say if callable(say) else print
     settings = stack.private_settings(home, topic_prefix="bnotify")
     stack.up(settings, progress=lambda m: log(f"  {m}"), worker=False)
