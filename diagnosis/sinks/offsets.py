@@ -18,6 +18,8 @@ class _Partition:
     #: [offset, sinks still to finish], in the order received
     waiting: deque[list[int]] = field(default_factory=deque)
     commit: int = -1  # next offset to commit (-1: nothing new)
+    #: revoked: sinks may still finish its messages, but they no longer count or commit
+    detached: bool = False
 
 
 class OffsetBook:
@@ -46,6 +48,8 @@ class OffsetBook:
         return done
 
     def _advance(self, part: _Partition) -> None:
+        if part.detached:
+            return
         while part.waiting and part.waiting[0][1] <= 0:
             part.commit = part.waiting.popleft()[0] + 1
             self._pending -= 1
@@ -71,4 +75,5 @@ class OffsetBook:
             for tp in tps:
                 part = self._parts.pop(tp, None)
                 if part is not None:
+                    part.detached = True
                     self._pending -= len(part.waiting)

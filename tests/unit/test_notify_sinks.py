@@ -145,6 +145,15 @@ def test_offsets_commit_the_done_prefix_only() -> None:
     assert book.take_commits() == {tp: 13} and book.pending() == 0
 
 
+def test_a_revoked_partition_neither_commits_nor_miscounts() -> None:
+    book = OffsetBook()
+    late = book.add(("t", 0), 5, 1)
+    book.add(("t", 1), 9, 1)
+    book.forget([("t", 0)])
+    late("delivered")  # a sink finishes a message of the revoked partition
+    assert book.take_commits() == {} and book.pending() == 1
+
+
 def test_backoff_grows_to_its_cap_with_jitter() -> None:
     rng = random.Random(1)
     xs = [backoff(a, 0.5, 8.0, rng) for a in range(1, 12)]
