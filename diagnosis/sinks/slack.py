@@ -58,7 +58,7 @@ def message(d: Diagnosis, page_url: str = "") -> dict[str, Any]:
     if page:
         foot += f" · <{page}|incident page>"
     blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": clip(foot, 3000)}]})
-    return {"text": clip(f"{text.headline(d)}: {text.summary(d)}", 3000), "blocks": blocks}
+    return {"text": clip(esc(f"{text.headline(d)}: {text.summary(d)}"), 3000), "blocks": blocks}
 
 
 class SlackSink:

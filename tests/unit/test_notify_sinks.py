@@ -118,6 +118,14 @@ def test_slack_message_blocks_escape_the_diagnosis_text() -> None:
     assert "&lt;x&gt;" in text and "<x>" not in text  # no link or mention can be formed
     assert "ORDER BY t_enqueue" in text and "node0017" in text
     assert len(msg["blocks"][0]["text"]["text"]) <= 150
+    loud = version("i", 1, "open", job_id="<!channel>")
+    msg = orjson.loads(SlackSink("s", "http://x").requests(loud, b"", 0)[0].body)
+    mrkdwn = [msg["text"]] + [b["text"]["text"] for b in msg["blocks"]
+                              if b.get("text", {}).get("type") == "mrkdwn"]
+    mrkdwn += [f["text"] for b in msg["blocks"] for f in b.get("fields", [])]
+    mrkdwn += [e["text"] for b in msg["blocks"] for e in b.get("elements", [])]
+    assert len(mrkdwn) > 5 and not any("<!channel>" in t for t in mrkdwn)  # no mention
+    assert msg["blocks"][0]["text"]["type"] == "plain_text"  # the header formats nothing
 
 
 def test_webhook_body_is_the_published_json_signed() -> None:
