@@ -228,4 +228,7 @@ class Notifier:
             self._commit()
             self.consumer.close()
             self.producer.flush(10)
+            close = getattr(self.producer, "close", None)
+            if close is not None:  # stop its threads now; releases without close() do at GC
+                close()
             self.ledger.close()

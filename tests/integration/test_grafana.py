@@ -22,13 +22,14 @@ from tests.unit.notify_fixtures import version
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
 JOB = "grafana-job"
-FROM_S, TO_S = int(time.time()) - 3600, int(time.time()) + 60
 
 
 def expand(sql: str) -> str:
     """The ClickHouse plugin's macros, for the dashboards' last hour and a 10 s interval."""
+    now = int(time.time())  # at run time: the seeded rows are stamped now
+    from_s, to_s = now - 3600, now + 60
     sql = re.sub(r"\$__timeFilter\((\w+)\)",
-                 rf"(\1 >= toDateTime({FROM_S}) AND \1 <= toDateTime({TO_S}))", sql)
+                 rf"(\1 >= toDateTime({from_s}) AND \1 <= toDateTime({to_s}))", sql)
     sql = re.sub(r"\$__timeInterval\((\w+)\)", r"toStartOfInterval(\1, INTERVAL 10 second)", sql)
     sql = sql.replace("$__interval_s", "10").replace("${job:sqlstring}", literal(JOB))
     assert "$" not in sql, f"an unexpanded macro or variable: {sql}"
