@@ -34,8 +34,24 @@ lint: $(STAMP) ## ruff and mypy
 	$(BIN)/ruff check .
 	$(BIN)/mypy ingest streams diagnosis rankwatch
 
+# Real services some tests run (Alertmanager, Prometheus, headless Chromium), from Debian's
+# packages: installed when missing (apt-get as root, else sudo), nothing done when present.
+TEST_DEBS := prometheus-alertmanager prometheus chromium chromium-driver
+
+.PHONY: test-deps
+test-deps: ## Install the Debian packages the tests run for real, when missing
+	@missing=""; for p in $(TEST_DEBS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then echo "test-deps: all present ($(TEST_DEBS))"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; \
+	else echo "test-deps: missing$$missing; install them as root (apt-get install$$missing)" >&2; exit 1; fi; \
+	echo "test-deps: installing$$missing"; \
+	$$sudo apt-get update -q && \
+	DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends $$missing
+
 .PHONY: test
-test: build jars lint ## Set everything up and run every test (unit, integration, e2e)
+test: build jars test-deps lint ## Set everything up and run every test (unit, integration, e2e)
 	$(BIN)/python -m pytest -q -ra tests
 
 .PHONY: demo

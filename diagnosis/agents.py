@@ -168,6 +168,9 @@ class DiagnosisAgents:
         self.lock = asyncio.Lock()
         self.restored = False
         self.published: list[Diagnosis] = []
+        #: triggers published per trigger kind (the worker's /metrics)
+        self.trigger_counts: dict[str, int] = {}
+
         def topic(name: str) -> Any:
             return app.topic(name, value_serializer="raw", key_serializer="raw")
 
@@ -216,6 +219,7 @@ class DiagnosisAgents:
                                                                    default=str)))
             log.info("trigger %s %s ranks=%s", t.job_id, t.kind, list(t.ranks)[:8])
             await self.t_triggers.send(key=t.job_id.encode(), value=rec.model_dump_json().encode())
+            self.trigger_counts[t.kind] = self.trigger_counts.get(t.kind, 0) + 1
 
     async def _publish(self, diags: list[Diagnosis]) -> None:
         for d in diags:

@@ -6,7 +6,9 @@
    injected fault: rank 141 hangs in the backward pass of microbatch 2 after 12 s.
 3. Follow rw.diagnoses and print each diagnosis as it arrives, with the SQL an operator would run
    next (and run the first query through the worker's SQL endpoint).
-4. Stop everything, also on error or Ctrl-C.
+4. Show where the incident's page is (served by the worker while the stack runs) and write it
+   as a self-contained HTML report (`rankwatch report`) in the current directory.
+5. Stop everything, also on error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from rankwatch import stack
 from rankwatch.settings import Settings
 
 FAULT = "hang rank=141 stage=bwd mb=2 at=12s"
+REPORT = Path("rankwatch-demo-incident.html")
 JOB = ["--tp", "8", "--pp", "4", "--dp", "8", "--steps", "40", "--job-id", "demo-256"]
 
 
@@ -33,6 +37,27 @@ def _sql(settings: Settings, query: str) -> str:
         return str(r.read().decode())
 
 
+def _report(settings: Settings, incident_id: str) -> str:
+    """Point at the incident's page and write its HTML report; the report's path or ""."""
+    from diagnosis.page.data import load
+    from diagnosis.page.render import incident_page
+    from rankwatch.commands.report import settings_query
+
+    url = (f"http://{settings.bind_host}:{settings.page_port}/incidents/"
+           f"{urllib.parse.quote(incident_id, safe='')}")
+    print(f"\n== the incident's page (while the stack runs): {url}")
+    for _ in range(20):  # the worker stores the version right after publishing it
+        data = load(settings_query(settings), incident_id)
+        if data is not None:
+            REPORT.write_text(incident_page(data))
+            print(f"== HTML report written: {REPORT.resolve()} "
+                  f"(`rankwatch report {incident_id} --html FILE` writes it for any incident)")
+            return str(REPORT)
+        time.sleep(0.5)
+    print("== the incident is not stored yet; no report written", file=sys.stderr)
+    return ""
+
+
 def main() -> int:
     from confluent_kafka import Consumer
 
@@ -40,7 +65,9 @@ def main() -> int:
     from rankwatch.commands.tail import render
 
     with tempfile.TemporaryDirectory(prefix="rankwatch-demo-") as home:
-        settings = stack.private_settings(Path(home), topic_prefix="demo")
+        settings = stack.private_settings(Path(home), topic_prefix="demo",
+                                          page_port=stack.free_port(),
+                                          metrics_port=stack.free_port())
         print("== starting the local stack (broker + worker)")
         stack.up(settings, progress=lambda m: print("   " + m))
         sim = None
@@ -56,11 +83,13 @@ def main() -> int:
                 text=True)
             t0 = time.time()
             seen = 0
+            first_incident = ""
             while time.time() - t0 < 150:
                 m = consumer.poll(0.5)
                 if m is not None and not m.error():
                     d = Diagnosis.model_validate_json(m.value() or b"{}")
                     seen += 1
+                    first_incident = first_incident or d.incident_id
                     print(f"\n== diagnosis after {time.time() - t0:.1f} s of the job")
                     print(render(d))
                     if seen == 1 and d.sql:
@@ -77,6 +106,7 @@ def main() -> int:
             if not seen:
                 print("== no diagnosis arrived (see the worker log)", file=sys.stderr)
                 return 1
+            _report(settings, first_incident)
         finally:
             if sim is not None and sim.poll() is None:
                 sim.kill()

@@ -54,6 +54,10 @@ class Settings(BaseModel):
     #: The worker's SQL endpoint (read-only unless sql_writable) for `rankwatch sql`.
     sql_port: Port = 8124
     sql_writable: bool = False
+    #: The worker's Prometheus metrics at http://bind_host:metrics_port/metrics (0: off).
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8125
+    #: The worker's incident pages at http://bind_host:page_port/ (0: off).
+    page_port: Annotated[int, Field(ge=0, le=65535)] = 8128
     topic_prefix: str = "rw"
     #: Writer batching: one insert per partition for at most this many Kafka messages (each a
     #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.
@@ -66,6 +70,9 @@ class Settings(BaseModel):
     progress_window_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     iteration_window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     kernel_window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    #: `rankwatch notify`'s configuration file (diagnosis/sinks/config.py); empty: the file
+    #: <home>/notify.toml if it exists. `rankwatch up` starts notify when there is one.
+    notify_config: str = ""
 
     @field_validator("clickhouse_url")
     @classmethod

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rankwatch import notify_service
 from rankwatch.kafka_broker import (
     Broker,
     Daemon,
@@ -131,6 +132,10 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
              else f"topics: all {len(specs)} present")
     if worker:
         _start_worker(settings, progress, timeout)
+        try:
+            notify_service.start(settings, child_env(settings), progress)
+        except RuntimeError as e:
+            raise StackError(str(e)) from None
     return status(settings)
 
 
@@ -167,7 +172,7 @@ def _start_worker(settings: Settings, progress: Progress, timeout: float) -> Non
 
 def down(settings: Settings, progress: Progress = print) -> bool:
     """Stop the worker, then the broker. Returns whether anything was running."""
-    stopped = False
+    stopped = notify_service.stop(settings, progress)
     d = worker_daemon(settings)
     pid = d.pid()
     if pid is not None:
@@ -206,4 +211,5 @@ def status(settings: Settings) -> dict[str, Any]:
         "kafka": kafka,
         "worker": worker,
         "clickhouse": {"url": settings.clickhouse, "database": settings.clickhouse_database},
+        "notify": notify_service.status(settings),
     }

@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="write the batches to FILE instead of Kafka (replay: rankwatch replay)")
     p.add_argument("--capture-mb", type=int, default=1024,
                    help="largest capture file; later batches are dropped and counted")
+    p.add_argument("--metrics-port", type=int, default=8126,
+                   help="serve Prometheus metrics at http://BIND_HOST:PORT/metrics "
+                        "(ring drops per rank, backlog, outbox; 0: off; default 8126)")
     p.add_argument("--json", action="store_true", help="print final stats as JSON")
     p.set_defaults(func=run)
 
@@ -72,6 +75,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             "message.timeout.ms": 15000, "queue.buffering.max.kbytes": 32 * 1024})
         target = f"{settings.bootstrap} ({settings.topics.ops}, …)"
     agent = Agent(cfg, pub)
+    if args.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        from rankwatch import metrics
+
+        registry = CollectorRegistry()
+        registry.register(metrics.AgentCollector(agent))
+        metrics.serve(registry, settings.bind_host, args.metrics_port)
     stopping = False
 
     def on_signal(*_: Any) -> None:

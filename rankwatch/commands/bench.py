@@ -20,6 +20,8 @@ BENCHES = {
     "sweep": "bench.sweep",
     "spans": "bench.spans",
     "agent": "bench.agent",
+    "notify": "bench.notify",
+    "export": "bench.export",
 }
 
 

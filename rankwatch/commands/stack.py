@@ -110,6 +110,12 @@ def format_status(st: dict[str, Any]) -> str:
     for name, part in (("kafka", k), ("worker", w)):
         if part["running"] and not part["healthy"]:
             lines.append(f"  {name}: {part['detail']}")
+    n = st.get("notify") or {}
+    if n.get("configured"):
+        state = "up" if n["running"] else "down"
+        pid_text = f"pid {n['pid']}" if n["pid"] else ""
+        lines.append(f"{'notify':<8}{state:<10}{pid_text:<12}{'routes ' + n['config']:<36}"
+                     f"{n['log']}".rstrip())
     lines.append(f"{'storage':<8}{st['clickhouse']['url']}  (database "
                  f"{st['clickhouse']['database']})")
     return "\n".join(lines)

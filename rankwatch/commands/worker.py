@@ -18,9 +18,11 @@ from typing import Any
 
 import faust
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from diagnosis.agents import attach as attach_diagnosis
 from ingest.records import DERIVED
+from rankwatch import metrics, pages
 from rankwatch.settings import Settings
 from streams.app import AppConfig, StreamsApp
 from streams.db import ClickHouseError, Database, migrate
@@ -71,6 +73,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows, deriver.kernels.buffer))
     sapp.derived = deriver
     sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics)  # type: ignore[attr-defined]
+    sapp.metrics = worker_metrics(settings, sapp, writer)  # type: ignore[attr-defined]
     for kind in DERIVED:
         topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",
                                       key_serializer="raw")
@@ -108,19 +111,43 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
         if rows:
             await writer.write_metrics(rows)
 
+    async def serve_pages() -> None:
+        if settings.page_port:
+            pages_runner = await pages.start(pages.db_query(db), settings.bind_host,
+                                             settings.page_port)
+            if pages_runner is not None:
+                runner["pages"] = pages_runner
+
     async def close_sql(sender: Any, *args: Any, signal: Any = None, **kwargs: Any) -> None:
         if "sql" in runner:
             await stop_sql_endpoint(runner.pop("sql"))
+        if "pages" in runner:
+            await runner.pop("pages").cleanup()
 
     async def trim_memory() -> None:
         await asyncio.to_thread(release_free_memory)
 
     sapp.app.task(serve_sql)
+    sapp.app.task(serve_pages)
     sapp.app.timer(METRICS_INTERVAL_S)(store_metrics)
     sapp.app.timer(TRIM_INTERVAL_S)(trim_memory)
     sapp.app.timer(derived.tick_s)(derive)
     sapp.app.on_before_shutdown.connect(close_sql)  # type: ignore[arg-type]
     return sapp
+
+
+def worker_metrics(settings: Settings, sapp: StreamsApp, writer: ClickHouseWriter
+                   ) -> tuple[CollectorRegistry, metrics.ConsumerLag]:
+    """The worker's Prometheus registry (rankwatch/metrics.py) and its consumer-lag probe;
+    `run` serves the one and starts the other."""
+    registry = CollectorRegistry()
+    metrics.time_inserts(writer, registry)
+    t = settings.topics
+    consumed = [t.jobs, t.ops, t.flows, t.chunks, t.stages, t.kernels, t.wr, t.beats,
+                t.progress, t.iterations, t.triggers]
+    lag = metrics.ConsumerLag(settings.bootstrap, f"rankwatch-{settings.topic_prefix}", consumed)
+    registry.register(metrics.WorkerCollector(sapp, lag))
+    return registry, lag
 
 
 def release_free_memory() -> bool:
@@ -174,6 +201,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if applied:
             log.info("applied migrations: %s", ", ".join(m.name for m in applied))
         sapp = build(settings, db)
+        registry, lag = sapp.metrics  # type: ignore[attr-defined]
+        if metrics.serve(registry, settings.bind_host, settings.metrics_port):
+            lag.start()
         worker = faust.Worker(sapp.app, loglevel=args.loglevel, quiet=True,
                               override_logging=False)
         worker.execute_from_commandline()  # returns when the worker stops (or raises SystemExit)

@@ -1,0 +1,1 @@
+"""Exports of a job's records to other tools' formats (`rankwatch export`)."""
