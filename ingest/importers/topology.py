@@ -35,6 +35,10 @@ _DESC = (("tp", re.compile(r"tensor|(^|[^a-z])tp([^a-z]|$)", re.I)),
          ("dp", re.compile(r"data|(^|[^a-z])dp([^a-z]|$)", re.I)))
 
 
+#: comm_id of the every-rank communicator listed when the files name none
+ALL_RANKS = "rankwatch:all-ranks"
+
+
 class TopologyError(ValueError):
     """Sizes that do not fit the ranks seen (says which and what to pass instead)."""
 
@@ -152,11 +156,15 @@ def infer(c: Collected, job: str, ts: int, *, tp: int | None = None, pp: int | N
         kinds = {k: "dp" if v == "world" else v for k, v in kinds.items()}
     comms = [Communicator(comm_id=k, kind=v, members=sorted(c.members[k]))  # type: ignore[arg-type]
              for k, v in sorted(kinds.items())]
+    if not comms:
+        # a topology without communicators is valid, but the worker cannot store one (its
+        # empty arrays fail the jobs insert): list the group of every rank, which no rule reads
+        comms = [Communicator(comm_id=ALL_RANKS, kind="world", members=list(range(world)))]
     hosts = [c.hosts.get(r, "unknown") for r in range(world)]
     topo = JobTopology(job_id=job, ts=ts, world_size=world, tp=sizes[0], pp=sizes[1],
                        dp=sizes[2], schedule="1f1b" if sizes[1] > 1 else "none", hosts=hosts,
                        communicators=comms)
-    listed = Counter(v for v in kinds.values())
+    listed = Counter(v for v in kinds.values())  # what the files showed (not ALL_RANKS)
     comm_words = ", ".join(f"{n} {k}" for k, n in sorted(listed.items())) or "none"
     missing = sorted(set(range(world)) - ranks)
     line = (f"world {world} = tp {sizes[0]} × pp {sizes[1]} × dp {sizes[2]}: "

@@ -190,3 +190,12 @@ def test_collected_merge_keeps_topology_facts() -> None:
     b.hosts[1] = "n1"
     a.merge(b)
     assert a.world == 8 and a.members["x"] == {0, 1} and a.hosts == {1: "n1"}
+
+
+def test_a_topology_always_lists_a_communicator() -> None:
+    """Files that name no communicator (old Kineto traces) still give a storable topology."""
+    c = Collected(world=4)
+    c.add("kernels", rank=0, stream=7, kernel="k", t_start=BASE, duration=1)
+    t = infer(c, "j", 0).topology
+    assert t.dp == 4 and [(x.kind, x.members) for x in t.communicators] == \
+        [("world", [0, 1, 2, 3])]
