@@ -13,8 +13,10 @@ calls (a fault that began mid-window is judged on the calls since; one that ende
 - **chance**: with g members and no culprit, each member is last in about 1/g of the calls. The
   number of calls k (of n) a member was last is tested with a one-sided binomial test against
   1/g, Bonferroni-corrected over every (communicator, member) tested (`alpha`). The share must
-  also exceed 1/g by `min_excess` in each half of those calls, so a burst does not pass for a
-  persistent straggler;
+  also exceed 1/g by `min_excess` in each half of those calls, and those calls must span at
+  least `min_span_ns` (15 s: several iterations of a large job) — a burst (the first
+  iterations of a job, a hiccup) does not pass for a persistent straggler. VenusTrace's Alg. 2
+  likewise takes no expectation from the first iteration;
 - **noise**: how much later the last rank calls than the one before it (the "lead", what the
   others waited) also varies without a culprit. A candidate's mean lead when last (the wait it
   causes per call; a fault that began mid-window is diluted in a median) must be at least
@@ -66,6 +68,7 @@ class ArrivalConfig:
     noise_ratio: float = 2.0
     clock_tolerance_ns: int = 5_000_000
     min_wait_share: float = 0.05
+    min_span_ns: int = 15_000_000_000
 
 
 DEFAULT = ArrivalConfig()
@@ -136,7 +139,9 @@ def _judge(g: _Group, leads: Mapping[str, tuple[np.ndarray, np.ndarray]], groups
         return []
     others = [leads[h.comm][1] for h in groups if h.kind == g.kind and h.comm != g.comm]
     chance = 1.0 / g.members.size
-    span = float(g.t[recent].max() - g.t[recent].min()) or 1.0
+    span = float(g.t[recent].max() - g.t[recent].min())
+    if span < cfg.min_span_ns:
+        return []  # a burst of a few iterations (start-up, a hiccup) is not persistence
     out = []
     for j, r in enumerate(g.members.tolist()):
         mine = recent[last[recent] == j]

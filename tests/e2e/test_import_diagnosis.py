@@ -190,7 +190,7 @@ def test_hta_traces_are_not_diagnosed(rig: Rig) -> None:
     assert all(v == [] for v in found.values()), found
 
 
-def megatrace_logs(d: Path, slow: int, seconds: int = 40) -> list[Path]:
+def megatrace_logs(d: Path, slow: int, seconds: int = 60) -> list[Path]:
     """TP2×PP2 MegaTrace lines (old format, streams only): per TP group one all-reduce every
     40 ms (stage 1 25 ms after stage 0, as 1F1B shifts it), arrival jitter ~0.2 ms; `slow`
     arrives 3 ms late in 90 % of its calls; a world all-reduce every 100 calls; Send/Recv

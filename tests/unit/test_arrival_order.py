@@ -14,16 +14,16 @@ MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
 
 
-def calls(n: int, slow: int | None, rng: np.random.Generator, late_ms: float = 3.0,
-          share: float = 0.9, start: int = 0, groups: int = 2
+def calls(n: int, slow: int | None, rng: np.random.Generator, late_ms: float = 8.0,
+          share: float = 0.9, start: int = 0, groups: int = 2, period_ms: int = 100
           ) -> dict[str, np.ndarray]:
-    """`groups` TP pairs (ranks 2g, 2g+1) calling `n` all-reduces 20 ms apart; arrival jitter
+    """`groups` TP pairs (ranks 2g, 2g+1) calling `n` all-reduces `period_ms` apart; jitter
     ~0.2 ms; with `slow`, that rank arrives `late_ms` later in `share` of the calls from the
     call `start` on."""
     rank, comm, seq, t = [], [], [], []
     for g in range(groups):
         for i in range(n):
-            base = T0 + i * 20 * MS + g * 7 * MS
+            base = T0 + i * period_ms * MS + g * (period_ms // 3) * MS
             for r in (2 * g, 2 * g + 1):
                 dt = rng.exponential(0.2 * MS)
                 if r == slow and i >= start and rng.random() < share:
@@ -91,7 +91,7 @@ def test_a_fault_that_began_mid_window_is_named() -> None:
 
 def test_across_hosts_a_lead_within_clock_tolerance_gives_no_verdict() -> None:
     rng = np.random.default_rng(6)
-    ops = calls(400, slow=1, rng=rng, late_ms=2.0)
+    ops = calls(1000, slow=1, rng=rng, late_ms=4.0, period_ms=40)  # under the 5 ms tolerance
     assert run(ops, topo(hosts=["a", "b", "a", "b"])) == []
     assert run(ops, topo(hosts=["a", "a", "b", "b"]))[:1] == [1]
 
@@ -112,3 +112,11 @@ def test_mycroft_measures_see_the_interval_double() -> None:
     m = ops_rca.mycroft_measures(t, t + MS, np.full(40, 100))
     assert m is not None and m["interval_ratio"] == 2.0
     assert ops_rca.mycroft_measures(t[:10], t[:10] + MS, np.full(10, 100)) is None
+
+
+def test_a_burst_of_a_few_seconds_is_not_persistence() -> None:
+    """The same lateness over 8 s of calls (a job's first iterations) names no one."""
+    rng = np.random.default_rng(8)
+    ops = calls(400, slow=1, rng=rng)
+    ops["t_start"] = T0 + (ops["t_start"] - T0) // 5  # 20 ms apart: 8 s in all
+    assert run(ops, topo()) == []
