@@ -86,7 +86,7 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
 
             def sweep() -> Window:
                 w = analyst._sweep_window(topo.job_id, now)
-                if w is None:
+                if w is None or not w.get("stages"):
                     raise RuntimeError("the sweep read nothing: the job has no stage records")
                 return w
 

@@ -26,7 +26,8 @@ finished job would drift to "process died".
   records would be judged the same (an ended 1,024-rank job cost 0.7 CPU-s every 10 s).
   A sweep reads the job's stage records first: the slowdown analysis needs them
   (`slow.analyze` returns nothing without), so a job traced without stages (NCCL plugin
-  only) is not read further. Otherwise it reads only `SWEEP_KINDS`, the kinds the sweep's two
+  only, imported traces) gets the analysis from ops alone instead (`_ops_sweep`: ops_rca over
+  ops and beats). Otherwise it reads only `SWEEP_KINDS`, the kinds the sweep's two
   rules look at — flows and beats, about a third of a job's op/flow/chunk rows, are not read —
   and only from the start of the steps the slowdown analysis judges (`_sweep_window`).
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
@@ -43,7 +44,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from diagnosis import engine, hang_rca, slow
+from diagnosis import engine, hang_rca, ops_rca, slow
 from diagnosis.conclusion import Conclusion
 from diagnosis.incidents import IncidentBook, incident_class, incident_id
 from diagnosis.model import Diagnosis
@@ -100,10 +101,11 @@ class Analyst:
         from the start of the steps the slowdown analysis looks at (`slow.reach_start`,
         `SWEEP_MARGIN_STEPS` before its recent ones; calls in flight are read from further
         back, as always): the 25 steps of a job with 1.7 s steps span about 43 s of the 90 s
-        window. None when there is nothing a slowdown analysis could use."""
+        window. None without a topology; the stage window, empty, for a job without stage
+        records."""
         stages = self._window(job_id, at_ns, ("stages",))
         if stages is None or not stages.get("stages"):
-            return None
+            return stages  # None, or a job without stage records (`tick`: `_ops_sweep`)
         start = at_ns - int(self.config.window_s * SECOND)
         lo = slow.reach_start(stages.tables["stages"], SWEEP_MARGIN_STEPS)
         rest = self.read(job_id, max(start, lo if lo is not None else start), at_ns,
@@ -180,6 +182,9 @@ class Analyst:
                 self.swept_at[job] = at
                 t = Trigger(job, at, "straggler", (), {"rule": "rankwatch.sweep"})
                 w = self._sweep_window(job, at)
+                if w is not None and not w.get("stages"):  # the analysis from ops alone
+                    out += self._ops_sweep(job, at, now_ns)
+                    continue
                 # a stall in progress is the hang analysis' business (its trigger follows): a
                 # slowdown read off the stalled step would open a second, wrong incident
                 if w is not None and not hang_rca.stuck_ranks(w, at).size:
@@ -195,6 +200,18 @@ class Analyst:
         ranks = tuple(d.culprit_ranks) if d is not None else ()
         return lambda w, now: slow.analyze(w, now, confirm=ranks)
 
+    def _ops_sweep(self, job: str, at: int, now_ns: int) -> list[Diagnosis]:
+        """A sweep of a job without stage records (diagnosis/ops_rca.py)."""
+        w = self.read(job, at - int(self.config.window_s * SECOND), at, ops_rca.KINDS)
+        if w is None or not w.get("ops"):
+            return []
+        c, ms = self._run(ops_rca.analyze, w, at)
+        if c is None:
+            return []
+        t = Trigger(job, at, "hang" if c.kind == "hang" else "straggler", (),
+                    {"rule": "rankwatch.ops_sweep"})
+        return self._publish(c, w, t, now_ns, ms)
+
     def _recheck(self, job: str, classes: list[str], now_ns: int) -> list[Diagnosis]:
         at = self.event_clock(job, now_ns)
         w = self._window(job, at)
@@ -202,7 +219,8 @@ class Analyst:
             return []
         out: list[Diagnosis] = []
         for cls in classes:
-            fn = hang_rca.analyze if cls == "hang" else self._confirming(job)
+            fn = hang_rca.analyze if cls == "hang" else self._confirming(job) if w.get("stages") \
+                else ops_rca.slowdown  # a job without stage records: from ops alone
             c, ms = self._run(fn, w, at)
             if c is None or incident_class(c.kind) != cls:
                 r = self.book.clear(job, cls, now_ns)

@@ -9,6 +9,7 @@ behind.
 
 from __future__ import annotations
 
+import gzip
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "
                "byte": 1, "int8": 1, "uint8": 1, "bool": 1, "short": 2, "int16": 2,
                "float8_e4m3fn": 1, "float8_e5m2": 1}
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+#: the tutorials' `trace_0`, `nccl_trace_3.json`: a number closing the name's stem
+_TRAILING_NUMBER = re.compile(r"[_-](\d+)$")
+_SUFFIXES = (".gz", ".json", ".pkl", ".pickle", ".log", ".txt", ".trace")
 
 
 class TraceError(ValueError):
@@ -51,15 +55,57 @@ def collective_op(name: str) -> str | None:
 
 
 def rank_from_name(path: Path) -> int | None:
+    """`rank3.log`, `rank_3`, `rank-3.pt.trace.json.gz`, else a number closing the name's stem
+    (`trace_3`, `nccl_trace_3.json`); None when the name says nothing."""
     m = _RANK_IN_NAME.search(path.name)
+    if m:
+        return int(m.group(1))
+    stem = path.name
+    while stem.lower().endswith(_SUFFIXES):
+        stem = stem[: stem.rfind(".")]
+    m = _TRAILING_NUMBER.search(stem)
     return int(m.group(1)) if m else None
+
+
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes, gunzipped when it is gzip (by its magic, whatever its name)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TraceError(path, 0, f"cannot read: {e}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise TraceError(path, 0, f"a gzip file that does not decompress (truncated?): "
+                             f"{e}") from None
+    return raw
+
+
+def read_text(path: Path) -> str:
+    """The file as UTF-8 text (gzip or plain)."""
+    raw = read_bytes(path)
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as e:
+        raise TraceError(path, 0, f"not UTF-8 text at byte {e.start}: is this the right "
+                         "format?") from None
 
 
 @dataclass
 class Collected:
-    """Rows per kind as column lists, appended by parsers (not a hot path)."""
+    """Rows per kind as column lists, appended by parsers (not a hot path), and what the files
+    say about the job's communicators (for the topology, ingest/importers/topology.py)."""
 
     cols: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    #: comm_id -> member ranks, as the files list them (FR pg_config, Kineto pg ranks)
+    members: dict[str, set[int]] = field(default_factory=dict)
+    #: comm_id -> its name for people ("TENSOR_MODEL_PARALLEL_GROUP", "default_pg")
+    descs: dict[str, str] = field(default_factory=dict)
+    #: the job's world size where a file states it
+    world: int = 0
+    #: rank -> host, where a file names it
+    hosts: dict[int, str] = field(default_factory=dict)
 
     def add(self, kind: str, **row: Any) -> None:
         """Append one row; every row of a kind must name the same columns."""
@@ -79,6 +125,11 @@ class Collected:
             mine = self.cols.setdefault(kind, {k: [] for k in table})
             for k, v in table.items():
                 mine[k].extend(v)
+        for comm, ranks in other.members.items():
+            self.members.setdefault(comm, set()).update(ranks)
+        self.descs.update(other.descs)
+        self.world = max(self.world, other.world)
+        self.hosts.update(other.hosts)
 
 
 class Publisher(Protocol):

@@ -16,10 +16,15 @@ A Kineto trace is one JSON object: ``{"schemaVersion", "distributedInfo": {"rank
 - ``cat: "cuda_runtime"`` launches with the same ``args.correlation`` give the op's enqueue time.
 
 The rank is ``distributedInfo.rank``, else ``--rank``, else a ``rank<N>`` in the file name.
+Files may be gzipped (``.json.gz``, as HolisticTraceAnalysis and TensorBoard keep them). For the
+job topology: ``distributedInfo.world_size``, its ``pg_config`` (``pg_name``, ``pg_desc``,
+``ranks``) and the kernels' ``"Process Group Ranks"``/``"Process Group Description"`` name the
+communicators and their members; ``host_name`` the rank's host.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -31,6 +36,7 @@ from ingest.importers.common import (
     TraceError,
     collective_op,
     rank_from_name,
+    read_text,
 )
 
 _NCCL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
@@ -82,10 +88,7 @@ class _Events:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(path, 0, f"cannot read: {e}") from None
+    text = read_text(path)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
@@ -99,7 +102,8 @@ def _load(path: Path) -> dict[str, Any]:
 def parse(path: Path, rank: int | None = None) -> Collected:
     doc = _load(path)
     where = _Events(path, doc.pop("__text__"))
-    info = doc.get("distributedInfo") or {}
+    info = doc.get("distributedInfo")
+    info = info if isinstance(info, dict) else {}
     r = info.get("rank", rank if rank is not None else rank_from_name(path))
     if not isinstance(r, int) or r < 0:
         raise TraceError(path, 0, "no rank: not in distributedInfo, --rank or the file name")
@@ -125,6 +129,7 @@ def parse(path: Path, rank: int | None = None) -> Collected:
             continue
         kernels.append((i, ev))
     out = Collected()
+    _topology(doc, info, r, out)
     seqs: dict[str, int] = {}
     for i, ev in sorted(kernels, key=lambda k: k[1]["ts"]):
         args = ev.get("args") or {}
@@ -145,6 +150,9 @@ def parse(path: Path, rank: int | None = None) -> Collected:
         if op is None:
             continue
         comm = str(args.get("Process Group Name") or "nccl")
+        if comm not in out.members and args.get("Process Group Ranks"):
+            out.members[comm] = _ranks(args["Process Group Ranks"])
+            out.descs[comm] = str(args.get("Process Group Description") or "")[:256]
         seq = args.get("Seq")
         if not isinstance(seq, int) or seq < 0:
             seq = seqs.get(comm, 0)
@@ -156,3 +164,30 @@ def parse(path: Path, rank: int | None = None) -> Collected:
         out.add("ops", rank=r, comm_id=comm, op_seq=seq, op=op, bytes=nbytes, peer=-1,
                 stream=stream, t_enqueue=min(enq, t0), t_start=t0, t_end=t0 + dur_ns, step=-1)
     return out
+
+
+def _ranks(v: Any) -> set[int]:
+    if isinstance(v, str):
+        try:
+            v = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            return set()
+    if isinstance(v, (list, tuple)):
+        return {x for x in v if isinstance(x, int) and not isinstance(x, bool) and x >= 0}
+    return set()
+
+
+def _topology(doc: dict[str, Any], info: dict[str, Any], rank: int, out: Collected) -> None:
+    """World size, process groups and host as the trace states them (module docstring)."""
+    world = info.get("world_size")
+    if isinstance(world, int) and 0 < world <= 1 << 20:
+        out.world = world
+    pgs = info.get("pg_config")
+    for pg in pgs if isinstance(pgs, list) else []:
+        if isinstance(pg, dict) and pg.get("pg_name") is not None:
+            name = str(pg["pg_name"])
+            out.members[name] = _ranks(pg.get("ranks"))
+            out.descs[name] = str(pg.get("pg_desc") or "")[:256]
+    host = doc.get("host_name")
+    if isinstance(host, str) and host:
+        out.hosts[rank] = host[:256]

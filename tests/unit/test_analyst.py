@@ -90,9 +90,9 @@ def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
         assert full_c is not None  # the fault is found: the comparison is not of two Nones
 
 
-def test_a_job_without_stage_records_is_not_read_by_the_sweep() -> None:
+def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     """The slowdown analysis needs stage records: a sweep reads the stages and, finding none,
-    nothing else."""
+    only what the analysis from ops alone uses (ops_rca.KINDS)."""
     asked: list[tuple[str, ...] | None] = []
 
     def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
@@ -106,7 +106,7 @@ def test_a_job_without_stage_records_is_not_read_by_the_sweep() -> None:
     a = Analyst(read, AnalystConfig(sweep_s=10))
     a.jobs.add("j")
     a.tick(100 * S)
-    assert asked == [("stages",)]
+    assert asked == [("stages",), ("ops", "beats")]
 
 
 @pytest.mark.parametrize("fault", [
