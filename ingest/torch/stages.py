@@ -107,6 +107,8 @@ class _Step:
         self.p0 = p0 = _perf()
         pos = o.pos
         pos[POS_OFFSET] = t0 - p0
+        # the step first: a reader between these two stores sees the new step "between stages
+        # since the last one was left", which is true
         pos[POS_STEP] = o.step_index
         pos[_LEFT] = p0
         return self

@@ -271,3 +271,56 @@ def test_position_words_round_trip(name: str) -> None:
         pos[ring.POS_STEP] = -7  # damaged: read as unknown, never below -1
         assert r.stat().position[0] == -1
         del pos
+
+
+POSITION_WRITER = textwrap.dedent(
+    """
+    import sys
+    from ingest import ring
+    w = ring.RingWriter(sys.argv[1], capacity=64, rank=0)
+    pos = w.position()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    pos[ring.POS_OFFSET] = 7
+    for k in range(1, int(sys.argv[2]) + 1):  # the stores stages.py makes, times encode k
+        pos[ring.POS_STEP] = k
+        pos[ring.POS_LEFT] = k * 1000
+        for i in range(ring.POS_STAGES):
+            pos[ring.POS_ENTER + i] = k * 1000 + 100 * (i + 1)
+            pos[ring.POS_LEFT] = k * 1000 + 100 * (i + 1) + 50
+    del pos
+    w.close()
+    """
+)
+
+
+def test_position_read_while_written_is_a_state_the_producer_was_in(name: str) -> None:
+    """A producer process runs through steps as fast as Python stores; every stat taken
+    meanwhile must be a state it was in: the time belongs to the step read, and the stage is
+    the one whose entry time it is — or, between a step's two start stores, the new step with
+    the time the previous step's last stage was left (true: it is between stages since)."""
+    proc = subprocess.Popen([sys.executable, "-c", POSITION_WRITER, name, "20000"], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == "ready"
+    seen, boundary = 0, 0
+    with ring.RingReader(name) as r:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        while proc.poll() is None:
+            step, stage, ts = r.stat().position
+            if step < 1:
+                continue
+            t = ts - 7
+            k, rest = divmod(t, 1000)
+            if k == step - 1 and stage == 0 and rest == 100 * ring.POS_STAGES + 50:
+                boundary += 1  # between a step's `step` and `left` stores
+                continue
+            assert k == step, (step, stage, ts)
+            if stage:
+                assert rest == 100 * stage, (step, stage, ts)
+            else:
+                assert rest == 0 or rest % 100 == 50, (step, stage, ts)
+            seen += 1
+    assert proc.wait() == 0
+    assert seen > 100 and boundary <= seen // 10
