@@ -10,7 +10,8 @@ Kernels: three per compute segment (a GEMM whose tile size alternates between tw
 attention kernel, an elementwise kernel) sized by the segment's kernel-class multipliers, plus
 one NCCL kernel per collective / p2p call on its own stream (its duration includes the wait, as
 a real NCCL kernel spins until its peers arrive), and the optimizer's multi-tensor kernel. With
-`kernel_every = k` only every k-th step carries kernels (documented volume control).
+`kernel_every = k` only every k-th step carries kernels (documented volume control); with
+`kernels = False` none do (a CPU job: the PyTorch tracer records ops and stages only).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class StepEmitter:
         return cols
 
     def kernels(self, res: StepResult) -> list[Cols]:
-        if res.step % self.cfg.kernel_every:
+        if not self.cfg.kernels or res.step % self.cfg.kernel_every:
             return []
         rng = np.random.default_rng([self.cfg.seed, res.step, 0x6E1])
         out = [c for s in res.segments if (c := self._segment_kernels(s, rng)) is not None]
