@@ -70,6 +70,7 @@ class JobConfig:
     ring_sigma: float = 0.0  # per-communicator transfer speed, log-normal, drawn once per run
     xfer_sigma: float = 0.0  # per-call transfer-time noise, log-normal
     kernels: bool = True  # emit kernel records (False: a CPU job, ops and stages only)
+    declared_shape: bool = True  # False: topology as traced without RANKWATCH_TP/PP/DP/...
 
     def __post_init__(self) -> None:
         positive = ("microbatches", "steps", "tp_collectives", "slices", "window", "channels",

@@ -213,3 +213,16 @@ def test_realistic_catalog_is_realistic_and_standard_is_clean() -> None:
     assert {(1, 2, 2), (1, 1, 4), (2, 2, 2), (1, 1, 8)} <= shapes
     assert len({sc.config.steps for sc in controls}) >= 2
     assert any(sc.faults for sc in real.values())
+
+
+def test_undeclared_shape_publishes_what_a_tracer_without_the_shape_knows() -> None:
+    tables = collect(Simulation(PP2DP2.with_(steps=3, declared_shape=False)).batches())
+    topo = tables["jobs"]["topology"][0]
+    assert (topo.tp, topo.pp, topo.dp, topo.microbatches, topo.schedule) == (1, 1, 4, 1, "none")
+    comms = {c.comm_id: c for c in topo.communicators}
+    assert comms.pop("world").members == [0, 1, 2, 3]
+    assert all(c.kind == "dp" and c.comm_id.startswith("pg") and len(c.members) == 2
+               for c in comms.values())
+    # the records name the same groups; the PP pairs (0,2), (1,3) are among them, unnamed
+    assert set(np.unique(tables["ops"]["comm_id"]).tolist()) == set(comms)
+    assert {tuple(c.members) for c in comms.values()} == {(0, 2), (1, 3), (0, 1), (2, 3)}
