@@ -61,7 +61,7 @@ class JobConfig:
     tail_p: float = 0.0  # probability per rank and phase of a heavy-tailed (Lomax) slowdown
     tail_alpha: float = 1.7  # its Pareto shape (smaller: heavier tail)
     tail_scale: float = 0.25  # slowdown = 1 + tail_scale * Lomax(tail_alpha)
-    os_pause_p: float = 0.0  # probability per rank and phase of an OS-noise pause ...
+    os_pause_rate: float = 0.0  # OS-noise pauses per second of a phase's run time, each ...
     os_pause_min_ms: float = 2.0  # ... log-uniform between these
     os_pause_max_ms: float = 40.0
     core_group: int = 1  # consecutive ranks sharing cores (1: none)

@@ -43,6 +43,7 @@ class StepEffects:
     proxy_p: np.ndarray
     proxy_delay: np.ndarray
     stage_mult: np.ndarray  # [4, dp, pp, tp] time multiplier of data, fwd, bwd, optim
+    any_stage: bool = False  # some stage_mult differs from 1
     any_block: bool = False
     any_proxy: bool = False
     hangs: list[tuple[int, F.Hang, np.ndarray]] = field(default_factory=list)
@@ -181,6 +182,7 @@ def _stage_slow(fm: FaultModel, i: int, f: F.Fault, m: np.ndarray, fx: StepEffec
                 rng: np.random.Generator) -> None:
     assert isinstance(f, F.StageSlow)
     _mul(fx.stage_mult[F.SLOW_STAGES.index(f.stage)], m, f.factor)
+    fx.any_stage = True
 
 
 _HANDLERS = {

@@ -102,6 +102,8 @@ class _Real:
 
     def __init__(self, cfg: JobConfig, grid: np.ndarray) -> None:
         self.p = p = cfg.realism
+        self.compute = p.compute
+        self.comm = p.comm
         self.cfg = cfg
         self.groups = core_groups(grid, p.core_group)  # [dp, pp, tp]
         self.rng = step_rng(cfg.seed, 0)
@@ -135,11 +137,12 @@ class _Real:
             f = f * heavy_tail(self.rng, shape, p.tail_p, p.tail_alpha, p.tail_scale)
         return np.asarray(f)
 
-    def pause(self, shape: tuple[int, ...]) -> np.ndarray | float:
+    def pause(self, dur: np.ndarray) -> np.ndarray | float:
+        """OS-noise seconds added to phases lasting `dur`."""
         p = self.p
-        if p.os_pause_p <= 0:
+        if p.os_pause_rate <= 0:
             return 0.0
-        return os_pauses(self.rng, shape, p.os_pause_p, p.os_pause_min_ms, p.os_pause_max_ms)
+        return os_pauses(self.rng, dur, p.os_pause_rate, p.os_pause_min_ms, p.os_pause_max_ms)
 
     def turn(self, s: int) -> np.ndarray | float:
         """Seconds each rank of stage `s` waits for its turn on shared cores."""
@@ -153,7 +156,7 @@ class _Real:
              ) -> np.ndarray | None:
         """Per-member link factor for one call: the communicator's speed × transfer noise."""
         p = self.p
-        if not p.comm:
+        if not self.comm:
             return None
         f = self.speed[kind][sel].reshape(shape) if kind in self.speed else np.ones(shape)
         if p.xfer_sigma > 0:
@@ -215,7 +218,11 @@ class Engine:
         real.begin_step(step)
         data = cfg.data_ms / 1e3 * self._noise(rng, self.shape) * fx.cpu + fx.data_extra
         data += cfg.data_ms / 1e3 * 0.25 * (1.0 / fx.pcie - 1.0)  # host-to-device copies
-        data = data * fx.stage_mult[0] * real.factor(self.shape) + real.pause(self.shape)
+        if fx.any_stage:
+            data = data * fx.stage_mult[0]
+        if real.compute:
+            data = data * real.factor(self.shape)
+            data = data + real.pause(data)
         data = self._stall(t0, data, None, "data", fx)
         cur = t0 + data
         acc = {"F": np.zeros(self.shape), "B": np.zeros(self.shape)}
@@ -236,16 +243,22 @@ class Engine:
         bwd_end = cur.copy()
         cur = self._dp_allreduce(res, fx, rng, step, cur)
         opt = cfg.optim_ms / 1e3 * self._noise(rng, self.shape) * (0.6 * fx.gpu + 0.4 * fx.cpu)
-        opt = opt * fx.stage_mult[3] * real.factor(self.shape) + real.pause(self.shape)
+        if fx.any_stage:
+            opt = opt * fx.stage_mult[3]
+        if real.compute:
+            opt = opt * real.factor(self.shape)
+            opt = opt + real.pause(opt)
         opt = self._stall(cur, opt, None, "optim", fx)
         res.segments.append(Segment(PASS_OPT, 0, self.posg.ravel(), cur.ravel(), opt.ravel(),
                                     np.ones((1, self.layout.world))))
         res.device += opt
         cur = cur + opt
         cb = cfg.callbacks_ms / 1e3 * self._noise(rng, self.shape) * fx.cpu + fx.cb_extra
-        cb = cb + real.pause(self.shape)
+        if real.compute:
+            cb = cb + real.pause(cb)
         other = cfg.other_ms / 1e3 * self._noise(rng, self.shape) * fx.cpu
-        other = other + real.pause(self.shape)
+        if real.compute:
+            other = other + real.pause(other)
         end = cur + cb + other
         res.end = end
         res.stages = {
@@ -288,8 +301,9 @@ class Engine:
         pos = self.posg[:, s, :]
         dt = (cfg.dp, cfg.tp)
         real = self.real
-        smult = fx.stage_mult[1 if kind == "F" else 2][:, s, :]
-        c = c + real.turn(s)
+        smult = fx.stage_mult[1 if kind == "F" else 2][:, s, :] if fx.any_stage else 1.0
+        if real.compute:
+            c = c + real.turn(s)
         for k in range(k_n):
             kmult = fx.kernel[:, :, s, :].copy()
             ecc = rng.random(dt) < fx.ecc_p[:, s, :]
@@ -297,10 +311,10 @@ class Engine:
             spike = rng.random(dt) < cfg.spike_p
             kmult = np.where(spike, kmult * cfg.spike_factor, kmult)
             mix = np.tensordot(KERNEL_FRACTIONS, kmult, axes=1)
-            dur = base * self._noise(rng, dt) * fx.gpu[:, s, :] * mix
-            if real.p.compute:
-                dur = dur * real.factor(dt, (slice(None), s, slice(None))) + real.pause(dt)
-            dur = dur * smult
+            dur = base * self._noise(rng, dt) * fx.gpu[:, s, :] * mix * smult
+            if real.compute:
+                dur = dur * real.factor(dt, (slice(None), s, slice(None)))
+                dur = dur + real.pause(dur)
             dur += 50e-6 * fx.cpu[:, s, :]  # launch gap: CPU-side
             if k == 0:
                 dur = self._stall(c, dur, s, label, fx)

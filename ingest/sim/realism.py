@@ -7,9 +7,11 @@ times are not a 3 % log-normal around a mean. They have:
   times, with probability `tail_p`, a Pareto (Lomax) excess `1 + tail_scale·X`, X ~ Lomax(α)
   (`heavy_tail`). With α ≤ 2 the excess has no finite variance, as scheduler-induced
   slowdowns of shared machines are usually described.
-- **OS noise** — with probability `os_pause_p` per rank and phase, a pause of a few to tens of
-  ms (log-uniform in [`os_pause_min_ms`, `os_pause_max_ms`]: daemons, page reclaim, timer
-  interrupts; `os_pauses`).
+- **OS noise** — preemptions arrive at `os_pause_rate` per second of a phase's run time (a
+  Poisson process, so a phase of d seconds is hit with probability 1 − e^(−rate·d): a long
+  backward more often than a short callback), each a pause of a few to tens of ms (log-uniform
+  in [`os_pause_min_ms`, `os_pause_max_ms`]: other processes' time slices, daemons, page
+  reclaim; `os_pauses`).
 - **ranks sharing cores** — consecutive ranks in groups of `core_group` run on the same cores:
   a per-step, per-group factor (log-normal, `core_sigma`) slows the whole group together, and
   inside a pass slot the members take turns (`interleave`: a random order per group, the k-th
@@ -45,7 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
         "noise_sigma": 0.06,
         "tail_p": 0.08, "tail_alpha": 1.7, "tail_scale": 0.25,
-        "os_pause_p": 0.01, "os_pause_min_ms": 2.0, "os_pause_max_ms": 40.0,
+        "os_pause_rate": 1.0, "os_pause_min_ms": 2.0, "os_pause_max_ms": 40.0,
         "core_group": 2, "core_sigma": 0.1, "core_quantum_ms": 0.5,
         "ring_sigma": 0.3, "xfer_sigma": 0.15,
         "kernels": False,
@@ -60,7 +62,7 @@ class RealismParams:
     tail_p: float = 0.0
     tail_alpha: float = 1.7
     tail_scale: float = 0.25
-    os_pause_p: float = 0.0
+    os_pause_rate: float = 0.0
     os_pause_min_ms: float = 2.0
     os_pause_max_ms: float = 40.0
     core_group: int = 1
@@ -72,7 +74,7 @@ class RealismParams:
     @property
     def compute(self) -> bool:
         """Whether any compute-side effect is on."""
-        return (self.tail_p > 0 or self.os_pause_p > 0
+        return (self.tail_p > 0 or self.os_pause_rate > 0
                 or (self.core_group > 1 and (self.core_sigma > 0 or self.core_quantum_ms > 0)))
 
     @property
@@ -92,7 +94,7 @@ def validate(p: RealismParams) -> None:
     need(0 <= p.tail_p <= 1, "tail_p", "a probability in [0, 1]")
     need(p.tail_alpha > 0, "tail_alpha", "a Pareto shape > 0")
     need(p.tail_scale >= 0, "tail_scale", "a scale >= 0")
-    need(0 <= p.os_pause_p <= 1, "os_pause_p", "a probability in [0, 1]")
+    need(p.os_pause_rate >= 0, "os_pause_rate", "a rate >= 0 (pauses per second)")
     need(p.os_pause_min_ms > 0, "os_pause_min_ms", "a duration > 0 ms")
     need(p.os_pause_max_ms >= p.os_pause_min_ms, "os_pause_max_ms",
          f">= os_pause_min_ms ({p.os_pause_min_ms})")
@@ -120,10 +122,13 @@ def heavy_tail(rng: np.random.Generator, shape: tuple[int, ...], p: float, alpha
     return np.asarray(np.where(hit, 1.0 + scale * x, 1.0))
 
 
-def os_pauses(rng: np.random.Generator, shape: tuple[int, ...], p: float, lo_ms: float,
+def os_pauses(rng: np.random.Generator, dur: np.ndarray, rate: float, lo_ms: float,
               hi_ms: float) -> np.ndarray:
-    """Seconds added by OS noise: with probability p a pause log-uniform in [lo_ms, hi_ms],
-    else 0."""
+    """Seconds added by OS noise to phases lasting `dur` seconds: a pause log-uniform in
+    [lo_ms, hi_ms] with probability 1 − exp(−rate·dur) (at most one per phase), else 0."""
+    shape = np.shape(dur)
+    with np.errstate(invalid="ignore"):  # a hung phase (inf) is hit: it never ends anyway
+        p = -np.expm1(-rate * np.asarray(dur, dtype=np.float64))
     hit = rng.random(shape) < p
     ms = np.exp(rng.uniform(np.log(lo_ms), np.log(hi_ms), shape))
     return np.asarray(np.where(hit, ms / 1e3, 0.0))

@@ -102,7 +102,7 @@ def evaluate_catalog(catalog: str, names: list[str], progress: Any = None
 
 def incident_brief(diags: list[Diagnosis]) -> list[dict[str, Any]]:
     """Each incident's last version before resolution, in a few words (the report's
-    `incidents`: what a false alarm said)."""
+    `incident_briefs`: what a false alarm said)."""
     last: dict[str, Diagnosis] = {}
     for d in sorted(diags, key=lambda d: (d.incident_id, d.version)):
         if d.status != "resolved" or d.incident_id not in last:
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         mode = f"real pipeline (broker, Faust worker, ClickHouse; realtime), catalog {args.catalog}"
     report: dict[str, Any] = {"mode": mode, "summary": summary,
                               "scenarios": [{**asdict(s), "analysis_ms": None,
-                                             "incidents": briefs.get(s.scenario)}
+                                             "incident_briefs": briefs.get(s.scenario)}
                                             for s in scores]}
     if not args.in_process:
         report["latency_stages"] = stages
