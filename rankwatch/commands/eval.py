@@ -194,7 +194,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         mode = f"in-process (simulated time), catalog {args.catalog}"
     else:
         stages: list[dict[str, Any]] = []
-        scores = real_pipeline(names, say, stages, args.catalog)
+        scores = real_pipeline(names, say, stages, args.catalog, briefs)
         summary = summarize(scores)
         mode = f"real pipeline (broker, Faust worker, ClickHouse; realtime), catalog {args.catalog}"
     report: dict[str, Any] = {"mode": mode, "summary": summary,
@@ -278,7 +278,8 @@ def latency_stages(name: str, truth: list[Any], diags: list[Diagnosis],
 
 
 def real_pipeline(names: list[str], say: Any, stages: list[dict[str, Any]] | None = None,
-                  catalog: str = "standard") -> list[ScenarioScore]:
+                  catalog: str = "standard",
+                  briefs: dict[str, list[dict[str, Any]]] | None = None) -> list[ScenarioScore]:
     """Run `names` through a private stack; `stages`, when given, receives the latency
     breakdown of every detected fault and each scenario's storage lags (module docstring)."""
     from confluent_kafka import Consumer
@@ -326,6 +327,8 @@ def real_pipeline(names: list[str], say: Any, stages: list[dict[str, Any]] | Non
                 s.wall_s = time.time() - t0
                 s.analysis_ms = [d.analysis_ms for d in mine]
                 scores.append(s)
+                if briefs is not None:
+                    briefs[name] = incident_brief(mine)
                 if stages is not None:
                     rows = latency_stages(name, truth, mine, trigger_wall)
                     lags = feed_lags(stack.sql_endpoint(settings), sc.config.job_id)
