@@ -7,6 +7,8 @@ queueing delay to delivery (`lat`, in units of the nominal slice time); a NIC th
 its posts and the completions of data sent to it; a failed receiver blocks completions into it.
 A PCIe downgrade adds a staging copy over the degraded link to every slice the GPU readies; a slow
 GPU stretches reductions. Proxy delay: with probability p the member's proxy starts the op late.
+Realism (`slow`, per member): the link's serialization, reduction and latency times scaled by its
+communicator's speed and the call's transfer noise (ingest/sim/realism.py).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class Links:
 
 
 def links(cfg: JobConfig, fx: StepEffects, host: np.ndarray, pos: np.ndarray, dst: np.ndarray,
-          slice_bytes: float) -> Links:
-    """Link parameters for data from grid positions `pos` to `dst` (flat indices)."""
+          slice_bytes: float, slow: np.ndarray | None = None) -> Links:
+    """Link parameters for data from grid positions `pos` to `dst` (flat indices); `slow`
+    (shaped like `pos`) scales every time of the member's link."""
     net = host[pos] != host[dst]
     nic_bw = fx.nic_bw.ravel()[pos]
     tx_nominal = slice_bytes / (cfg.nic_gbps * 1e9)
@@ -45,6 +48,8 @@ def links(cfg: JobConfig, fx: StepEffects, host: np.ndarray, pos: np.ndarray, ds
     pcie = fx.pcie.ravel()[pos]
     g = slice_bytes / (cfg.reduce_gbps * 1e9) * fx.gpu.ravel()[pos]
     g = g + np.where(pcie < 1.0, slice_bytes / (cfg.nic_gbps * 1e9 * pcie), 0.0)
+    if slow is not None:
+        tx, g, lat = tx * slow, g * slow, lat * slow
     return Links(net, g, tx, lat)
 
 
@@ -70,12 +75,12 @@ def _proxy_start(fx: StepEffects, pos: np.ndarray, start: np.ndarray,
 
 def ring_collective(cfg: JobConfig, fx: StepEffects, host: np.ndarray, pos: np.ndarray,
                     start: np.ndarray, nbytes: float, steps: int, slices: int,
-                    rng: np.random.Generator) -> RingResult:
+                    rng: np.random.Generator, slow: np.ndarray | None = None) -> RingResult:
     """A ring collective over groups `pos` [G, n] (flat grid positions, ring order on axis 1)
-    that members enter at `start` [G, n]."""
+    that members enter at `start` [G, n]; `slow` [G, n] scales each member's link times."""
     n = pos.shape[1]
     dst = np.roll(pos, -1, axis=1)
-    lk = links(cfg, fx, host, pos, dst, nbytes / n / slices)
+    lk = links(cfg, fx, host, pos, dst, nbytes / n / slices, slow)
     block, dblock = _blocks(fx, pos, dst, lk.net)
     return ring_progress(start, lk.g, lk.tx, lk.lat, steps, slices, cfg.window, block, dblock,
                          _proxy_start(fx, pos, start, rng))
@@ -96,10 +101,11 @@ class Transfer:
 
 def p2p(cfg: JobConfig, fx: StepEffects, host: np.ndarray, src: np.ndarray, dst: np.ndarray,
         send_start: np.ndarray, recv_start: np.ndarray, nbytes: float,
-        rng: np.random.Generator) -> Transfer:
-    """Send from grid positions `src` to `dst`: data moves once both sides are in the call."""
+        rng: np.random.Generator, slow: np.ndarray | None = None) -> Transfer:
+    """Send from grid positions `src` to `dst`: data moves once both sides are in the call;
+    `slow` scales each link's times."""
     units = cfg.slices
-    lk = links(cfg, fx, host, src, dst, nbytes / units)
+    lk = links(cfg, fx, host, src, dst, nbytes / units, slow)
     begin = np.maximum(send_start, recv_start)
     late = _proxy_start(fx, src, begin, rng)
     if late is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from ingest.sim.realism import RealismParams, validate
 from ingest.sim.topology import Layout
 
 EPOCH_NS = 1_700_000_000_000_000_000  # default job start (fixed, so runs are reproducible)
@@ -56,6 +57,20 @@ class JobConfig:
     kernel_every: int = 1  # emit kernel events every k-th step (1 = all)
     hang_tail_s: float = 30.0  # simulated time recorded after the job stalls for good
     batch_rows: int = 32768  # rows per record batch (~0.3-1 MiB encoded)
+    # realism (ingest/sim/realism.py; all off by default: the clean model above)
+    tail_p: float = 0.0  # probability per rank and phase of a heavy-tailed (Lomax) slowdown
+    tail_alpha: float = 1.7  # its Pareto shape (smaller: heavier tail)
+    tail_scale: float = 0.25  # slowdown = 1 + tail_scale * Lomax(tail_alpha)
+    os_pause_rate: float = 0.0  # OS-noise pauses per second of a phase's run time, each ...
+    os_pause_min_ms: float = 2.0  # ... log-uniform between these
+    os_pause_max_ms: float = 40.0
+    core_group: int = 1  # consecutive ranks sharing cores (1: none)
+    core_sigma: float = 0.0  # log-normal sigma of a core group's common per-step slowdown
+    core_quantum_ms: float = 0.0  # a pass waits k quanta for its turn on the group's cores
+    ring_sigma: float = 0.0  # per-communicator transfer speed, log-normal, drawn once per run
+    xfer_sigma: float = 0.0  # per-call transfer-time noise, log-normal
+    kernels: bool = True  # emit kernel records (False: a CPU job, ops and stages only)
+    declared_shape: bool = True  # False: topology as traced without RANKWATCH_TP/PP/DP/...
 
     def __post_init__(self) -> None:
         positive = ("microbatches", "steps", "tp_collectives", "slices", "window", "channels",
@@ -68,6 +83,11 @@ class JobConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         Layout(self.tp, self.pp, self.dp, self.ep, self.ranks_per_host)
+        validate(self.realism)
+
+    @property
+    def realism(self) -> RealismParams:
+        return RealismParams(**{f.name: getattr(self, f.name) for f in fields(RealismParams)})
 
     @property
     def layout(self) -> Layout:

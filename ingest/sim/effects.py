@@ -42,6 +42,8 @@ class StepEffects:
     rblock_until: np.ndarray  # ... wait until this
     proxy_p: np.ndarray
     proxy_delay: np.ndarray
+    stage_mult: np.ndarray  # [4, dp, pp, tp] time multiplier of data, fwd, bwd, optim
+    any_stage: bool = False  # some stage_mult differs from 1
     any_block: bool = False
     any_proxy: bool = False
     hangs: list[tuple[int, F.Hang, np.ndarray]] = field(default_factory=list)
@@ -73,6 +75,7 @@ class FaultModel:
             cb_extra=zeros.copy(), nic_bw=ones.copy(), lat=ones.copy(), pcie=ones.copy(),
             block_from=inf.copy(), block_until=-inf, rblock_from=inf.copy(), rblock_until=-inf,
             proxy_p=zeros.copy(), proxy_delay=zeros.copy(),
+            stage_mult=np.ones((len(F.SLOW_STAGES), *shape)),
         )
         for i, f in enumerate(self.faults.faults):
             m = self.masks[i]
@@ -175,10 +178,17 @@ def _proxy(fm: FaultModel, i: int, f: F.Fault, m: np.ndarray, fx: StepEffects, s
     fx.any_proxy = True
 
 
+def _stage_slow(fm: FaultModel, i: int, f: F.Fault, m: np.ndarray, fx: StepEffects, step: int,
+                rng: np.random.Generator) -> None:
+    assert isinstance(f, F.StageSlow)
+    _mul(fx.stage_mult[F.SLOW_STAGES.index(f.stage)], m, f.factor)
+    fx.any_stage = True
+
+
 _HANDLERS = {
     F.GpuSlow: _gpu, F.HostCompute: _gpu, F.KernelSlow: _kernel, F.EccJitter: _ecc,
     F.CpuContention: _cpu, F.DataStall: _data_stall, F.DataTail: _data_stall,
     F.CallbackSpike: _callback, F.NicBandwidth: _nic_bw, F.BackgroundTraffic: _traffic,
     F.PcieDowngrade: _pcie, F.NicDown: _nic_down, F.ReceiverFailure: _recv_fail,
-    F.ProxyDelay: _proxy,
+    F.ProxyDelay: _proxy, F.StageSlow: _stage_slow,
 }

@@ -10,7 +10,8 @@ Kernels: three per compute segment (a GEMM whose tile size alternates between tw
 attention kernel, an elementwise kernel) sized by the segment's kernel-class multipliers, plus
 one NCCL kernel per collective / p2p call on its own stream (its duration includes the wait, as
 a real NCCL kernel spins until its peers arrive), and the optimizer's multi-tensor kernel. With
-`kernel_every = k` only every k-th step carries kernels (documented volume control).
+`kernel_every = k` only every k-th step carries kernels (documented volume control); with
+`kernels = False` none do (a CPU job: the PyTorch tracer records ops and stages only).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ingest.records import JobTopology
 from ingest.sim.config import JobConfig
 from ingest.sim.engine import PASS_F, PASS_OPT, OpGroup, Segment, StepResult
 from ingest.sim.topology import Layout
@@ -65,7 +67,7 @@ class StepEmitter:
         self.cfg, self.layout, self.clock = cfg, layout, clock
         self.ranks = layout.grid.ravel()
         self.death = death.ravel()  # per flat grid position, inf if alive
-        self.comm_names, self.codes = comm_dictionary(layout)
+        self.comm_names, self.codes = comm_dictionary(layout, not cfg.declared_shape)
         self.nics = [layout.nic_name(r) for r in range(layout.ranks_per_host)]
 
     def _alive(self, pos: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -140,7 +142,7 @@ class StepEmitter:
         return cols
 
     def kernels(self, res: StepResult) -> list[Cols]:
-        if res.step % self.cfg.kernel_every:
+        if not self.cfg.kernels or res.step % self.cfg.kernel_every:
             return []
         rng = np.random.default_rng([self.cfg.seed, res.step, 0x6E1])
         out = [c for s in res.segments if (c := self._segment_kernels(s, rng)) is not None]
@@ -199,14 +201,34 @@ class StepEmitter:
         return out
 
 
-def comm_dictionary(layout: Layout) -> tuple[list[str], dict[str, np.ndarray]]:
-    """One comm_id dictionary for every kind, and per kind the codes of each grid position."""
+def comm_dictionary(layout: Layout, anonymous: bool = False
+                    ) -> tuple[list[str], dict[str, np.ndarray]]:
+    """One comm_id dictionary for every kind, and per kind the codes of each grid position;
+    `anonymous`: the ids a tracer gives groups nobody named (`pg1`, `pg2`, … in this order)."""
     names: list[str] = []
     codes: dict[str, np.ndarray] = {}
     for kind, kind_names in layout.comm_names.items():
         codes[kind] = layout.comm_codes[kind].ravel() + len(names)
         names += kind_names
+    if anonymous:
+        names = [f"pg{i + 1}" for i in range(len(names))]
     return names, codes
+
+
+def anonymous_topology(topo: JobTopology, layout: Layout) -> JobTopology:
+    """The topology a tracer publishes when the launcher declared no shape (RANKWATCH_TP/PP/DP/
+    MICROBATCHES unset): every rank data-parallel, one microbatch, no schedule, and every group
+    an unnamed `pgN` of kind dp (the tracer's default role) — only `world` keeps its name; no
+    group of one rank (a script creates none)."""
+    plain, _ = comm_dictionary(layout)
+    anon, _ = comm_dictionary(layout, True)
+    rename = dict(zip(plain, anon, strict=True))
+    comms = [c.model_dump() if c.comm_id == "world" else
+             {**c.model_dump(), "comm_id": rename.get(c.comm_id, c.comm_id), "kind": "dp"}
+             for c in topo.communicators if len(c.members) > 1 or c.comm_id == "world"]
+    return JobTopology.model_validate({**topo.model_dump(), "tp": 1, "pp": 1,
+                                       "dp": topo.world_size, "microbatches": 1,
+                                       "schedule": "none", "communicators": comms})
 
 
 def finite_max(*arrays: np.ndarray) -> float:

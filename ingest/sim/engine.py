@@ -12,6 +12,11 @@ neighbours (their Recv waits), then every DP peer (the AllReduce cannot finish):
 Sends do not block the sender; a Recv completes when the transfer does. Times are float seconds
 since job start; `inf` is "never", which propagates through max and + so a hang spreads exactly
 as far as the dependencies carry it. The loop runs over schedule slots, never over ranks.
+
+Realism (ingest/sim/realism.py, off unless configured) acts through `_Real`: heavy-tailed and
+core-group factors and OS pauses on every compute phase, turns on shared cores at each pass,
+and per-communicator and per-call factors on every link's times. It draws from its own
+generators, so with realism off a run is exactly the clean model's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,17 @@ from ingest.sim.comm import MIB, Transfer, p2p, ring_collective
 from ingest.sim.config import JobConfig
 from ingest.sim.effects import FaultModel, StepEffects
 from ingest.sim.faults import FaultSet
+from ingest.sim.realism import (
+    comm_speed,
+    core_groups,
+    group_factor,
+    heavy_tail,
+    interleave,
+    lognormal,
+    os_pauses,
+    run_rng,
+    step_rng,
+)
 from ingest.sim.ring import RingResult
 from ingest.sim.schedule import global_order
 
@@ -80,6 +96,74 @@ class StepResult:
         return not np.isfinite(self.end).any()
 
 
+class _Real:
+    """The realism draws of a run (module docstring); every method returns a neutral value
+    (1 / 0 / None) when its effect is off."""
+
+    def __init__(self, cfg: JobConfig, grid: np.ndarray) -> None:
+        self.p = p = cfg.realism
+        self.compute = p.compute
+        self.comm = p.comm
+        self.cfg = cfg
+        self.groups = core_groups(grid, p.core_group)  # [dp, pp, tp]
+        self.rng = step_rng(cfg.seed, 0)
+        self.gf = np.ones(grid.shape)
+        shape = grid.shape
+        if p.ring_sigma > 0:  # one factor per communicator, broadcast to its members
+            r = run_rng(cfg.seed)
+            dp_, pp_, tp_ = shape
+            self.speed = {
+                "dp": np.broadcast_to(comm_speed(r, pp_ * tp_, p.ring_sigma)
+                                      .reshape(1, pp_, tp_), shape).copy(),
+                "tp": np.broadcast_to(comm_speed(r, dp_ * pp_, p.ring_sigma)
+                                      .reshape(dp_, pp_, 1), shape).copy(),
+                "F": comm_speed(r, grid.size, p.ring_sigma).reshape(shape),  # PP link, up
+                "B": comm_speed(r, grid.size, p.ring_sigma).reshape(shape),  # PP link, down
+            }
+        else:
+            self.speed = {}
+
+    def begin_step(self, step: int) -> None:
+        p = self.p
+        self.rng = step_rng(self.cfg.seed, step)
+        if p.core_group > 1 and p.core_sigma > 0:
+            self.gf = group_factor(self.rng, self.groups, p.core_sigma)
+
+    def factor(self, shape: tuple[int, ...], sel: tuple[slice | int, ...] = ()) -> np.ndarray:
+        """Heavy-tail × core-group factor of one phase on the grid positions `sel`."""
+        p = self.p
+        f = self.gf[sel] if sel else self.gf
+        if p.tail_p > 0:
+            f = f * heavy_tail(self.rng, shape, p.tail_p, p.tail_alpha, p.tail_scale)
+        return np.asarray(f)
+
+    def pause(self, dur: np.ndarray) -> np.ndarray | float:
+        """OS-noise seconds added to phases lasting `dur`."""
+        p = self.p
+        if p.os_pause_rate <= 0:
+            return 0.0
+        return os_pauses(self.rng, dur, p.os_pause_rate, p.os_pause_min_ms, p.os_pause_max_ms)
+
+    def turn(self, s: int) -> np.ndarray | float:
+        """Seconds each rank of stage `s` waits for its turn on shared cores."""
+        p = self.p
+        if p.core_group <= 1 or p.core_quantum_ms <= 0:
+            return 0.0
+        g = self.groups[:, s, :]
+        return interleave(self.rng, g.ravel(), p.core_quantum_ms / 1e3).reshape(g.shape)
+
+    def link(self, kind: str, sel: tuple[slice | int, ...], shape: tuple[int, ...]
+             ) -> np.ndarray | None:
+        """Per-member link factor for one call: the communicator's speed × transfer noise."""
+        p = self.p
+        if not self.comm:
+            return None
+        f = self.speed[kind][sel].reshape(shape) if kind in self.speed else np.ones(shape)
+        if p.xfer_sigma > 0:
+            f = f * lognormal(self.rng, shape, p.xfer_sigma)
+        return np.asarray(f)
+
+
 class Engine:
     """Computes one StepResult per call; deterministic for (config, faults)."""
 
@@ -95,6 +179,7 @@ class Engine:
         self.seq = {k: [0] * cfg.pp for k in ("tp", "pp", "dp")}
         self.last_dur = (cfg.microbatches + cfg.pp - 1) * (cfg.fwd_ms + cfg.bwd_ms) / 1e3
         self.onsets: dict[int, float] = {}
+        self.real = _Real(cfg, self.layout.grid)
 
     def _noise(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         return np.exp(self.cfg.noise_sigma * rng.standard_normal(shape))
@@ -129,8 +214,15 @@ class Engine:
         t_lo = float(t0[fin].min()) if fin.any() else math.inf
         fx = self.fm.step(step, t_lo, t_lo + self.last_dur, rng)
         res = StepResult(step, t0, t0, {}, np.zeros(self.shape))
+        real = self.real
+        real.begin_step(step)
         data = cfg.data_ms / 1e3 * self._noise(rng, self.shape) * fx.cpu + fx.data_extra
         data += cfg.data_ms / 1e3 * 0.25 * (1.0 / fx.pcie - 1.0)  # host-to-device copies
+        if fx.any_stage:
+            data = data * fx.stage_mult[0]
+        if real.compute:
+            data = data * real.factor(self.shape)
+            data = data + real.pause(data)
         data = self._stall(t0, data, None, "data", fx)
         cur = t0 + data
         acc = {"F": np.zeros(self.shape), "B": np.zeros(self.shape)}
@@ -151,13 +243,22 @@ class Engine:
         bwd_end = cur.copy()
         cur = self._dp_allreduce(res, fx, rng, step, cur)
         opt = cfg.optim_ms / 1e3 * self._noise(rng, self.shape) * (0.6 * fx.gpu + 0.4 * fx.cpu)
+        if fx.any_stage:
+            opt = opt * fx.stage_mult[3]
+        if real.compute:
+            opt = opt * real.factor(self.shape)
+            opt = opt + real.pause(opt)
         opt = self._stall(cur, opt, None, "optim", fx)
         res.segments.append(Segment(PASS_OPT, 0, self.posg.ravel(), cur.ravel(), opt.ravel(),
                                     np.ones((1, self.layout.world))))
         res.device += opt
         cur = cur + opt
         cb = cfg.callbacks_ms / 1e3 * self._noise(rng, self.shape) * fx.cpu + fx.cb_extra
+        if real.compute:
+            cb = cb + real.pause(cb)
         other = cfg.other_ms / 1e3 * self._noise(rng, self.shape) * fx.cpu
+        if real.compute:
+            other = other + real.pause(other)
         end = cur + cb + other
         res.end = end
         res.stages = {
@@ -177,8 +278,9 @@ class Engine:
         send_start, send_seq = pending.pop((s, kind, m))
         spos, rpos = self.posg[:, src, :].ravel(), self.posg[:, s, :].ravel()
         nbytes = int(self.cfg.act_mib * MIB)
+        slow = self.real.link(kind, (slice(None), src, slice(None)), spos.shape)
         tr = p2p(self.cfg, fx, self.host, spos, rpos, send_start.ravel(), c.ravel(),
-                      nbytes, rng)
+                 nbytes, rng, slow)
         lead = 20e-6
         res.ops.append(OpGroup("pp", "Send", spos, send_seq, nbytes, 2,
                                send_start.ravel() - lead, send_start.ravel(), tr.done, step,
@@ -198,6 +300,10 @@ class Engine:
         label = f"{'fwd' if kind == 'F' else 'bwd'} {m}"
         pos = self.posg[:, s, :]
         dt = (cfg.dp, cfg.tp)
+        real = self.real
+        smult = fx.stage_mult[1 if kind == "F" else 2][:, s, :] if fx.any_stage else 1.0
+        if real.compute:
+            c = c + real.turn(s)
         for k in range(k_n):
             kmult = fx.kernel[:, :, s, :].copy()
             ecc = rng.random(dt) < fx.ecc_p[:, s, :]
@@ -205,7 +311,10 @@ class Engine:
             spike = rng.random(dt) < cfg.spike_p
             kmult = np.where(spike, kmult * cfg.spike_factor, kmult)
             mix = np.tensordot(KERNEL_FRACTIONS, kmult, axes=1)
-            dur = base * self._noise(rng, dt) * fx.gpu[:, s, :] * mix
+            dur = base * self._noise(rng, dt) * fx.gpu[:, s, :] * mix * smult
+            if real.compute:
+                dur = dur * real.factor(dt, (slice(None), s, slice(None)))
+                dur = dur + real.pause(dur)
             dur += 50e-6 * fx.cpu[:, s, :]  # launch gap: CPU-side
             if k == 0:
                 dur = self._stall(c, dur, s, label, fx)
@@ -222,7 +331,8 @@ class Engine:
         cfg = self.cfg
         pos = self.posg[:, s, :]
         nbytes = cfg.tp_mib * MIB
-        r = ring_collective(cfg, fx, self.host, pos, c, nbytes, 2 * (cfg.tp - 1), 1, rng)
+        slow = self.real.link("tp", (slice(None), s, slice(None)), pos.shape)
+        r = ring_collective(cfg, fx, self.host, pos, c, nbytes, 2 * (cfg.tp - 1), 1, rng, slow)
         flat = pos.ravel()
         res.ops.append(OpGroup("tp", "AllReduce", flat, self.seq["tp"][s], int(nbytes), 1,
                                np.minimum(launched.ravel() + 30e-6, c.ravel()), c.ravel(),
@@ -242,8 +352,11 @@ class Engine:
         death = self.fm.death.transpose(1, 2, 0).reshape(pos.shape)
         start = np.where(start >= death, math.inf, start)
         nbytes = cfg.grad_mib * MIB
+        slow = self.real.link("dp", (), self.shape)
+        if slow is not None:
+            slow = slow.transpose(1, 2, 0).reshape(pos.shape)
         r = ring_collective(cfg, fx, self.host, pos, start, nbytes, 2 * (cfg.dp - 1),
-                                 cfg.slices, rng)
+                            cfg.slices, rng, slow)
         flat = pos.ravel()
         seq = self.seq["dp"][0]
         res.ops.append(OpGroup("dp", "AllReduce", flat, seq, int(nbytes), 3,

@@ -297,11 +297,36 @@ class CpuContention(Fault):
         return "host cpu"
 
 
+SLOW_STAGES = ("data", "fwd", "bwd", "optim")
+
+
+@dataclass(frozen=True)
+class StageSlow(Fault):
+    """One stage of the rank's step slower by `factor`: its data loading (component dataloader)
+    or its forward passes, backward passes or optimizer (compute, component gpu) — e.g. a layer
+    whose backward recomputes, a loader that lost its workers. Its peers wait for it inside their
+    own stages (a DP peer's backward contains the gradient all-reduce)."""
+
+    family: ClassVar[str] = "stage_slow"
+    stage: str = "bwd"
+    factor: float = 4.0
+
+    def validate(self) -> None:
+        _choice("stage", self.stage, SLOW_STAGES)
+        _check(self.factor > 1, "factor", self.factor, "a slowdown factor > 1")
+
+    def stage_label(self, layout: Layout) -> str:
+        if self.stage in ("fwd", "bwd"):
+            pps = sorted({layout.position(r)[1] for r in self.ranks})
+            return f"{self.stage} pp={','.join(map(str, pps))}"
+        return self.stage
+
+
 FAMILIES: dict[str, type[Fault]] = {
     c.family: c
     for c in (Hang, Death, NicDown, NicBandwidth, ReceiverFailure, PcieDowngrade, GpuSlow,
               HostCompute, BackgroundTraffic, ProxyDelay, DataStall, DataTail, CallbackSpike,
-              KernelSlow, EccJitter, CpuContention)
+              KernelSlow, EccJitter, CpuContention, StageSlow)
 }
 _COMMON = ("rank", "host", "at", "for", "expect")
 _SKIP = {"ranks", "hosts", "at", "duration", "expect", "spec"}

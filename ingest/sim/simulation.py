@@ -23,7 +23,7 @@ import numpy as np
 from ingest.batch import encode_batch, encode_topology
 from ingest.records import MODELS, JobTopology
 from ingest.sim.config import JobConfig
-from ingest.sim.emit import Clock, Cols, StepEmitter, comm_dictionary
+from ingest.sim.emit import Clock, Cols, StepEmitter, anonymous_topology, comm_dictionary
 from ingest.sim.engine import Engine, OpGroup, StepResult, fault_onsets
 from ingest.sim.faults import Fault, FaultSet, parse_fault
 from ingest.sim.progress import ChunkSnapshots, Timeline, ticks_between, wr_events
@@ -46,7 +46,7 @@ class Simulation:
         self.death_by_rank = np.empty(self.layout.world)
         self.death_by_rank[self.ranks] = death
         self.chunks = ChunkSnapshots(cfg, self.ranks, death, self.clock)
-        self.comm_names, self.comm_codes = comm_dictionary(self.layout)
+        self.comm_names, self.comm_codes = comm_dictionary(self.layout, not cfg.declared_shape)
         world = self.layout.world
         self.kinds = [k for k, n in (("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp)) if n > 1]
         self.seq_lines = {k: Timeline(world, 1, "last") for k in self.kinds}
@@ -60,7 +60,8 @@ class Simulation:
         self.rows_by_kind: Counter[str] = Counter()
 
     def topology(self) -> JobTopology:
-        return self.layout.topology(self.cfg.job_id, self.cfg.epoch_ns, self.cfg.microbatches)
+        topo = self.layout.topology(self.cfg.job_id, self.cfg.epoch_ns, self.cfg.microbatches)
+        return topo if self.cfg.declared_shape else anonymous_topology(topo, self.layout)
 
     # ------------------------------------------------------------------ records
     def records(self) -> Iterator[Record]:

@@ -38,7 +38,7 @@ class TruthRecord(BaseModel):
 
 
 def component_of(fault: F.Fault) -> Component:
-    if isinstance(fault, F.Hang) and fault.stage == "data":
+    if isinstance(fault, (F.Hang, F.StageSlow)) and fault.stage == "data":
         return "dataloader"
     c = fault.component
     assert c in ("gpu", "nic", "pcie", "host", "dataloader", "software")

@@ -2,6 +2,7 @@
 
     rankwatch eval --catalog standard [--scenarios a,b,...] [--json] [--out FILE]
     rankwatch eval --in-process [--scenarios ...]          # fast development mode
+    rankwatch eval --in-process --catalog realistic        # the noise of real CPU jobs
 
 Real pipeline (default): starts a private stack (broker + worker with the diagnosis agents, in a
 temporary home on free ports), runs each scenario with `rankwatch simulate --speed realtime
@@ -10,7 +11,9 @@ Scenarios run one after another in real time, so the default real-pipeline set i
 (`REAL_SUBSET`, ~10 minutes on two cores); `--scenarios all` runs the whole catalog. The
 in-process mode runs the same triggers and engine on the simulator's records in simulated time
 over the whole catalog; its figures are for development, the real pipeline's are the reported
-ones.
+ones. `--catalog realistic` scores the realistic catalog (ingest/sim/realistic.toml: jobs with
+the jitter, OS noise, shared cores and small peer sets of real CPU runs); its default set, in
+either mode, is the whole catalog.
 
 Where the seconds go (real pipeline, `latency_stages` in the report): for every detected fault the
 time from onset to the published diagnosis splits into
@@ -49,7 +52,9 @@ SECOND = 1_000_000_000
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("eval", help="score diagnoses against the scenario catalog's truth")
-    p.add_argument("--catalog", default="standard", choices=["standard"])
+    p.add_argument("--catalog", default="standard", choices=["standard", "realistic"],
+                   help="scenario catalog: standard (clean model) or realistic (noise of real "
+                        "CPU jobs, ingest/sim/realism.py)")
     p.add_argument("--scenarios", default="", help="comma-separated names, or 'all'")
     p.add_argument("--in-process", action="store_true", help="fast mode: no broker/worker")
     p.add_argument("--json", action="store_true", help="print the JSON report only")
@@ -57,17 +62,60 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def _names(arg: str, real: bool) -> list[str] | None:
+def _names(arg: str, real: bool, catalog: str = "standard") -> list[str]:
     from ingest.sim.scenario import load_catalog
 
-    if arg == "all":
-        return list(load_catalog())
-    if arg:
-        return [s.strip() for s in arg.split(",") if s.strip()]
-    return list(REAL_SUBSET) if real else None
+    cat = load_catalog(catalog)
+    if arg and arg != "all":
+        names = [s.strip() for s in arg.split(",") if s.strip()]
+        unknown = [n for n in names if n not in cat]
+        if unknown:
+            raise KeyError(f"unknown scenarios in catalog {catalog!r}: {', '.join(unknown)}; "
+                           f"known: {', '.join(cat)}")
+        return names
+    if real and not arg and catalog == "standard":
+        return list(REAL_SUBSET)
+    return list(cat)
 
 
-def table(summary: dict[str, Any], scores: list[ScenarioScore], mode: str) -> str:
+def evaluate_catalog(catalog: str, names: list[str], progress: Any = None
+                     ) -> tuple[list[ScenarioScore], dict[str, Any]]:
+    """In-process scores of `names` from a named catalog (diagnosis.evaluate's loop, which
+    reads the standard catalog only)."""
+    from diagnosis.evaluate import run_in_process
+    from ingest.sim.scenario import load_catalog
+
+    cat = load_catalog(catalog)
+    scores = []
+    for name in names:
+        sc = cat[name]
+        t0 = time.perf_counter()
+        diags, truth, ms = run_in_process(sc)
+        s = score_scenario(name, sc.tags, truth, diags)
+        s.wall_s = time.perf_counter() - t0
+        s.analysis_ms = ms
+        scores.append(s)
+        if progress:
+            progress(s, diags)
+    return scores, summarize(scores)
+
+
+def incident_brief(diags: list[Diagnosis]) -> list[dict[str, Any]]:
+    """Each incident's last version before resolution, in a few words (the report's
+    `incident_briefs`: what a false alarm said)."""
+    last: dict[str, Diagnosis] = {}
+    for d in sorted(diags, key=lambda d: (d.incident_id, d.version)):
+        if d.status != "resolved" or d.incident_id not in last:
+            last[d.incident_id] = d
+    return [{"kind": d.kind, "ranks": d.culprit_ranks[:8], "stage": d.stage,
+             "component": d.component, "confidence": round(d.confidence, 2),
+             "rules": d.rules[:4], "version": d.version,
+             "evidence": (d.evidence[0].summary if d.evidence else d.summary)[:160]}
+            for d in sorted(last.values(), key=lambda d: d.detected_ns)]
+
+
+def table(summary: dict[str, Any], scores: list[ScenarioScore], mode: str,
+          incidents: dict[str, list[dict[str, Any]]] | None = None) -> str:
     h, s, lat = summary["hang"], summary["slowdown"], summary["latency_s"]
     rows = [
         ("mode", mode),
@@ -94,6 +142,10 @@ def table(summary: dict[str, Any], scores: list[ScenarioScore], mode: str) -> st
     for sc in scores:
         if not sc.faults:
             out.append(f"  {sc.scenario:<28} {'(none expected)':<44} incidents={sc.incidents}")
+            for i in (incidents or {}).get(sc.scenario, []):
+                out.append(f"      {i['kind']} ranks={i['ranks']} stage={i['stage']} "
+                           f"comp={i['component']} conf={i['confidence']} "
+                           f"rules={','.join(i['rules'])}: {i['evidence'][:90]}")
         for f in sc.faults:
             def b(x: bool) -> str:
                 return " y " if x else " . "
@@ -121,30 +173,44 @@ def stage_table(stages: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    names = _names(args.scenarios, not args.in_process)
+    try:
+        names = _names(args.scenarios, not args.in_process, args.catalog)
+    except KeyError as e:
+        print(f"rankwatch eval: {e.args[0]}", file=sys.stderr)
+        return 2
     def say(m: str) -> None:
         if not args.json:
             print(m, file=sys.stderr)
 
+    briefs: dict[str, list[dict[str, Any]]] = {}
     if args.in_process:
-        def prog(s: ScenarioScore, _: Any) -> None:
-            say(f"  {s.scenario}: {s.wall_s:.1f} s, incidents {s.incidents}")
-        scores, summary = evaluate_in_process(names, prog)
-        mode = "in-process (simulated time)"
+        def prog(s: ScenarioScore, diags: list[Diagnosis]) -> None:
+            briefs[s.scenario] = incident_brief(diags)
+            say(f"  {s.scenario}: {s.wall_s:.1f} s, incidents {s.incidents}"
+                + "".join(f"; {d.kind} ranks={d.culprit_ranks[:4]} stage={d.stage} "
+                          f"comp={d.component} conf={d.confidence:.2f}"
+                          for d in diags if d.version == 1))
+        if args.catalog == "standard":
+            scores, summary = evaluate_in_process(names, prog)
+        else:
+            scores, summary = evaluate_catalog(args.catalog, names, prog)
+        mode = f"in-process (simulated time), catalog {args.catalog}"
     else:
         stages: list[dict[str, Any]] = []
-        scores = real_pipeline(names or list(REAL_SUBSET), say, stages)
+        scores = real_pipeline(names, say, stages, args.catalog, briefs)
         summary = summarize(scores)
-        mode = "real pipeline (broker, Faust worker, ClickHouse; realtime)"
+        mode = f"real pipeline (broker, Faust worker, ClickHouse; realtime), catalog {args.catalog}"
     report: dict[str, Any] = {"mode": mode, "summary": summary,
-                              "scenarios": [{**asdict(s), "analysis_ms": None} for s in scores]}
+                              "scenarios": [{**asdict(s), "analysis_ms": None,
+                                             "incident_briefs": briefs.get(s.scenario)}
+                                            for s in scores]}
     if not args.in_process:
         report["latency_stages"] = stages
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.json:
         print(json.dumps(report, default=str))
     else:
-        print(table(summary, scores, mode))
+        print(table(summary, scores, mode, briefs))
         if not args.in_process:
             print(stage_table(stages))
         print(f"\n  report: {args.out}")
@@ -214,8 +280,9 @@ def latency_stages(name: str, truth: list[Any], diags: list[Diagnosis],
     return out
 
 
-def real_pipeline(names: list[str], say: Any,
-                  stages: list[dict[str, Any]] | None = None) -> list[ScenarioScore]:
+def real_pipeline(names: list[str], say: Any, stages: list[dict[str, Any]] | None = None,
+                  catalog: str = "standard",
+                  briefs: dict[str, list[dict[str, Any]]] | None = None) -> list[ScenarioScore]:
     """Run `names` through a private stack; `stages`, when given, receives the latency
     breakdown of every detected fault and each scenario's storage lags (module docstring)."""
     from confluent_kafka import Consumer
@@ -225,7 +292,7 @@ def real_pipeline(names: list[str], say: Any,
     from ingest.sim.truth import TruthRecord
     from rankwatch import stack
 
-    cat = load_catalog()
+    cat = load_catalog(catalog)
     scores: list[ScenarioScore] = []
     with tempfile.TemporaryDirectory(prefix="rankwatch-eval-") as home:
         settings = stack.private_settings(Path(home), topic_prefix="eval")
@@ -241,8 +308,8 @@ def real_pipeline(names: list[str], say: Any,
                 say(f"eval: {name} (realtime)…")
                 t0 = time.time()
                 res = subprocess.run(
-                    [sys.executable, "-m", "rankwatch.cli", "simulate", "--scenario", name,
-                     "--speed", "realtime", "--out", "kafka", "--json"],
+                    [sys.executable, "-m", "rankwatch.cli", "simulate", "--catalog", catalog,
+                     "--scenario", name, "--speed", "realtime", "--out", "kafka", "--json"],
                     env=stack.child_env(settings), capture_output=True, text=True, timeout=900)
                 if res.returncode:
                     raise RuntimeError(f"simulate {name} failed: {res.stderr[-2000:]}")
@@ -263,6 +330,8 @@ def real_pipeline(names: list[str], say: Any,
                 s.wall_s = time.time() - t0
                 s.analysis_ms = [d.analysis_ms for d in mine]
                 scores.append(s)
+                if briefs is not None:
+                    briefs[name] = incident_brief(mine)
                 if stages is not None:
                     rows = latency_stages(name, truth, mine, trigger_wall)
                     lags = feed_lags(stack.sql_endpoint(settings), sc.config.job_id)

@@ -20,7 +20,10 @@ def register(sub: Any) -> None:
                     "at=30s'; run with --fault help to list families and keys.")
     p.add_argument("--scenario", help="a named scenario of the catalog (--list shows them)")
     p.add_argument("--list", action="store_true", help="list catalog scenarios and exit")
-    p.add_argument("--catalog", help="catalog file (default: the shipped scenarios.toml)")
+    p.add_argument("--catalog", help="catalog: standard (default), realistic, or a TOML file")
+    p.add_argument("--realism", help="apply a realism preset (e.g. cpu: heavy-tailed jitter, OS "
+                   "pauses, shared cores, uneven communicators, no kernels; ingest/sim/realism.py) "
+                   "or off (the clean model)")
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
@@ -50,7 +53,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from ingest.sim.simulation import Simulation
 
     if args.list:
-        for name, sc in load_catalog(args.catalog).items():
+        try:
+            catalog = load_catalog(args.catalog)
+        except (OSError, ValueError) as e:
+            print(f"rankwatch simulate: {e}", file=sys.stderr)
+            return 2
+        for name, sc in catalog.items():
             print(f"{name:32s} {sc.config.world:5d} ranks  {'; '.join(sc.faults) or '-'}")
         return 0
     if any(f.strip() == "help" for f in args.fault):
@@ -66,6 +74,16 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                                                    "seed", "job_id", "clock_skew_ms",
                                                    "kernel_every")
                      if getattr(args, k) is not None}
+        if args.realism is not None:
+            from ingest.sim.realism import PRESETS
+            if args.realism == "off":
+                base = JobConfig()
+                overrides.update({k: getattr(base, k) for p_ in PRESETS.values() for k in p_})
+            elif args.realism in PRESETS:
+                overrides.update(PRESETS[args.realism])
+            else:
+                raise ValueError(f"--realism {args.realism!r}: expected off or one of "
+                                 f"{', '.join(PRESETS)}")
         if args.out == "kafka":  # live pipelines window and expire by wall-clock time
             overrides["epoch_ns"] = time.time_ns()
         cfg = cfg.with_(**overrides)

@@ -88,7 +88,8 @@ def test_megatron_rank_order_and_topology() -> None:
 
 def test_catalog_covers_families_sizes_controls() -> None:
     cat = load_catalog()
-    families = {parse_fault(f).family for sc in cat.values() for f in sc.faults}
+    families = {parse_fault(f).family for c in (cat, load_catalog("realistic"))
+                for sc in c.values() for f in sc.faults}
     assert families == set(FAMILIES)
     sizes = {sc.config.world for sc in cat.values()}
     assert min(sizes) == 8 and max(sizes) == 4096
