@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnosis.columns import ints
+from diagnosis.columns import codes, col, ints
 from diagnosis.conclusion import Conclusion, Suspicion
 from diagnosis.rules import frontier_labels
 from diagnosis.rules.base import Component, Finding, Kind
@@ -47,6 +47,7 @@ from diagnosis.slow.context import (
     stage_matrix,
 )
 from diagnosis.window import Window
+from ingest.agent.shape import infer_pipeline
 
 __all__ = ["SlowConfig", "analyze", "reach_start"]
 
@@ -66,7 +67,7 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
         return None
     st = w.get("stages")
     lo = int(ints(st, "t_start")[in_steps(ints(st, "step"), steps)].min())
-    ctx = Ctx(w, cfg, steps, step_ns, w.grid.stage, lo, job_step, frozenset(confirm))
+    ctx = Ctx(w, cfg, steps, step_ns, peer_stages(w), lo, job_step, frozenset(confirm))
     sus: list[Suspicion] = [s for fn in ANALYSES for s in fn(ctx)]
     sus += p2p.suspects(ctx, {r for x in sus for r in x.ranks})
     sus = _merge_hosts(w, sus)
@@ -138,6 +139,37 @@ def _explained_links(sus: list[Suspicion], cfg: SlowConfig
         else:
             keep.append(s)
     return keep, explained
+
+
+def peer_stages(w: Window) -> np.ndarray:
+    """The pipeline stage of each rank, the peer groups every comparison uses: the topology's,
+    or — when it declares no pipeline (pp 1) but the ranks send to and receive from each other
+    — the one their p2p pattern shows (`ingest.agent.shape.infer_pipeline`: disjoint chains,
+    stage 0 the end that sends first). Ranks of different stages do different work; compared
+    as peers, a later stage's forward is an "outlier" of the first's."""
+    grid = w.grid
+    ops = w.get("ops")
+    if grid.pp > 1 or not ops or "peer" not in ops:
+        return grid.stage
+    names, code = codes(col(ops, "op"))
+    p2p = np.isin(names.astype(str), ("Send", "Recv"))[code] & (ints(ops, "peer", -1) >= 0)
+    if not p2p.any():
+        return grid.stage
+    rank, peer = ints(ops, "rank")[p2p], ints(ops, "peer")[p2p]
+    edges = np.unique(np.stack([np.minimum(rank, peer), np.maximum(rank, peer)], axis=1),
+                      axis=0)
+    send = (names.astype(str) == "Send")[code][p2p]
+    t0 = ints(ops, "t_start")[p2p]
+    order = np.lexsort((t0, rank))
+    firsts = order[np.r_[True, rank[order][1:] != rank[order][:-1]]]
+    first_is_send = {int(rank[i]): bool(send[i]) for i in firsts.tolist()}
+    shape = infer_pipeline(grid.world, [tuple(e) for e in edges.tolist()], first_is_send, [], [])
+    if shape is None or shape.pp < 2:
+        return grid.stage
+    stage = np.zeros(grid.world, dtype=np.int64)
+    for chain in shape.chains:
+        stage[list(chain)] = np.arange(len(chain))
+    return stage
 
 
 def confidence(top: Suspicion, second: Suspicion | None,

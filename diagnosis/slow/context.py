@@ -64,7 +64,7 @@ class SlowConfig:
     net_abs_ns: float = 2e6
     class_ratio: float = 1.3  # one kernel class slower by this (median), others < other_ratio
     other_ratio: float = 1.1
-    onset_steps: int = 6  # a change must hold for this many steps
+    onset_steps: int = 4  # a change must hold for this many steps
     z_change: float = 4.0  # a change: this many robust σ of the unit's own excess noise
     z_job: float = 2.0  # and the job's median step time rose by this many standard errors
     job_noise: float = 0.5  # an excess must reach this × the job step time's robust σ
@@ -255,7 +255,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     gi = np.unique(groups, return_inverse=True)[1]
     peers = np.bincount(gi[present], minlength=gi.max() + 1 if gi.size else 0)[gi]
     # -- outlier: a persistent difference, only in a peer set that can show it ---------------
-    big = material & (peers >= cfg.min_peers)
+    # links (job_gate off) differ by topology (switches, NVLink or NIC): only a change counts
+    big = material & (peers >= cfg.min_peers) & job_gate
     if big.any():
         with np.errstate(all="ignore"):
             means = np.nanmean(m, axis=0)

@@ -1,4 +1,4 @@
-"""DP and TP communicators: per ring and step, the transfer time of its collectives — the
+"""DP communicators: per ring and step, the transfer time of its collectives — the
 *shortest* time any member spent in each (the last arriver's; everyone else's includes waiting:
 Mycroft Fig. 2, VenusTrace's AR node duration, §3.2.2) — compared across the job's rings of the
 same kind (`judge`).
@@ -24,8 +24,11 @@ from diagnosis.conclusion import Suspicion
 from diagnosis.rules.base import Component
 from diagnosis.slow.context import Array, Ctx, judge
 
-#: communicator kinds whose collectives are compared, and the stage a slower one names
-KINDS = (("dp", "dp_allreduce"), ("tp", "tp_collectives"))
+#: communicator kinds whose collectives are compared, and the stage a slower one names. TP
+#: groups are left out: inside a host (NVLink), their collectives slow with any member's
+#: compute, PCIe or proxy — an effect the ranks' own analyses name better (compared as rings,
+#: a PCIe fault of one rank became its whole host's TP group)
+KINDS = (("dp", "dp_allreduce"),)
 
 
 def suspects(ctx: Ctx) -> list[Suspicion]:
@@ -56,7 +59,10 @@ def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
     members = ctx.w.grid.comm_members
     mine = np.asarray([bool(ctx.confirm & set(members.get(str(c), np.zeros(0)).tolist()))
                        for c in cu.tolist()], dtype=bool)
-    v = judge(ctx, m, ctx.cfg.net_ratio, np.zeros(cu.size, np.int64),
+    # peers: the rings of the same pipeline stage (other stages carry other gradients)
+    pp_stage = np.asarray([int(ctx.stage_of[members[str(c)][0]]) if str(c) in members and
+                           members[str(c)].size else -1 for c in cu.tolist()], dtype=np.int64)
+    v = judge(ctx, m, ctx.cfg.net_ratio, pp_stage,
               floor=ctx.cfg.net_abs_ns, job_gate=False, confirmable=mine, sparse=True)
     out = []
     for c in np.flatnonzero(v.flag).tolist():
