@@ -6,23 +6,27 @@ turn: a fresh job id, `rankwatch agent` on the case's rings (traced cases), the 
 diagnoses of that job read back from rw.diagnoses, and the ground truth the job wrote.
 
 A case ends when the job ends, or — when its rank hangs for good — `HANG_OBSERVE_S` after the
-fault's onset (the harness then stops the job); diagnoses keep being read for `SETTLE_S` after.
+fault's onset (the harness then stops the job). Its agent drains for `DRAIN_S` more and is
+stopped; the next case starts while the worker may still be diagnosing this one (diagnoses are
+kept per job id), and after the last case the harness reads rw.diagnoses for `SETTLE_S` more
+before it scores every case (a resolution or a late false alarm counts wherever it falls).
 
-Scoring (per fault case): the incidents of the job are grouped by id; an incident matches the
-fault when it opened after the onset (the job writes the onset itself, so nothing earlier
-can be about the fault) and its culprit ranks (or a suspect's)
-overlap the faulty rank; the earliest incident naming the rank as primary culprit is scored (else
-the earliest naming it as a suspect), on its last version before resolution. ranks right =
+Scoring (per fault case): the incidents of the job are grouped by id; an incident can be about
+the fault when it opened after the onset (the job writes the onset itself, so nothing earlier
+can be), its kind fits (`kind_compatible`) and its culprit ranks (or a suspect's) overlap the
+faulty rank; of those the earliest naming the rank as primary culprit is scored (else the
+earliest naming it as a suspect), on its last version before resolution. ranks right =
 culprit ranks equal the faulty rank(s); stage right = the diagnosis's stage is one the truth
-accepts (`bench.real.workload.expected`); component and kind right likewise; latency = onset →
-the first matching incident's first version. Every other incident of a case is a false alarm;
-on controls every incident is. Precision = matched incidents / all incidents; recall = faults
-with a matching incident / faults.
+accepts (`bench.real.labels.expected`); component and kind right likewise; latency = onset →
+the scored incident's first version. Every other incident of a case is a false alarm (a
+duplicate of the scored one included); on controls every incident is. Precision = scored
+incidents / all incidents; recall = faults with a scored incident / faults.
 
 Overhead: the ``ovh-…`` cases run the same job untraced (no tracer, no agent) and traced with a
 live agent, interleaved; the report compares rank 0's median step time. The agent's CPU time is
-read from /proc/<pid>/stat (utime + stime) just before it is stopped, and its record count from
-its own final stats (``--json``).
+read from /proc/<pid>/stat (utime + stime) once it is up (start-up: imports, Kafka producer) and
+just before it is stopped; the difference over its record count (its own final ``--json``
+stats) is its CPU per record.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from rankwatch.settings import Settings
 
 SECOND = 1_000_000_000
 HANG_OBSERVE_S = 12.0
-SETTLE_S = 6.0
+SETTLE_S = 10.0
+DRAIN_S = 2.0
 ROOT = Path(__file__).resolve().parents[2]
 Say = Callable[[str], None]
 
@@ -57,6 +62,7 @@ Say = Callable[[str], None]
 @dataclass
 class CaseResult:
     case: str
+    job: str
     shape: str
     nproc: int
     description: str
@@ -83,6 +89,7 @@ class CaseResult:
     diagnoses: list[dict[str, Any]] = field(default_factory=list)
     step_ms_p50: float | None = None
     agent_cpu_s: float | None = None
+    agent_start_cpu_s: float | None = None
     agent_records: int | None = None
 
 
@@ -92,8 +99,19 @@ def stage_ok(accept: Sequence[str], stage: str | None) -> bool:
     return any(stage == a or (a.endswith("*") and stage.startswith(a[:-1])) for a in accept)
 
 
+def kind_compatible(truth: dict[str, Any], kind: str) -> bool:
+    """Whether an incident of `kind` can be about the fault: a hang is named a hang, a slowdown
+    a slowdown (or jitter, regression); a stall that recovers may be either."""
+    if truth.get("fault") == "stall":
+        return True
+    return kind == "hang" if truth["kind"] == "hang" else kind != "hang"
+
+
 def score(res: CaseResult, diags: Sequence[Diagnosis]) -> None:
     """Fill `res`'s scores from the job's diagnoses (module docstring)."""
+    res.detected = res.kind_ok = res.ranks_ok = res.stage_ok = res.component_ok = False
+    res.resolved, res.got, res.latency_s, res.latency_steps, res.confidence = (
+        False, None, None, None, None)
     inc: dict[str, list[Diagnosis]] = {}
     for d in sorted(diags, key=lambda d: (d.incident_id, d.version)):
         inc.setdefault(d.incident_id, []).append(d)
@@ -114,20 +132,22 @@ def score(res: CaseResult, diags: Sequence[Diagnosis]) -> None:
             if first.detected_ns < onset:  # opened before the fault began: not about it
                 continue
             final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
+            if not kind_compatible(t, final.kind):
+                continue
             primary = bool(set(final.culprit_ranks) & ranks) or bool(
                 set(first.culprit_ranks) & ranks)
             suspect = any(set(s.ranks) & ranks for s in final.suspects)
             if not (primary or suspect):
                 continue
-            used.add(iid)
             key = (not primary, first.detected_ns, iid)
             best = key if best is None or key < best else best
         if best is not None:
+            used.add(best[2])
             versions = inc[best[2]]
             first = versions[0]
             final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
             res.detected = True
-            res.latency_s = round((min(inc[i][0].detected_ns for i in used) - onset) / SECOND, 2)
+            res.latency_s = round((first.detected_ns - onset) / SECOND, 2)
             res.kind_ok = final.kind == t["kind"] or (t["fault"] == "stall"
                                                        and final.kind == "slowdown")
             res.ranks_ok = sorted(final.culprit_ranks) == sorted(ranks)
@@ -193,6 +213,15 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
         "confidence_wrong_mean": _q([r.confidence for r in wrong if r.confidence is not None],
                                     50),
     }
+    fams: dict[str, list[CaseResult]] = {}
+    for r in faults:
+        fams.setdefault(str((r.truth or {}).get("fault")), []).append(r)
+    out["by_fault"] = {k: {"cases": len(v), "detected": sum(r.detected for r in v),
+                           "ranks_right": sum(r.ranks_ok for r in v),
+                           "stage_right": sum(r.stage_ok for r in v),
+                           "component_right": sum(r.component_ok for r in v),
+                           "all_right": sum(r in right for r in v)}
+                       for k, v in sorted(fams.items())}
     out["overhead"] = overhead(results)
     return out
 
@@ -211,15 +240,17 @@ def overhead(results: Sequence[CaseResult]) -> dict[str, Any]:
             out[shape] = {"untraced_step_ms_p50": round(p, 2), "traced_step_ms_p50": round(t, 2),
                           "overhead_pct": round(100 * (t - p) / p, 1), "runs": len(plain)
                           + len(traced)}
-    cpu = [(r.agent_cpu_s, r.agent_records, r.job_s) for r in results
+    cpu = [(r.agent_cpu_s - (r.agent_start_cpu_s or 0.0), r.agent_records, r.job_s,
+            r.agent_start_cpu_s or 0.0) for r in results
            if r.agent_cpu_s is not None and r.agent_records]
     if cpu:
-        c = sum(x[0] or 0.0 for x in cpu)
+        c = sum(x[0] for x in cpu)
         n = sum(x[1] or 0 for x in cpu)
         js = sum(x[2] for x in cpu)
         out["agent"] = {"cpu_s": round(c, 2), "records": n,
                         "cpu_s_per_1000_records": round(1000 * c / n, 4),
-                        "cpu_s_per_job_s": round(c / js, 4) if js else None, "runs": len(cpu)}
+                        "cpu_s_per_job_s": round(c / js, 4) if js else None, "runs": len(cpu),
+                        "startup_cpu_s_p50": round(float(np.median([x[3] for x in cpu])), 2)}
     return out
 
 
@@ -323,9 +354,9 @@ class Runner:
     def run_case(self, case: Case) -> CaseResult:
         from rankwatch import stack
 
-        res = CaseResult(case.name, case.shape, case.nproc, case.describe(), case.control,
-                         case.traced)
         job = f"{case.name}-{uuid.uuid4().hex[:6]}"
+        res = CaseResult(case.name, job, case.shape, case.nproc, case.describe(), case.control,
+                         case.traced)
         cdir = self.home / "cases" / job
         cdir.mkdir(parents=True)
         env = self.env(case, job, cdir)
@@ -339,6 +370,12 @@ class Runner:
                 env=aenv, stdout=open(cdir / "agent.json", "wb"),  # noqa: SIM115
                 stderr=open(cdir / "agent.log", "wb"),  # noqa: SIM115
                 start_new_session=True, cwd=ROOT)
+        if agent is not None:  # its start-up (imports, producer) is not per-record work
+            up = time.monotonic() + 30
+            while time.monotonic() < up and agent.poll() is None and \
+                    b"rings ->" not in (cdir / "agent.log").read_bytes():
+                time.sleep(0.1)
+            res.agent_start_cpu_s = _cpu_s(agent.pid)
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                  start_new_session=True) for _ in range(case.contention)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
@@ -369,7 +406,7 @@ class Runner:
             _stop(train)
             res.exit_code = train.returncode
             if agent is not None:
-                self.poll(SETTLE_S)
+                self.poll(DRAIN_S)
         finally:
             for h in hogs:
                 h.kill()
@@ -455,10 +492,16 @@ def table(results: Sequence[CaseResult], s: dict[str, Any]) -> str:
     if "agent" in ov:
         a = ov["agent"]
         rows.append(("agent CPU per 1,000 records", f"{a['cpu_s_per_1000_records']} s "
-                     f"({a['records']} records, {a['cpu_s']} CPU-s, "
-                     f"{a['cpu_s_per_job_s']} CPU-s per job-s)"))
+                     f"({a['records']} records, {a['cpu_s']} CPU-s after start-up, "
+                     f"{a['cpu_s_per_job_s']} CPU-s per job-s; start-up "
+                     f"{a['startup_cpu_s_p50']} CPU-s)"))
     w = max(len(a) for a, _ in rows)
     out += [f"  {a:<{w}}  {b}" for a, b in rows]
+    if s.get("by_fault"):
+        out += ["", "  fault      cases detected ranks stage component all-right"]
+        out += [f"  {k:<10} {v['cases']:>5} {v['detected']:>8} {v['ranks_right']:>5} "
+                f"{v['stage_right']:>5} {v['component_right']:>9} {v['all_right']:>9}"
+                for k, v in s["by_fault"].items()]
     if s["errors"]:
         out += ["", "  errors:", *[f"    {e}" for e in s["errors"]]]
     return "\n".join(out)
@@ -481,7 +524,11 @@ def run_catalog(cases: Sequence[Case], say: Say, home: Path | None = None,
                     f"{case.steps} steps, {case.describe()}")
                 r = runner.run_case(case)
                 results.append(r)
-                say(line(r) + f"   ({r.wall_s:.0f} s)")
+                say(line(r) + f"   ({r.wall_s:.0f} s; diagnoses so far)")
+            say(f"reading the last diagnoses ({SETTLE_S:.0f} s)…")
+            runner.poll(SETTLE_S)
+            for r in results:
+                score(r, runner.diags.get(r.job, []))
     return results, summarize(results)
 
 

@@ -25,15 +25,16 @@ Faults (``--fault`` JSON; one rank, from step ``step`` on):
 ``hang`` (stage data | fwd | bwd | optim; ``mb`` picks the microbatch in a pipeline): the rank
 stops inside that stage and never returns; ``desync``: the rank enters a gradient all-reduce its
 peers never join (it hangs inside a collective); ``slow`` (stage, ``factor``): that stage
-``factor`` × slower; ``link`` (``delay_ms``): each of the rank's sends (p2p, or its gradient
-all-reduce in DDP/TP) leaves ``delay_ms`` late; ``kill``: SIGKILL in the forward; ``hog``
-(``procs``): busy processes pinned to the rank's core compete with it; ``stall`` (``stall_s``): the
-rank stops in its forward for ``stall_s`` seconds, then goes on.
+``factor`` × slower; ``link`` (``delay_ms``): each of the rank's sends (p2p in the
+pipeline, its gradient all-reduce in DDP, its TP all-reduces in TP) leaves ``delay_ms`` late;
+``kill``: SIGKILL in the forward; ``hog`` (``procs``): busy processes pinned to the rank's core
+compete with it; ``stall`` (``stall_s``): the rank stops in its forward for ``stall_s`` seconds,
+then goes on.
 
 Ground truth: the culprit writes ``<truth-dir>/fault.json`` when the fault actually begins (wall
-clock ns, the rank's host, the diagnosis labels a right answer carries — see
-`expected`), and again with ``end_ns`` when a stall ends. Rank 0 writes ``run.json`` (shape,
-sizes, its step times) when the job ends. Untraced (no ``-m ingest.torch.run``) the stage calls
+clock ns, the rank's host, the labels a right diagnosis carries: `bench.real.labels.expected`),
+and again with ``end_ns`` when a stall ends. Rank 0 writes ``run.json`` (shape, sizes, its step
+times) when the job ends. Untraced (no ``-m ingest.torch.run``) the stage calls
 time and write nothing, which is how the catalog measures the tracing overhead.
 """
 
@@ -57,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ingest.torch as rwt
+from bench.real.labels import expected
 from ingest.torch import stages
 
 # a busy process that ends once its parent (the rank) is gone
@@ -80,46 +82,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--truth-dir", default="", help="where fault.json and run.json go")
     p.add_argument("--job", default="", help="job id written into the truth")
     return p.parse_args(argv)
-
-
-def expected(kind: str, stage: str, shape: str, pp_stage: int, mb: int) -> dict[str, Any]:
-    """The labels of a right diagnosis, in the vocabulary of diagnosis/model.py.
-
-    `stage` is what a right diagnosis names first; `accept` lists the other stage strings that
-    count as right (a trailing ``*`` is a prefix). docs/real-catalog.md has the table."""
-    comm = {"ddp": "dp_allreduce", "tp": "tp_collectives", "pipeline": "pp_p2p"}[shape]
-    compute_comp = "gpu_compute"  # the vocabulary's model-compute component (no GPU here)
-    node_mb = mb if shape == "pipeline" else 0
-    node_pp = pp_stage if shape == "pipeline" else 0
-    if kind in ("hang", "stall"):
-        if stage in ("fwd", "bwd"):
-            node = f"{stage} mb={node_mb} pp={node_pp}"
-            accept = [node] if shape == "pipeline" else [node, f"{stage} *"]
-            return {"kind": "hang", "stage": node, "accept": accept, "component": compute_comp}
-        if stage == "data":
-            return {"kind": "hang", "stage": "data", "accept": ["data"],
-                    "component": "data_loader"}
-        return {"kind": "hang", "stage": "optim", "accept": ["optim"],
-                "component": compute_comp}
-    if kind == "desync":
-        return {"kind": "hang", "stage": "dp_allreduce", "accept": ["dp_allreduce"],
-                "component": "host_software"}
-    if kind == "kill":
-        return {"kind": "hang", "stage": "process", "accept": ["process"],
-                "component": "host_software"}
-    if kind == "hog":
-        return {"kind": "slowdown", "stage": "host cpu", "accept": ["host cpu"],
-                "component": "host_software"}
-    if kind == "link":
-        return {"kind": "slowdown", "stage": comm, "accept": [comm], "component": "nic_rdma"}
-    # slow
-    if stage in ("fwd", "bwd"):
-        return {"kind": "slowdown", "stage": "compute", "accept": ["compute", f"{stage} *"],
-                "component": compute_comp}
-    if stage == "data":
-        return {"kind": "slowdown", "stage": "data", "accept": ["data"],
-                "component": "data_loader"}
-    return {"kind": "slowdown", "stage": "optim", "accept": ["optim"], "component": compute_comp}
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
@@ -275,6 +237,7 @@ class Job:
         self.dev = {k: v * args.device_scale / 1000 for k, v in DEVICE_MS.items()}
         self.gen = torch.Generator().manual_seed(rank)
         self.step_ns: list[int] = []
+        self.step = 0
         self.fault: Fault
 
     def data(self, step: int, n: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -431,12 +394,17 @@ def train_pipeline(job: Job) -> None:
         job.step_ns.append(time.perf_counter_ns() - t_step)
 
 
+# called before each TP all-reduce (the culprit's slow link delays them)
+_before_tp_reduce: list[Any] = [lambda: None]
+
+
 class _Reduce(torch.autograd.Function):
     """All-reduce over the TP group in the forward (row-parallel output), identity backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.clone()
+        _before_tp_reduce[0]()
         dist.all_reduce(x, group=group)
         return x
 
@@ -456,6 +424,7 @@ class _Copy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         g = g.clone()
+        _before_tp_reduce[0]()
         dist.all_reduce(g, group=ctx.group)
         return g, None
 
@@ -487,6 +456,7 @@ def train_tp(job: Job) -> None:
     rwt.name_group(tp_group, "tp")
     rwt.name_group(dp_group, "dp")
     side = f.side_group([[r * tp + t for r in range(dp)] for t in range(tp)], rank % tp)
+    _before_tp_reduce[0] = lambda: f.link_delay(job.step)
     torch.manual_seed(rank % tp)  # the same shards on every replica
     model = nn.Sequential(TPBlock(a.width, tp, tp_group), TPBlock(a.width, tp, tp_group))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -508,7 +478,6 @@ def train_tp(job: Job) -> None:
                 f.enter("bwd", step)
                 loss.backward()
                 f.desync(step, side)
-                f.link_delay(step)
                 flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()
                                   if p.grad is not None])
                 dist.all_reduce(flat, group=dp_group)
@@ -527,7 +496,6 @@ def main(argv: list[str] | None = None) -> None:
                             "microbatches": args.microbatches if args.shape == "pipeline" else 1}
     info["dp"] = world // (info["pp"] * info["tp"])
     job = Job(args, rank, world)
-    job.step = 0
     job.fault = Fault(args, rank, world, info)
     t0 = time.time_ns()
     try:
