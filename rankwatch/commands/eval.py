@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cases", default="", help="--real: comma-separated case names or prefix*")
     p.add_argument("--quick", action="store_true", help="--real: the quick subset")
     p.add_argument("--list", action="store_true", help="--real: list the cases and exit")
+    p.add_argument("--workdir", default="",
+                   help="--real: keep the cases' logs, truth and the stack's data here "
+                        "(default: a temporary directory, removed)")
     p.set_defaults(func=run)
 
 
@@ -87,7 +90,10 @@ def run_real(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     try:
-        results, summary = harness.run_catalog(cases, say)
+        workdir = Path(args.workdir) if args.workdir else None
+        if workdir is not None:
+            workdir.mkdir(parents=True, exist_ok=True)
+        results, summary = harness.run_catalog(cases, say, home=workdir)
     except RuntimeError as e:
         print(f"rankwatch eval: {e}", file=sys.stderr)
         return 1
