@@ -3,6 +3,11 @@
     rankwatch eval --catalog standard [--scenarios a,b,...] [--json] [--out FILE]
     rankwatch eval --in-process [--scenarios ...]          # fast development mode
     rankwatch eval --in-process --catalog realistic        # the noise of real CPU jobs
+    rankwatch eval --real [--quick | --cases a,b*] [--list] [--json]   # real PyTorch training
+
+`--real` trains for real (CPU torch, gloo, torchrun) through tracer, ring, `rankwatch agent`,
+broker and worker, and scores rw.diagnoses against the truth the jobs write themselves
+(bench.real.harness; docs/real-catalog.md).
 
 Real pipeline (default): starts a private stack (broker + worker with the diagnosis agents, in a
 temporary home on free ports), runs each scenario with `rankwatch simulate --speed realtime
@@ -59,7 +64,55 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--in-process", action="store_true", help="fast mode: no broker/worker")
     p.add_argument("--json", action="store_true", help="print the JSON report only")
     p.add_argument("--out", default="eval.json", help="where to write the JSON report")
+    p.add_argument("--real", action="store_true",
+                   help="the real-workload catalog (real PyTorch training, gloo on CPU)")
+    p.add_argument("--cases", default="", help="--real: comma-separated case names or prefix*")
+    p.add_argument("--quick", action="store_true", help="--real: the quick subset")
+    p.add_argument("--list", action="store_true", help="--real: list the cases and exit")
+    p.add_argument("--workdir", default="",
+                   help="--real: keep the cases' logs, truth and the stack's data here "
+                        "(default: a temporary directory, removed)")
     p.set_defaults(func=run)
+
+
+def run_real(args: argparse.Namespace) -> int:
+    """`rankwatch eval --real` (bench.real.harness)."""
+    from bench.real import catalog, harness
+
+    try:
+        cases = catalog.select(args.cases, args.quick)
+    except ValueError as e:
+        print(f"rankwatch eval: {e}", file=sys.stderr)
+        return 2
+    if args.list:
+        for c in cases:
+            tags = f" [{', '.join(c.tags)}]" if c.tags else ""
+            print(f"{c.name:<24} {c.shape:<8} x{c.nproc} {c.steps:>4} steps  "
+                  f"{c.describe()}{tags}")
+        return 0
+    def say(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
+
+    t0 = time.time()
+    try:
+        workdir = Path(args.workdir) if args.workdir else None
+        if workdir is not None:
+            workdir.mkdir(parents=True, exist_ok=True)
+        results, summary = harness.run_catalog(cases, say, home=workdir)
+    except RuntimeError as e:
+        print(f"rankwatch eval: {e}", file=sys.stderr)
+        return 1
+    doc = harness.report(results, summary)
+    doc["wall_s"] = round(time.time() - t0, 1)
+    doc["command"] = "rankwatch eval --real" + (" --quick" if args.quick else "") + (
+        f" --cases {args.cases}" if args.cases else "")
+    Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
+    if args.json:
+        print(json.dumps(doc, default=str))
+    else:
+        print(harness.table(results, summary))
+        print(f"\n  {len(results)} cases in {doc['wall_s']:.0f} s; report: {args.out}")
+    return 1 if summary["errors"] and len(summary["errors"]) == len(results) else 0
 
 
 def _names(arg: str, real: bool, catalog: str = "standard") -> list[str]:
@@ -173,6 +226,11 @@ def stage_table(stages: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.real:
+        return run_real(args)
+    if args.list or args.quick or args.cases:
+        print("rankwatch eval: --list, --quick and --cases go with --real", file=sys.stderr)
+        return 2
     try:
         names = _names(args.scenarios, not args.in_process, args.catalog)
     except KeyError as e:

@@ -1,0 +1,164 @@
+"""The cases of the real catalog: shape, processes, steps, the fault (on one rank from one step),
+and the CPU contention around it. docs/real-catalog.md describes them; `bench.real.workload`
+decides the labels a right diagnosis carries.
+
+Names read ``<shape><ranks>-<what>``: ``ddp4-hang-bwd`` is a 4-rank DDP job whose rank hangs in
+its backward. Controls are ``ctl-…``; ``ovh-…`` are the overhead runs (``plain`` untraced and
+without an agent, ``traced`` through the whole path, interleaved; the traced ones are controls
+too). Cases tagged ``extended`` run only when named (or with ``--cases all``): the standard
+catalog covers every fault kind and shape and fits in ~25 minutes on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shape: str  # ddp | pipeline | tp
+    nproc: int
+    steps: int
+    fault: dict[str, Any] | None = None
+    contention: int = 0  # busy processes beside the job for its whole run (unpinned)
+    declare: bool = True  # launcher declares RANKWATCH_PP/TP/DP/MICROBATCHES
+    traced: bool = True  # False: no tracer, no agent (overhead baseline)
+    pp: int = 2
+    tp: int = 2
+    microbatches: int = 4
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def control(self) -> bool:
+        return self.fault is None and self.traced
+
+    @property
+    def hangs(self) -> bool:
+        """The job stops for good: the harness ends it once the diagnosis had time to come."""
+        return self.fault is not None and self.fault["kind"] in ("hang", "desync")
+
+    def describe(self) -> str:
+        if self.fault is None:
+            extra = f", {self.contention} busy processes beside it" if self.contention else ""
+            extra += "" if self.declare else ", shape not declared"
+            return ("control" if self.traced else "untraced baseline") + extra
+        f = self.fault
+        what = {"hang": f"hang in {f.get('stage')}" + (f" mb={f['mb']}" if "mb" in f else ""),
+                "desync": "hang inside a collective its peers skip",
+                "slow": f"{f.get('stage')} x{f.get('factor')}",
+                "link": f"sends {f.get('delay_ms')} ms late", "kill": "SIGKILL",
+                "hog": f"{f.get('procs', 2)} busy processes on its core",
+                "stall": f"{f.get('stall_s')} s stall in fwd, recovers"}[f["kind"]]
+        return f"rank {f['rank']} from step {f['step']}: {what}"
+
+
+def _c(name: str, shape: str, nproc: int, steps: int, fault: dict[str, Any] | None = None,
+       **kw: Any) -> Case:
+    return Case(name, shape, nproc, steps, fault, **kw)
+
+
+def _h(rank: int, stage: str, step: int = 30, **kw: Any) -> dict[str, Any]:
+    return {"kind": "hang", "rank": rank, "stage": stage, "step": step, **kw}
+
+
+def _s(rank: int, stage: str, factor: float, step: int = 40) -> dict[str, Any]:
+    return {"kind": "slow", "rank": rank, "stage": stage, "factor": factor, "step": step}
+
+
+PP8: dict[str, Any] = {"pp": 4}  # 8 ranks: 4 stages x 2 replicas
+
+CASES: list[Case] = [
+    # -- controls: every shape, several lengths, some under CPU contention --------------------
+    _c("ctl-ddp4-100", "ddp", 4, 100, tags=("quick",)),
+    _c("ctl-ddp4-300", "ddp", 4, 300),
+    _c("ctl-ddp4-600", "ddp", 4, 600),
+    _c("ctl-ddp4-contended", "ddp", 4, 150, contention=2),
+    _c("ctl-ddp8-100", "ddp", 8, 100),
+    _c("ctl-pp4-100", "pipeline", 4, 100),
+    _c("ctl-pp4-300", "pipeline", 4, 300),
+    _c("ctl-pp4-contended", "pipeline", 4, 150, contention=2, tags=("quick",)),
+    _c("ctl-pp4-undeclared", "pipeline", 4, 120, declare=False),
+    _c("ctl-pp8-100", "pipeline", 8, 100, **PP8),
+    _c("ctl-pp8-contended", "pipeline", 8, 80, contention=1, **PP8),
+    _c("ctl-tp4-100", "tp", 4, 100),
+    _c("ctl-tp4-300", "tp", 4, 300),
+    _c("ctl-tp4-contended", "tp", 4, 120, contention=2),
+    _c("ctl-tp8-100", "tp", 8, 100),
+    _c("ctl-ddp8-contended", "ddp", 8, 80, contention=1),
+    # -- overhead: untraced and traced runs interleaved (the traced ones are controls too) ----
+    _c("ovh-ddp4-plain-1", "ddp", 4, 200, traced=False, tags=("overhead",)),
+    _c("ovh-ddp4-traced-1", "ddp", 4, 200, tags=("overhead",)),
+    _c("ovh-ddp4-plain-2", "ddp", 4, 200, traced=False, tags=("overhead",)),
+    _c("ovh-ddp4-traced-2", "ddp", 4, 200, tags=("overhead",)),
+    _c("ovh-pp4-plain-1", "pipeline", 4, 200, traced=False, tags=("overhead",)),
+    _c("ovh-pp4-traced-1", "pipeline", 4, 200, tags=("overhead",)),
+    _c("ovh-pp4-plain-2", "pipeline", 4, 200, traced=False, tags=("overhead",)),
+    _c("ovh-pp4-traced-2", "pipeline", 4, 200, tags=("overhead",)),
+    # -- DDP, 4 and 8 ranks ---------------------------------------------------------------------
+    _c("ddp4-hang-data", "ddp", 4, 200, _h(1, "data")),
+    _c("ddp4-hang-fwd", "ddp", 4, 200, _h(2, "fwd"), tags=("extended",)),
+    _c("ddp4-hang-bwd", "ddp", 4, 200, _h(2, "bwd"), tags=("quick",)),
+    _c("ddp4-hang-optim", "ddp", 4, 200, _h(3, "optim")),
+    _c("ddp4-hang-collective", "ddp", 4, 200, {"kind": "desync", "rank": 1, "step": 30}),
+    _c("ddp4-slow-data-x10", "ddp", 4, 140, _s(0, "data", 10)),
+    _c("ddp4-slow-fwd-x3", "ddp", 4, 140, _s(1, "fwd", 3), tags=("extended",)),
+    _c("ddp4-slow-optim-x6", "ddp", 4, 140, _s(3, "optim", 6)),
+    _c("ddp4-slow-link", "ddp", 4, 140, {"kind": "link", "rank": 1, "step": 40,
+                                         "delay_ms": 40}, tags=("extended",)),
+    _c("ddp4-kill", "ddp", 4, 200, {"kind": "kill", "rank": 2, "step": 40}),
+    _c("ddp4-cpu-hog", "ddp", 4, 160, {"kind": "hog", "rank": 1, "step": 40, "procs": 2}),
+    _c("ddp4-stall", "ddp", 4, 200, {"kind": "stall", "rank": 3, "step": 40, "stall_s": 4},
+       tags=("extended",)),
+    _c("ddp8-slow-bwd-x10", "ddp", 8, 120, _s(7, "bwd", 10)),
+    # -- 1F1B pipeline x DP: 4 ranks (2 stages x 2), 8 ranks (4 x 2) -----------------------------
+    _c("pp4-hang-bwd", "pipeline", 4, 200, _h(3, "bwd", mb=1)),
+    _c("pp4-hang-fwd", "pipeline", 4, 200, _h(1, "fwd", mb=2), tags=("extended",)),
+    _c("pp4-hang-undeclared", "pipeline", 4, 200, _h(3, "bwd", mb=0), declare=False),
+    _c("pp4-hang-collective", "pipeline", 4, 200, {"kind": "desync", "rank": 2, "step": 30},
+       tags=("extended",)),
+    _c("pp4-slow-bwd-x4", "pipeline", 4, 140, _s(3, "bwd", 4), tags=("quick",)),
+    _c("pp4-slow-fwd-x2", "pipeline", 4, 140, _s(0, "fwd", 2), tags=("extended",)),
+    _c("pp4-slow-data-x5", "pipeline", 4, 140, _s(0, "data", 5), tags=("extended",)),
+    _c("pp4-slow-link", "pipeline", 4, 140, {"kind": "link", "rank": 1, "step": 40,
+                                             "delay_ms": 10}),
+    _c("pp4-kill", "pipeline", 4, 200, {"kind": "kill", "rank": 3, "step": 40}, tags=("extended",)),
+    _c("pp4-stall", "pipeline", 4, 200, {"kind": "stall", "rank": 0, "step": 40,
+                                         "stall_s": 4}),
+    _c("pp8-hang-bwd", "pipeline", 8, 200, _h(5, "bwd", mb=3), **PP8, tags=("extended",)),
+    _c("pp8-slow-optim-x6", "pipeline", 8, 120, _s(5, "optim", 6), **PP8),
+    # -- tensor parallel x DP: 4 ranks (2 x 2), 8 ranks (2 x 4) ----------------------------------
+    _c("tp4-hang-fwd", "tp", 4, 200, _h(1, "fwd")),
+    _c("tp4-slow-bwd-x4", "tp", 4, 140, _s(2, "bwd", 4), tags=("extended",)),
+    _c("tp4-slow-link", "tp", 4, 140, {"kind": "link", "rank": 0, "step": 40,
+                                       "delay_ms": 10}),
+    _c("tp4-slow-fwd-x3", "tp", 4, 140, _s(3, "fwd", 3)),
+    _c("tp8-hang-bwd", "tp", 8, 200, _h(5, "bwd")),
+    _c("tp8-slow-fwd-x3", "tp", 8, 120, _s(6, "fwd", 3), tags=("extended",)),
+]
+
+BY_NAME = {c.name: c for c in CASES}
+QUICK = [c.name for c in CASES if "quick" in c.tags]
+
+
+def select(names: str, quick: bool) -> list[Case]:
+    """The cases named (comma-separated names or ``prefix*``; ``all``: every case), the quick
+    subset, or the standard catalog (all but the ``extended`` cases, so that one run fits in
+    ~25 minutes on 2 cores); raises ValueError naming what is unknown."""
+    if quick and not names:
+        return [BY_NAME[n] for n in QUICK]
+    if not names:
+        return [c for c in CASES if "extended" not in c.tags]
+    if names.strip() == "all":
+        return list(CASES)
+    out: list[Case] = []
+    for raw in (n.strip() for n in names.split(",")):
+        if not raw:
+            continue
+        hit = [c for c in CASES if c.name == raw or (raw.endswith("*")
+                                                      and c.name.startswith(raw[:-1]))]
+        if not hit:
+            raise ValueError(f"unknown case {raw!r} (rankwatch eval --real --list shows them)")
+        out += [c for c in hit if c not in out]
+    return out

@@ -1,0 +1,537 @@
+"""Run the real catalog through the whole path and score it (`rankwatch eval --real`).
+
+One private stack (broker + worker with the diagnosis agents) for the whole run; per case, in
+turn: a fresh job id, `rankwatch agent` on the case's rings (traced cases), the job under
+``torch.distributed.run`` (``-m ingest.torch.run -m bench.real.workload`` when traced), the
+diagnoses of that job read back from rw.diagnoses, and the ground truth the job wrote.
+
+A case ends when the job ends, or — when its rank hangs for good — `HANG_OBSERVE_S` after the
+fault's onset (the harness then stops the job). Its agent drains for `DRAIN_S` more and is
+stopped; the next case starts while the worker may still be diagnosing this one (diagnoses are
+kept per job id), and after the last case the harness reads rw.diagnoses for `SETTLE_S` more
+before it scores every case (a resolution or a late false alarm counts wherever it falls).
+
+Scoring (per fault case): the incidents of the job are grouped by id; an incident can be about
+the fault when it opened after the onset (the job writes the onset itself, so nothing earlier
+can be), its kind fits (`kind_compatible`) and its culprit ranks (or a suspect's) overlap the
+faulty rank; of those the earliest naming the rank as primary culprit is scored (else the
+earliest naming it as a suspect), on its last version before resolution. ranks right =
+culprit ranks equal the faulty rank(s); stage right = the diagnosis's stage is one the truth
+accepts (`bench.real.labels.expected`); component and kind right likewise; latency = onset →
+the scored incident's first version. Every other incident of a case is a false alarm (a
+duplicate of the scored one included); on controls every incident is. Precision = scored
+incidents / all incidents; recall = faults with a scored incident / faults.
+
+Overhead: the ``ovh-…`` cases run the same job untraced (no tracer, no agent) and traced with a
+live agent, interleaved; the report compares rank 0's median step time. The agent's CPU time is
+read from /proc/<pid>/stat (utime + stime) once it is up (start-up: imports, Kafka producer) and
+just before it is stopped; the difference over its record count (its own final ``--json``
+stats) is its CPU per record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.real.catalog import Case
+from diagnosis.model import Diagnosis
+from rankwatch.settings import Settings
+
+SECOND = 1_000_000_000
+HANG_OBSERVE_S = 12.0
+SETTLE_S = 10.0
+DRAIN_S = 2.0
+ROOT = Path(__file__).resolve().parents[2]
+Say = Callable[[str], None]
+
+
+@dataclass
+class CaseResult:
+    case: str
+    job: str
+    shape: str
+    nproc: int
+    description: str
+    control: bool
+    traced: bool
+    truth: dict[str, Any] | None = None
+    run: dict[str, Any] | None = None
+    wall_s: float = 0.0
+    job_s: float = 0.0
+    exit_code: int | None = None
+    error: str = ""
+    incidents: int = 0
+    false_alarms: int = 0
+    detected: bool = False
+    kind_ok: bool = False
+    ranks_ok: bool = False
+    stage_ok: bool = False
+    component_ok: bool = False
+    latency_s: float | None = None
+    latency_steps: float | None = None
+    confidence: float | None = None
+    resolved: bool = False
+    got: dict[str, Any] | None = None
+    diagnoses: list[dict[str, Any]] = field(default_factory=list)
+    step_ms_p50: float | None = None
+    agent_cpu_s: float | None = None
+    agent_start_cpu_s: float | None = None
+    agent_records: int | None = None
+
+
+def stage_ok(accept: Sequence[str], stage: str | None) -> bool:
+    if stage is None:
+        return False
+    return any(stage == a or (a.endswith("*") and stage.startswith(a[:-1])) for a in accept)
+
+
+def kind_compatible(truth: dict[str, Any], kind: str) -> bool:
+    """Whether an incident of `kind` can be about the fault: a hang is named a hang, a slowdown
+    a slowdown (or jitter, regression); a stall that recovers may be either."""
+    if truth.get("fault") == "stall":
+        return True
+    return kind == "hang" if truth["kind"] == "hang" else kind != "hang"
+
+
+def score(res: CaseResult, diags: Sequence[Diagnosis]) -> None:
+    """Fill `res`'s scores from the job's diagnoses (module docstring)."""
+    res.detected = res.kind_ok = res.ranks_ok = res.stage_ok = res.component_ok = False
+    res.resolved, res.got, res.latency_s, res.latency_steps, res.confidence = (
+        False, None, None, None, None)
+    inc: dict[str, list[Diagnosis]] = {}
+    for d in sorted(diags, key=lambda d: (d.incident_id, d.version)):
+        inc.setdefault(d.incident_id, []).append(d)
+    res.incidents = len(inc)
+    res.diagnoses = [{"incident": d.incident_id, "version": d.version, "status": d.status,
+                      "kind": d.kind, "ranks": d.culprit_ranks[:16], "stage": d.stage,
+                      "component": d.component, "confidence": d.confidence,
+                      "detected_ns": d.detected_ns, "rules": d.rules,
+                      "suspects": [s.ranks[:8] for s in d.suspects][:4]}
+                     for v in inc.values() for d in v]
+    t = res.truth
+    used: set[str] = set()
+    if t is not None and res.control is False:
+        onset, ranks = int(t["onset_ns"]), set(t["ranks"])
+        best: tuple[bool, int, str] | None = None  # (not primary, opened, incident)
+        for iid, versions in inc.items():
+            first = versions[0]
+            if first.detected_ns < onset:  # opened before the fault began: not about it
+                continue
+            final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
+            if not kind_compatible(t, final.kind):
+                continue
+            primary = bool(set(final.culprit_ranks) & ranks) or bool(
+                set(first.culprit_ranks) & ranks)
+            suspect = any(set(s.ranks) & ranks for s in final.suspects)
+            if not (primary or suspect):
+                continue
+            key = (not primary, first.detected_ns, iid)
+            best = key if best is None or key < best else best
+        if best is not None:
+            used.add(best[2])
+            versions = inc[best[2]]
+            first = versions[0]
+            final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
+            res.detected = True
+            res.latency_s = round((first.detected_ns - onset) / SECOND, 2)
+            res.kind_ok = final.kind == t["kind"] or (t["fault"] == "stall"
+                                                       and final.kind == "slowdown")
+            res.ranks_ok = sorted(final.culprit_ranks) == sorted(ranks)
+            res.stage_ok = stage_ok(t["accept"], final.stage)
+            res.component_ok = final.component == t["component"]
+            res.confidence = final.confidence
+            res.resolved = versions[-1].status == "resolved"
+            res.got = {"kind": final.kind, "ranks": final.culprit_ranks[:16],
+                       "stage": final.stage, "stages": final.stages[:3],
+                       "component": final.component, "confidence": final.confidence,
+                       "version": final.version, "rules": final.rules,
+                       "first": {"ranks": first.culprit_ranks[:16], "stage": first.stage,
+                                 "component": first.component,
+                                 "confidence": first.confidence}}
+            if res.step_ms_p50:
+                res.latency_steps = round(res.latency_s * 1000 / res.step_ms_p50, 1)
+    res.false_alarms = len([i for i in inc if i not in used])
+
+
+def _pct(xs: list[bool]) -> float | None:
+    return round(float(np.mean(xs)), 3) if xs else None
+
+
+def _q(xs: list[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)), 2) if xs else None
+
+
+def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
+    faults = [r for r in results if r.truth is not None and not r.control]
+    det = [r for r in faults if r.detected]
+    controls = [r for r in results if r.control and not r.error]
+    ctl_h = sum(r.job_s for r in controls) / 3600
+    ctl_fa = sum(r.false_alarms for r in controls)
+    incidents = sum(r.incidents for r in results)
+    matched = sum(r.incidents - r.false_alarms for r in results)
+    hangs = [r for r in det if r.truth and r.truth["kind"] == "hang"]
+    slows = [r for r in det if r.truth and r.truth["kind"] == "slowdown"]
+    right = [r for r in det if r.kind_ok and r.ranks_ok and r.stage_ok and r.component_ok]
+    wrong = [r for r in det if r not in right]
+    out: dict[str, Any] = {
+        "cases": len(results), "faults": len(faults), "controls": len(controls),
+        "errors": [f"{r.case}: {r.error}" for r in results if r.error],
+        "recall": _pct([r.detected for r in faults]),
+        "precision": round(matched / incidents, 3) if incidents else None,
+        "kind_right": _pct([r.kind_ok for r in det]),
+        "ranks_right": _pct([r.ranks_ok for r in det]),
+        "stage_right": _pct([r.stage_ok for r in det]),
+        "component_right": _pct([r.component_ok for r in det]),
+        "all_right": _pct([r in right for r in faults]),
+        "hang_latency_s": {"p50": _q([r.latency_s for r in hangs if r.latency_s is not None],
+                                     50),
+                           "p90": _q([r.latency_s for r in hangs if r.latency_s is not None],
+                                     90)},
+        "slowdown_latency_steps": {
+            "p50": _q([r.latency_steps for r in slows if r.latency_steps is not None], 50),
+            "p90": _q([r.latency_steps for r in slows if r.latency_steps is not None], 90)},
+        "control_hours": round(ctl_h, 4),
+        "control_false_alarms": ctl_fa,
+        "false_alarms_per_control_hour": round(ctl_fa / ctl_h, 1) if ctl_h else None,
+        "fault_case_false_alarms": sum(r.false_alarms for r in faults),
+        "confidence_right_mean": _q([r.confidence for r in right if r.confidence is not None],
+                                    50),
+        "confidence_wrong_mean": _q([r.confidence for r in wrong if r.confidence is not None],
+                                    50),
+    }
+    fams: dict[str, list[CaseResult]] = {}
+    for r in faults:
+        fams.setdefault(str((r.truth or {}).get("fault")), []).append(r)
+    out["by_fault"] = {k: {"cases": len(v), "detected": sum(r.detected for r in v),
+                           "ranks_right": sum(r.ranks_ok for r in v),
+                           "stage_right": sum(r.stage_ok for r in v),
+                           "component_right": sum(r.component_ok for r in v),
+                           "all_right": sum(r in right for r in v)}
+                       for k, v in sorted(fams.items())}
+    out["overhead"] = overhead(results)
+    return out
+
+
+def overhead(results: Sequence[CaseResult]) -> dict[str, Any]:
+    """Step time untraced vs traced with a live agent (the ``ovh-`` pairs), and the agent's CPU
+    per 1,000 records over every traced case."""
+    out: dict[str, Any] = {}
+    for shape in ("ddp", "pipeline"):
+        plain = [r.step_ms_p50 for r in results if r.case.startswith("ovh-") and
+                 r.shape == shape and not r.traced and r.step_ms_p50]
+        traced = [r.step_ms_p50 for r in results if r.case.startswith("ovh-") and
+                  r.shape == shape and r.traced and r.step_ms_p50]
+        if plain and traced:
+            p, t = float(np.median(plain)), float(np.median(traced))
+            out[shape] = {"untraced_step_ms_p50": round(p, 2), "traced_step_ms_p50": round(t, 2),
+                          "overhead_pct": round(100 * (t - p) / p, 1), "runs": len(plain)
+                          + len(traced)}
+    cpu = [(r.agent_cpu_s - (r.agent_start_cpu_s or 0.0), r.agent_records, r.job_s,
+            r.agent_start_cpu_s or 0.0) for r in results
+           if r.agent_cpu_s is not None and r.agent_records]
+    if cpu:
+        c = sum(x[0] for x in cpu)
+        n = sum(x[1] or 0 for x in cpu)
+        js = sum(x[2] for x in cpu)
+        out["agent"] = {"cpu_s": round(c, 2), "records": n,
+                        "cpu_s_per_1000_records": round(1000 * c / n, 4),
+                        "cpu_s_per_job_s": round(c / js, 4) if js else None, "runs": len(cpu),
+                        "startup_cpu_s_p50": round(float(np.median([x[3] for x in cpu])), 2)}
+    return out
+
+
+# ------------------------------------------------------------------------------------- running
+
+
+def _cpu_s(pid: int) -> float | None:
+    """utime + stime of `pid` from /proc/<pid>/stat, in seconds."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stop(p: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        p.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+class Runner:
+    """The stack and the per-case processes."""
+
+    def __init__(self, home: Path, say: Say, settings: Settings | None = None) -> None:
+        from rankwatch import stack
+
+        self.home, self.say = home, say
+        self.settings = settings or stack.private_settings(home / "stack",
+                                                           topic_prefix="realeval")
+        self.prefix = f"/rwr{uuid.uuid4().hex[:8]}"
+        self.ring_dir = home / "rings"
+        self.consumer: Any = None
+        self.diags: dict[str, list[Diagnosis]] = {}
+
+    def __enter__(self) -> Runner:
+        from confluent_kafka import Consumer
+
+        from rankwatch import stack
+
+        stack.up(self.settings, progress=self.say)
+        self.consumer = Consumer({"bootstrap.servers": self.settings.bootstrap,
+                                  "group.id": f"real-eval-{uuid.uuid4().hex[:6]}",
+                                  "auto.offset.reset": "earliest"})
+        self.consumer.subscribe([self.settings.topics.diagnoses])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from ingest import ring
+        from rankwatch import stack
+
+        if self.consumer is not None:
+            self.consumer.close()
+        stack.down(self.settings, progress=self.say)
+        for name in ring.list_rings(self.prefix):
+            ring.load_library().rw_ring__unlink(name.encode())
+
+    def poll(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            m = self.consumer.poll(min(0.5, left))
+            if m is None or m.error():
+                continue
+            try:
+                d = Diagnosis.model_validate_json(m.value() or b"{}")
+            except ValueError:
+                continue
+            self.diags.setdefault(d.job_id, []).append(d)
+
+    def env(self, case: Case, job: str, truth: Path) -> dict[str, str]:
+        from ingest.torch.provision import pythonpath_with_torch
+        from rankwatch import stack
+
+        env = pythonpath_with_torch({**stack.child_env(self.settings), "OMP_NUM_THREADS": "1"})
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        if case.traced:
+            env.update({"RANKWATCH_JOB_ID": job, "RANKWATCH_RING_DIR": str(self.ring_dir),
+                        "RANKWATCH_RING_PREFIX": self.prefix})
+            if case.declare:
+                world = case.nproc
+                sizes = {"ddp": {"DP": world},
+                         "pipeline": {"PP": case.pp, "DP": world // case.pp,
+                                      "MICROBATCHES": case.microbatches},
+                         "tp": {"TP": case.tp, "DP": world // case.tp}}[case.shape]
+                env.update({f"RANKWATCH_{k}": str(v) for k, v in sizes.items()})
+        return env
+
+    def run_case(self, case: Case) -> CaseResult:
+        from rankwatch import stack
+
+        job = f"{case.name}-{uuid.uuid4().hex[:6]}"
+        res = CaseResult(case.name, job, case.shape, case.nproc, case.describe(), case.control,
+                         case.traced)
+        cdir = self.home / "cases" / job
+        cdir.mkdir(parents=True)
+        env = self.env(case, job, cdir)
+        t0 = time.monotonic()
+        agent = None
+        if case.traced:
+            aenv = {k: v for k, v in stack.child_env(self.settings).items()}
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "rankwatch.cli", "agent", "--sidecar-dir",
+                 str(self.ring_dir), "--prefix", self.prefix, "--job", job, "--json"],
+                env=aenv, stdout=open(cdir / "agent.json", "wb"),  # noqa: SIM115
+                stderr=open(cdir / "agent.log", "wb"),  # noqa: SIM115
+                start_new_session=True, cwd=ROOT)
+        if agent is not None:  # its start-up (imports, producer) is not per-record work
+            up = time.monotonic() + 30
+            while time.monotonic() < up and agent.poll() is None and \
+                    b"rings ->" not in (cdir / "agent.log").read_bytes():
+                time.sleep(0.1)
+            res.agent_start_cpu_s = _cpu_s(agent.pid)
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                 start_new_session=True) for _ in range(case.contention)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(case.nproc), "--master-port", str(stack.free_port())]
+        cmd += ["-m", "ingest.torch.run", "-m"] if case.traced else ["-m"]
+        cmd += ["bench.real.workload", "--shape", case.shape, "--steps", str(case.steps),
+                "--pp", str(case.pp), "--tp", str(case.tp), "--microbatches",
+                str(case.microbatches), "--truth-dir", str(cdir), "--job", job]
+        if case.fault:
+            cmd += ["--fault", json.dumps(case.fault)]
+        train = subprocess.Popen(cmd, env=env, stdout=open(cdir / "train.log", "wb"),  # noqa: SIM115
+                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        limit = 120 + case.steps * 0.05 * 4
+        fault_file = cdir / "fault.json"
+        onset_mono: float | None = None
+        try:
+            while train.poll() is None:
+                self.poll(0.5)
+                if onset_mono is None and fault_file.exists():
+                    onset_mono = time.monotonic()
+                if case.hangs and onset_mono is not None and \
+                        time.monotonic() - onset_mono >= HANG_OBSERVE_S:
+                    break
+                if time.monotonic() - t0 > limit:
+                    res.error = f"did not finish within {limit:.0f} s"
+                    break
+            res.job_s = time.monotonic() - t0
+            _stop(train)
+            res.exit_code = train.returncode
+            if agent is not None:
+                self.poll(DRAIN_S)
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+            _stop(train, grace=5)
+            if agent is not None:
+                res.agent_cpu_s = _cpu_s(agent.pid)
+                _stop(agent)
+        res.wall_s = round(time.monotonic() - t0, 1)
+        res.job_s = round(res.job_s, 1)
+        for name, attr in (("fault.json", "truth"), ("run.json", "run")):
+            with contextlib.suppress(OSError, ValueError):
+                setattr(res, attr, json.loads((cdir / name).read_text()))
+        if res.run is not None:
+            steps = np.asarray(res.run.get("step_ns", []), dtype=np.float64)
+            res.step_ms_p50 = round(float(np.median(steps)) / 1e6, 2) if steps.size else None
+            res.run["step_ns"] = []  # keep the report small
+        try:
+            stats = json.loads((cdir / "agent.json").read_text().strip().splitlines()[-1])
+            res.agent_records = int(stats.get("read", 0))
+        except (OSError, ValueError, IndexError):
+            pass
+        if case.fault is not None and res.truth is None and not res.error:
+            res.error = "the fault never began (see train.log)"
+        if case.fault is None and res.exit_code not in (0, None) and not res.error:
+            res.error = f"the job failed (exit {res.exit_code}; see train.log)"
+        if res.error:
+            res.error += f" [{cdir}]"
+        score(res, self.diags.get(job, []))
+        return res
+
+
+def line(r: CaseResult) -> str:
+    def b(x: bool) -> str:
+        return "y" if x else "."
+    if r.control or r.truth is None:
+        got = f"incidents {r.incidents}" if r.traced else "untraced"
+        if r.diagnoses:
+            d = r.diagnoses[0]
+            got += f": {d['kind']} {d['ranks'][:4]} {d['stage']} {d['component']} " \
+                   f"{d['confidence']:.2f}"
+        return f"  {r.case:<24} {'-':<38} {got}{'  ERROR ' + r.error if r.error else ''}"
+    t = r.truth
+    exp = f"{t['kind'][:4]} {t['ranks']} {t['stage']} {t['component']}"
+    if not r.detected:
+        return f"  {r.case:<24} {exp[:38]:<38} MISSED (incidents {r.incidents})" + \
+            (f"  ERROR {r.error}" if r.error else "")
+    g = r.got or {}
+    got = f"{g['kind'][:4]} {g['ranks'][:4]} {g['stage']} {g['component']} {g['confidence']:.2f}"
+    lat = "" if r.latency_s is None else f"{r.latency_s:.1f}s"
+    return (f"  {r.case:<24} {exp[:38]:<38} {b(r.kind_ok)}{b(r.ranks_ok)}{b(r.stage_ok)}"
+            f"{b(r.component_ok)} {lat:>6} FA={r.false_alarms}  {got}")
+
+
+def table(results: Sequence[CaseResult], s: dict[str, Any]) -> str:
+    out = [f"  {'case':<24} {'expected (kind ranks stage component)':<38} KRSC  lat_s FA  got",
+           *[line(r) for r in results], ""]
+    rows = [
+        ("cases / faults / controls", f"{s['cases']} / {s['faults']} / {s['controls']}"),
+        ("recall / precision", f"{s['recall']} / {s['precision']}"),
+        ("kind / ranks / stage / component right",
+         f"{s['kind_right']} / {s['ranks_right']} / {s['stage_right']} / "
+         f"{s['component_right']} (of detected)"),
+        ("all four right", f"{s['all_right']} (of faults)"),
+        ("hang onset -> diagnosis p50 / p90 (s)",
+         f"{s['hang_latency_s']['p50']} / {s['hang_latency_s']['p90']}"),
+        ("slowdown onset -> diagnosis p50 / p90 (steps)",
+         f"{s['slowdown_latency_steps']['p50']} / {s['slowdown_latency_steps']['p90']}"),
+        ("false alarms: controls (per control-hour)",
+         f"{s['control_false_alarms']} in {s['control_hours'] * 3600:.0f} s "
+         f"({s['false_alarms_per_control_hour']}/h)"),
+        ("false alarms in fault cases", f"{s['fault_case_false_alarms']}"),
+        ("confidence median: right / wrong",
+         f"{s['confidence_right_mean']} / {s['confidence_wrong_mean']}"),
+    ]
+    ov = s.get("overhead", {})
+    for shape in ("ddp", "pipeline"):
+        if shape in ov:
+            o = ov[shape]
+            rows.append((f"step p50 untraced / traced+agent ({shape})",
+                         f"{o['untraced_step_ms_p50']} / {o['traced_step_ms_p50']} ms "
+                         f"({o['overhead_pct']:+.1f} %, {o['runs']} runs)"))
+    if "agent" in ov:
+        a = ov["agent"]
+        rows.append(("agent CPU per 1,000 records", f"{a['cpu_s_per_1000_records']} s "
+                     f"({a['records']} records, {a['cpu_s']} CPU-s after start-up, "
+                     f"{a['cpu_s_per_job_s']} CPU-s per job-s; start-up "
+                     f"{a['startup_cpu_s_p50']} CPU-s)"))
+    w = max(len(a) for a, _ in rows)
+    out += [f"  {a:<{w}}  {b}" for a, b in rows]
+    if s.get("by_fault"):
+        out += ["", "  fault      cases detected ranks stage component all-right"]
+        out += [f"  {k:<10} {v['cases']:>5} {v['detected']:>8} {v['ranks_right']:>5} "
+                f"{v['stage_right']:>5} {v['component_right']:>9} {v['all_right']:>9}"
+                for k, v in s["by_fault"].items()]
+    if s["errors"]:
+        out += ["", "  errors:", *[f"    {e}" for e in s["errors"]]]
+    return "\n".join(out)
+
+
+def run_catalog(cases: Sequence[Case], say: Say, home: Path | None = None,
+                settings: Settings | None = None) -> tuple[list[CaseResult], dict[str, Any]]:
+    """Run `cases` in turn on one stack (a private one unless `settings` are given: then its
+    worker is started on them, its broker used); returns the results and the summary."""
+    from ingest.torch import provision
+
+    if provision.torch_site() is None:
+        raise RuntimeError(f"no CPU torch for the training processes: {provision.last_error}")
+    results: list[CaseResult] = []
+    with tempfile.TemporaryDirectory(prefix="rankwatch-real-") as tmp:
+        base = home or Path(tmp)
+        with Runner(base, say, settings) as runner:
+            for i, case in enumerate(cases, 1):
+                say(f"[{i}/{len(cases)}] {case.name}: {case.shape} x{case.nproc}, "
+                    f"{case.steps} steps, {case.describe()}")
+                r = runner.run_case(case)
+                results.append(r)
+                say(line(r) + f"   ({r.wall_s:.0f} s; diagnoses so far)")
+            say(f"reading the last diagnoses ({SETTLE_S:.0f} s)…")
+            runner.poll(SETTLE_S)
+            for r in results:
+                score(r, runner.diags.get(r.job, []))
+    return results, summarize(results)
+
+
+def report(results: Sequence[CaseResult], summary: dict[str, Any]) -> dict[str, Any]:
+    return {"mode": "real training (gloo, CPU) through tracer, agent, broker, worker",
+            "summary": summary, "cases": [asdict(r) for r in results]}

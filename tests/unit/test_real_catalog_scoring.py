@@ -1,0 +1,122 @@
+"""The real catalog's pure parts: case selection, the expected labels, and the scoring of
+diagnoses against a job's truth (bench.real; the end-to-end run is tests/e2e/test_real_catalog)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.real import catalog
+from bench.real.harness import CaseResult, score, stage_ok, summarize
+from diagnosis.model import Diagnosis, Suspect, TriggerRef
+
+S = 1_000_000_000
+ONSET = 1_000 * S
+
+
+def diag(inc: str, version: int, ranks: list[int], stage: str | None, comp: str | None,
+         at_s: float, kind: str = "hang", status: str = "open", conf: float = 0.9,
+         suspects: list[int] | None = None) -> Diagnosis:
+    return Diagnosis(
+        id=f"{inc}/{version}", job_id="j", incident_id=inc, version=version,
+        status=status, kind=kind, culprit_ranks=ranks, culprit_hosts=["h"], stage=stage,
+        component=comp, onset_ns=None, detected_ns=ONSET + int(at_s * S), confidence=conf,
+        confidence_label="high", trigger=TriggerRef(kind="hang", ts=0, ranks=[], rule="r"),
+        suspects=[Suspect(ranks=suspects, hosts=["h"], stage=None, component=None, score=1.0)]
+        if suspects else [])
+
+
+def fault_result(**truth: object) -> CaseResult:
+    t = {"fault": "hang", "kind": "hang", "ranks": [2], "stage": "bwd mb=0 pp=0",
+         "accept": ["bwd mb=0 pp=0", "bwd *"], "component": "gpu_compute", "onset_ns": ONSET,
+         "end_ns": 0}
+    t.update(truth)
+    return CaseResult("c", "c-1", "ddp", 4, "", control=False, traced=True, truth=t,
+                      step_ms_p50=50.0)
+
+
+def test_stage_accept_prefix_and_exact() -> None:
+    assert stage_ok(["bwd *"], "bwd mb=3 pp=1")
+    assert not stage_ok(["bwd *"], "fwd mb=0 pp=0")
+    assert stage_ok(["data"], "data") and not stage_ok(["data"], "dataloader")
+    assert not stage_ok(["compute"], None)
+
+
+def test_right_hang_scored_on_last_unresolved_version() -> None:
+    r = fault_result()
+    score(r, [diag("a", 1, [2], "fwd mb=0 pp=0", "gpu_compute", 4.8),
+              diag("a", 2, [2], "bwd mb=0 pp=0", "gpu_compute", 6.0, status="updated"),
+              diag("a", 3, [2], "bwd mb=0 pp=0", "gpu_compute", 9.0, status="resolved")])
+    assert r.detected and r.kind_ok and r.ranks_ok and r.stage_ok and r.component_ok
+    assert r.latency_s == 4.8 and r.latency_steps == 96.0 and r.resolved
+    assert r.incidents == 1 and r.false_alarms == 0
+
+
+def test_wrong_stage_extra_ranks_and_false_alarms() -> None:
+    r = fault_result()
+    score(r, [diag("early", 1, [2], "data", "data_loader", -1.0),  # before the onset
+              diag("b", 1, [1, 2], "data", "data_loader", 5.0),
+              diag("c", 1, [0], "optim", "gpu_compute", 6.0, kind="slowdown")])
+    assert r.detected and r.kind_ok and not r.ranks_ok and not r.stage_ok
+    assert not r.component_ok and r.got is not None and r.got["ranks"] == [1, 2]
+    assert r.incidents == 3 and r.false_alarms == 2
+
+
+def test_primary_culprit_preferred_to_a_suspect_and_missed_fault() -> None:
+    r = fault_result()
+    score(r, [diag("s", 1, [0], "dp_allreduce", "nic_rdma", 2.0, suspects=[2]),
+              diag("p", 1, [2], "bwd mb=0 pp=0", "gpu_compute", 3.0)])
+    assert r.got is not None and r.got["ranks"] == [2] and r.latency_s == 3.0
+    assert r.false_alarms == 1  # the incident that only suspected rank 2
+
+
+def test_an_incident_of_the_wrong_kind_is_not_about_the_fault() -> None:
+    r = fault_result()
+    score(r, [diag("j", 1, [0, 2], "optim", "gpu_compute", 1.0, kind="jitter"),
+              diag("h", 1, [2], "data", "data_loader", 5.0)])
+    assert r.got is not None and r.got["kind"] == "hang" and r.latency_s == 5.0
+    assert r.ranks_ok and not r.stage_ok and r.false_alarms == 1
+    missed = fault_result()
+    score(missed, [diag("x", 1, [0], "data", "data_loader", 1.0)])
+    assert not missed.detected and missed.false_alarms == 1 and missed.latency_s is None
+
+
+def test_stall_may_be_named_a_slowdown() -> None:
+    r = fault_result(fault="stall", stage="fwd mb=0 pp=0", accept=["fwd mb=0 pp=0", "fwd *"])
+    score(r, [diag("a", 1, [2], "fwd mb=0 pp=0", "gpu_compute", 1.0, kind="slowdown")])
+    assert r.kind_ok and r.stage_ok
+
+
+def test_summary_counts_control_false_alarms_per_hour() -> None:
+    ctl = CaseResult("ctl", "ctl-1", "ddp", 4, "", control=True, traced=True, job_s=36.0)
+    score(ctl, [diag("z", 1, [0, 3], "data", "data_loader", 1.0, kind="jitter")])
+    f = fault_result()
+    score(f, [diag("a", 1, [2], "bwd mb=0 pp=0", "gpu_compute", 5.0)])
+    s = summarize([ctl, f])
+    assert s["control_false_alarms"] == 1 and s["false_alarms_per_control_hour"] == 100.0
+    assert s["recall"] == 1.0 and s["precision"] == 0.5 and s["all_right"] == 1.0
+    assert s["by_fault"]["hang"] == {"cases": 1, "detected": 1, "ranks_right": 1,
+                                     "stage_right": 1, "component_right": 1, "all_right": 1}
+
+
+def test_select_quick_prefix_and_unknown() -> None:
+    assert [c.name for c in catalog.select("", quick=True)] == [
+        "ctl-ddp4-100", "ctl-pp4-contended", "ddp4-hang-bwd", "pp4-slow-bwd-x4"]
+    assert all(c.name.startswith("tp8-") for c in catalog.select("tp8-*", quick=False))
+    with pytest.raises(ValueError, match="unknown case 'nope'"):
+        catalog.select("nope", quick=False)
+    controls = [c for c in catalog.CASES if c.control]
+    assert len(controls) >= 20 and {c.shape for c in controls} == {"ddp", "pipeline", "tp"}
+    assert any(c.contention for c in controls) and {c.nproc for c in controls} == {4, 8}
+
+
+def test_expected_labels_follow_the_vocabulary() -> None:
+    from bench.real.labels import expected
+    from diagnosis.rules.base import COMPONENTS
+
+    for kind, stage in (("hang", "bwd"), ("hang", "data"), ("slow", "optim"), ("link", ""),
+                        ("kill", ""), ("hog", ""), ("desync", ""), ("stall", "fwd")):
+        for shape in ("ddp", "pipeline", "tp"):
+            e = expected(kind, stage, shape, 1, 3)
+            assert e["component"] in COMPONENTS and e["stage"] in e["accept"]
+    assert expected("hang", "bwd", "pipeline", 1, 3)["accept"] == ["bwd mb=3 pp=1"]
+    assert expected("link", "", "pipeline", 0, 0)["stage"] == "pp_p2p"
