@@ -19,7 +19,10 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     have risen over the same steps by `z_job` standard errors of the median (`job_change`: a
     slowdown is first a change of the job's step time) — except for links (DP rings, p2p
     hops: `job_gate=False`), whose slower transfer a pipeline bubble can hide from the step
-    time: such a change is named "absorbed", with the confidence of weaker evidence;
+    time: such a change is named "absorbed", with the confidence of weaker evidence — and
+    links are judged only in a peer set of `min_peers` (a gloo ring's transfer time moves with
+    the load of the few ranks it joins: on real 2-ring jobs under CPU contention one ring
+    "changed" beyond its own noise);
   - an *outlier* (`outlier`, persistent since before the window): only in a peer set of at
     least `min_peers` units, the unit's mean is `z_peers` robust deviations above its peers'
     means, and above the reference on at least 80 % of the steps. Two DP rings or two ranks of a
@@ -279,6 +282,9 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             tail &= (~np.isnan(last)).sum(axis=0) >= k
     else:
         tail = np.zeros(u, dtype=bool)
+    # a link (job_gate off) in a peer set too small: its transfer time moves with the load
+    # of the few ranks it joins, and two rings cannot say which one changed — no verdict
+    tail &= job_gate | (peers >= cfg.min_peers)
     for x in np.flatnonzero(~flag & present & tail).tolist():
         res = _change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min)
         if res is None:
