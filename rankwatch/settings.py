@@ -6,10 +6,12 @@ Sources, lowest to highest precedence: defaults, environment variables `RANKWATC
 
 from __future__ import annotations
 
+import calendar
 import difflib
 import os
 import warnings
 from collections.abc import Mapping
+from datetime import date
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,6 +68,15 @@ class Settings(BaseModel):
     progress_window_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     iteration_window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     kernel_window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    #: Plausible event times (streams.raw_sink.TimeBounds): a batch with a nonzero time before
+    #: event_time_min (a UTC date), more than event_time_future_s ahead of its producer's clock
+    #: (the Kafka message timestamp), more than event_time_past_s behind it (0: no bound, so
+    #: imports and replays of old traces pass), or whose record times span more than
+    #: event_time_span_s is dead-lettered: it is never stored and never drives a window.
+    event_time_min: date = date(2000, 1, 1)
+    event_time_future_s: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] = 600.0
+    event_time_past_s: Annotated[float, Field(ge=0, le=100 * 365 * 86400)] = 0.0
+    event_time_span_s: Annotated[float, Field(gt=0, le=90 * 86400)] = 86400.0
 
     @field_validator("clickhouse_url")
     @classmethod
@@ -85,6 +96,10 @@ class Settings(BaseModel):
     @property
     def topics(self) -> Topics:
         return Topics() if self.topic_prefix == "rw" else Topics.with_prefix(self.topic_prefix)
+
+    @property
+    def event_time_min_ns(self) -> int:
+        return calendar.timegm(self.event_time_min.timetuple()) * 1_000_000_000
 
     @property
     def run_dir(self) -> Path:

@@ -27,6 +27,7 @@ from streams.db import ClickHouseError, Database, migrate
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
 from streams.kernel_summaries import KernelParams
 from streams.progress import ProgressParams
+from streams.raw_sink import TimeBounds
 from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
 from streams.writer import ClickHouseWriter, IngestMetric
 
@@ -53,13 +54,23 @@ def derived_config(settings: Settings) -> DerivedConfig:
         kernels=KernelParams(window_ns=ns(settings.kernel_window_s)))
 
 
+def time_bounds(settings: Settings) -> TimeBounds:
+    def ns(s: float) -> int:
+        return round(s * 1e9)
+
+    return TimeBounds(min_ns=settings.event_time_min_ns,
+                      future_ns=ns(settings.event_time_future_s),
+                      span_ns=ns(settings.event_time_span_s),
+                      past_ns=ns(settings.event_time_past_s))
+
+
 def build(settings: Settings, db: Database, derived: DerivedConfig | None = None) -> StreamsApp:
     """The streams app wired to `db`, with the SQL endpoint, the derived runner (progress,
     iterations, kernel summaries: streams/derived.py) and a metrics timer attached."""
     writer = ClickHouseWriter(db)
     cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
                     topics=settings.topics, max_messages=settings.writer_max_messages,
-                    within_s=settings.writer_max_seconds)
+                    within_s=settings.writer_max_seconds, bounds=time_bounds(settings))
     topics: dict[str, Any] = {}
 
     async def publish(kind: str, job: str, data: bytes) -> None:
@@ -95,18 +106,25 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
                  "writable" if settings.sql_writable else "read-only")
 
     async def store_metrics() -> None:
-        rows = []
+        rows, seen = [], {}
         now = time.time_ns()
         for kind, st in sapp.stats().items():
             rows_before, msgs_before = last.get(kind, (0, 0))
             if st["messages"] == msgs_before:
                 continue
-            last[kind] = (st["rows"], st["messages"])
+            seen[kind] = (st["rows"], st["messages"])
             rows.append(IngestMetric(now, settings.worker_id, settings.topics.for_kind(kind), -1,
                                      st["rows"] - rows_before, st["messages"] - msgs_before,
                                      st.get("lag_ms_p50", 0.0), st.get("lag_ms_max", 0.0)))
-        if rows:
+        if not rows:
+            return
+        try:  # metrics are a convenience: a full disk or an outage must not stop the worker
             await writer.write_metrics(rows)
+        except Exception as e:  # the counts stay due: the next tick stores them
+            log.warning("storing ingest metrics failed (%s); retrying at the next tick",
+                        getattr(e, "message", e))
+            return
+        last.update(seen)
 
     async def close_sql(sender: Any, *args: Any, signal: Any = None, **kwargs: Any) -> None:
         if "sql" in runner:
