@@ -138,15 +138,13 @@ class TimeBounds:
     past_ns: int = 0
 
     def check(self, kind: str, rb: RecordBatch, ref_ns: int) -> None:
-        """Raise BatchError naming the first column and row out of bounds."""
+        """Raise BatchError naming the first column and row out of bounds. Checked: the kind's
+        record time, `t_end`, and the end a record implies (a stage's start plus its six
+        durations, a kernel's start plus its duration), all of which drive windows."""
         lo = max(self.min_ns, ref_ns - self.past_ns) if self.past_ns else self.min_ns
         hi = ref_ns + self.future_ns
         main = TIME_COLUMN.get(kind, "")
-        for name in (main, "t_end"):
-            col = rb.cols.get(name) if name else None
-            if col is None or not len(col):
-                continue
-            t = np.asarray(col)
+        for name, t in _times(kind, main, rb):
             bad = (t != 0) & ((t < lo) | (t > hi))
             if bad.any():
                 row = int(np.argmax(bad))
@@ -164,6 +162,31 @@ class TimeBounds:
                         f"the batch's {name} spans {span / _NS:.0f} s, more than "
                         f"{self.span_ns / _NS:.0f} s (RANKWATCH_EVENT_TIME_SPAN_S)",
                         name, row)
+
+
+#: Durations that, added to the record time, give a time windows are driven by.
+_DURATIONS: dict[str, tuple[str, ...]] = {
+    "stages": ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
+               "step_other"),
+    "kernels": ("duration",),
+}
+
+
+def _times(kind: str, main: str, rb: RecordBatch) -> list[tuple[str, np.ndarray]]:
+    out = []
+    for name in (main, "t_end"):
+        col = rb.cols.get(name) if name else None
+        if col is not None and len(col):
+            out.append((name, np.asarray(col)))
+    durations = [rb.cols[d] for d in _DURATIONS.get(kind, ()) if d in rb.cols]
+    if durations and out and out[0][0] == main:
+        start = out[0][1]
+        # in float: durations up to int64 max each must not wrap around; the end of a record
+        # with an unknown start (0) is unknown too
+        end = start.astype(np.float64) + np.sum(durations, axis=0, dtype=np.float64)
+        end = np.where(start != 0, np.minimum(end, 2.0**62), 0).astype(np.int64)
+        out.append((f"{main} + {' + '.join(_DURATIONS[kind])}", end))
+    return out
 
 
 def _iso(ns: int) -> str:

@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -174,6 +175,17 @@ class RefusingStore(FakeStore):
             err.code = 252  # type: ignore[attr-defined]
             raise err
         return await super().write(kind, batches, token, sources=sources)
+
+
+def test_a_stage_ending_far_ahead_of_its_producer_is_out_of_bounds() -> None:
+    bounds = TimeBounds(min_ns=946_684_800 * SEC, future_ns=600 * SEC, span_ns=86400 * SEC)
+    cols = valid_columns("stages", 3, NOW - 100 * SEC)
+    cols["model_backward"] = np.array([SEC, (1 << 63) - 1, SEC], np.int64)  # valid, absurd
+    with pytest.raises(BatchError) as e:
+        bounds.check("stages", decode_batch(encode_batch("stages", "j", cols)), NOW)
+    assert e.value.row == 1 and e.value.field.startswith("t_start + data_next_wait")
+    cols["model_backward"] = np.array([SEC, 2 * SEC, SEC], np.int64)
+    bounds.check("stages", decode_batch(encode_batch("stages", "j", cols)), NOW)
 
 
 def test_rows_the_store_refuses_are_dead_lettered_and_their_neighbours_stored() -> None:
