@@ -15,7 +15,7 @@ from datetime import date
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from ingest.topics import Topics
 
@@ -56,6 +56,14 @@ class Settings(BaseModel):
     #: The worker's SQL endpoint (read-only unless sql_writable) for `rankwatch sql`.
     sql_port: Port = 8124
     sql_writable: bool = False
+    #: The token the SQL endpoint requires of every query (required to bind beyond loopback).
+    sql_token: SecretStr = SecretStr("")
+    #: Limits of one query through the endpoint (set before readonly=1: a query cannot raise
+    #: them) and how many run at once, each on its own thread.
+    sql_max_execution_time_s: Annotated[int, Field(ge=1, le=86400)] = 60
+    sql_max_memory_mb: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
+    sql_max_result_mb: Annotated[int, Field(ge=1, le=1 << 20)] = 512
+    sql_concurrency: Annotated[int, Field(ge=1, le=64)] = 2
     topic_prefix: str = "rw"
     #: Writer batching: one insert per partition for at most this many Kafka messages (each a
     #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.

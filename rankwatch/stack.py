@@ -13,13 +13,17 @@ SIGTERM) → broker.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 from rankwatch.kafka_broker import (
     Broker,
@@ -44,10 +48,19 @@ class StackError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, below Linux's ephemeral range (32768+): a port
+    the kernel hands to outgoing connections can be taken by one between now and the bind, or
+    connect to itself (a client on 127.0.0.1:P reaching for 127.0.0.1:P)."""
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free TCP port in 20000-32000 on 127.0.0.1")
 
 
 def private_settings(home: Path, **overrides: Any) -> Settings:
@@ -57,10 +70,24 @@ def private_settings(home: Path, **overrides: Any) -> Settings:
                          sql_port=free_port(), **overrides)
 
 
+def display_url(url: str) -> str:
+    """`url` with any password masked, for output and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """`settings` as ``RANKWATCH_*`` variables, so a child's `Settings.load()` equals `settings`."""
     out = {}
     for name, value in settings.model_dump(mode="json").items():
+        secret = getattr(settings, name)
+        if isinstance(secret, SecretStr):  # the child needs the value itself
+            value = secret.get_secret_value()
         text = ("true" if value else "false") if isinstance(value, bool) else str(value)
         out[f"RANKWATCH_{name.upper()}"] = text
     return out
@@ -156,7 +183,7 @@ def _start_worker(settings: Settings, progress: Progress, timeout: float) -> Non
         why = ping_worker(settings)
         if not why:
             progress(f"worker: ready in {time.monotonic() - t0:.1f} s; SQL at "
-                     f"{sql_endpoint(settings)}, ClickHouse {settings.clickhouse}")
+                     f"{sql_endpoint(settings)}, ClickHouse {display_url(settings.clickhouse)}")
             return
         time.sleep(0.25)
     d.stop(WORKER_STOP_TIMEOUT)
@@ -205,5 +232,6 @@ def status(settings: Settings) -> dict[str, Any]:
         "home": str(settings.home),
         "kafka": kafka,
         "worker": worker,
-        "clickhouse": {"url": settings.clickhouse, "database": settings.clickhouse_database},
+        "clickhouse": {"url": display_url(settings.clickhouse),
+                       "database": settings.clickhouse_database},
     }

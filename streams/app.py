@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -90,6 +91,7 @@ class StreamsApp:
                                         key_serializer="raw")
         self.sinks: dict[str, RawSink] = {}
         self.dead_lettered = 0
+        self._commits: dict[Any, tuple[int | None, float]] = {}  # tp -> (committed, since)
         #: This worker's partitions of the ops topic, and the topic's partition count (from the
         #: last assignment): what `owned_jobs` decides by.
         self.ops_partitions: frozenset[int] = frozenset()
@@ -247,6 +249,34 @@ class StreamsApp:
     async def _on_shutdown(self, sender: Any, *args: Any, signal: Any = None,
                            **kwargs: Any) -> None:
         self.stopping = True
+
+    def health(self, stall_s: float, now: float | None = None) -> list[str]:
+        """What stops ingest now: a batch not stored for `stall_s` (an insert retrying), or a
+        partition with messages waiting whose committed offset has not moved for `stall_s`."""
+        now = time.monotonic() if now is None else now
+        problems = []
+        for kind, sink in self.sinks.items():
+            since = sink.busy_since
+            if since is not None and now - since > stall_s:
+                problems.append(f"ingest of {kind} stalled: a batch has waited {now - since:.0f} s"
+                                f" to be stored ({sink.stats.last_error or 'no error yet'})")
+        try:
+            consumer = self.app.consumer
+            committed = getattr(consumer, "_committed_offset", {})
+            for tp in consumer.assignment():
+                hw, done = consumer.highwater(tp), committed.get(tp)
+                lagging = hw is not None and hw > (done or 0)
+                seen = self._commits.get(tp)
+                if not lagging or seen is None or seen[0] != done:
+                    self._commits[tp] = (done, now)
+                    continue
+                if now - seen[1] > stall_s:
+                    problems.append(f"consumer stalled on {tp.topic}[{tp.partition}]: "
+                                    f"{hw - (done or 0)} messages waiting, no commit for "
+                                    f"{now - seen[1]:.0f} s")
+        except Exception as e:  # no consumer yet (starting) or a rebalance in progress
+            log.debug("health: consumer state unavailable: %s", e)
+        return problems
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

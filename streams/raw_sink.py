@@ -275,6 +275,8 @@ class RawSink:
         self.bounds, self.clock = bounds, clock
         self.stats = SinkStats()
         self._stored_through: dict[int, int] = {}  # partition -> highest offset known stored
+        #: time.monotonic() when the batch now being stored arrived; None when idle.
+        self.busy_since: float | None = None
 
     def forget_partitions(self) -> None:
         """After a rebalance another worker may have stored more: re-read watermarks lazily."""
@@ -282,6 +284,13 @@ class RawSink:
 
     async def process(self, messages: Sequence[Message]) -> int:
         """Store one consumed batch in one insert (all its partitions); returns rows inserted."""
+        self.busy_since = time.monotonic()
+        try:
+            return await self._process(messages)
+        finally:
+            self.busy_since = None
+
+    async def _process(self, messages: Sequence[Message]) -> int:
         by_partition: dict[int, list[Message]] = {}
         for m in messages:
             by_partition.setdefault(m.partition, []).append(m)

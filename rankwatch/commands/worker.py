@@ -22,8 +22,9 @@ from aiohttp import web
 from diagnosis.agents import attach as attach_diagnosis
 from ingest.records import DERIVED
 from rankwatch.settings import Settings
+from rankwatch.stack import display_url
 from streams.app import AppConfig, StreamsApp
-from streams.db import ClickHouseError, Database, migrate
+from streams.db import ClickHouseError, Database, SqlLimits, migrate
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
 from streams.kernel_summaries import KernelParams
 from streams.progress import ProgressParams
@@ -33,6 +34,11 @@ from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
 METRICS_INTERVAL_S = 10.0
+#: A batch not stored, or a lagging partition not committed, for this long is a stall (/ping).
+STALL_S = 120.0
+#: Exit code when the worker cannot start as configured (port taken, no token beyond loopback):
+#: not a crash to restart into.
+EXIT_CONFIG = 78
 TRIM_INTERVAL_S = 10.0
 
 
@@ -52,6 +58,13 @@ def derived_config(settings: Settings) -> DerivedConfig:
         progress=ProgressParams(window_ns=ns(settings.progress_window_s)),
         iteration_window_ns=ns(settings.iteration_window_s),
         kernels=KernelParams(window_ns=ns(settings.kernel_window_s)))
+
+
+def sql_limits(settings: Settings) -> SqlLimits:
+    return SqlLimits(max_execution_time_s=settings.sql_max_execution_time_s,
+                     max_memory_bytes=settings.sql_max_memory_mb << 20,
+                     max_result_bytes=settings.sql_max_result_mb << 20,
+                     concurrency=settings.sql_concurrency)
 
 
 def time_bounds(settings: Settings) -> TimeBounds:
@@ -96,12 +109,21 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
         except Exception:
             log.exception("derived streams tick failed; retrying at the next tick")
 
+    def health() -> list[str]:
+        return sapp.health(STALL_S)
+
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}
 
     async def serve_sql() -> None:
-        runner["sql"] = await start_sql_endpoint(db, settings.bind_host, settings.sql_port,
-                                                 writable=settings.sql_writable)
+        try:
+            runner["sql"] = await start_sql_endpoint(
+                db, settings.bind_host, settings.sql_port, writable=settings.sql_writable,
+                token=settings.sql_token.get_secret_value(), limits=sql_limits(settings),
+                health=health)
+        except (OSError, ValueError) as e:
+            log.critical("SQL endpoint: %s; stopping", e)
+            os._exit(EXIT_CONFIG)
         log.info("SQL endpoint on http://%s:%d (%s)", settings.bind_host, settings.sql_port,
                  "writable" if settings.sql_writable else "read-only")
 
@@ -184,7 +206,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         db = Database(settings.clickhouse, settings.clickhouse_database)
     except ClickHouseError as e:
-        print(f"rankwatch worker: cannot open ClickHouse at {settings.clickhouse}: {e.message}",
+        print(f"rankwatch worker: cannot open ClickHouse at {display_url(settings.clickhouse)}: "
+              f"{e.message}",
               file=sys.stderr)
         return 1
     try:
