@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -91,6 +91,8 @@ class StreamsApp:
                                         key_serializer="raw")
         self.sinks: dict[str, RawSink] = {}
         self.dead_lettered = 0
+        #: Called with (exit code, reason) before the worker exits uncommitted.
+        self.on_exit: Callable[[int, str], None] | None = None
         self._commits: dict[Any, tuple[int | None, float]] = {}  # tp -> (committed, since)
         #: This worker's partitions of the ops topic, and the topic's partition count (from the
         #: last assignment): what `owned_jobs` decides by.
@@ -122,11 +124,11 @@ class StreamsApp:
                         for e in events]
                 try:
                     await sink.process(msgs)
-                except BaseException:
+                except BaseException as e:
                     log.critical("stopping with unstored %s rows; exiting without committing "
                                  "their offsets so they are delivered again", kind,
                                  exc_info=True)
-                    os._exit(EXIT_UNSTORED)
+                    self.exit_unstored(f"{kind}: {type(e).__name__}: {e}")
 
         self.app.agent(topic, name=f"rankwatch.ingest.{kind}", concurrency=1)(consume)
 
@@ -153,10 +155,10 @@ class StreamsApp:
                         first, last = events[0].message, events[-1].message
                         await self._write_topologies(
                             topos, f"jobs:{first.partition}:{first.offset}-{last.offset}", events)
-                except BaseException:
+                except BaseException as e:
                     log.critical("stopping with unstored topologies; exiting uncommitted",
                                  exc_info=True)
-                    os._exit(EXIT_UNSTORED)
+                    self.exit_unstored(f"jobs: {type(e).__name__}: {e}")
 
         self.app.agent(topic, name="rankwatch.ingest.jobs", concurrency=1)(consume)
 
@@ -245,6 +247,14 @@ class StreamsApp:
         if not self.ops_partition_count:
             return frozenset()
         return owned_jobs(jobs, self.ops_partitions, self.ops_partition_count)
+
+    def exit_unstored(self, reason: str) -> None:
+        """Exit now, uncommitted (EXIT_UNSTORED), after telling `on_exit` why."""
+        try:
+            if self.on_exit is not None:
+                self.on_exit(EXIT_UNSTORED, reason)
+        finally:
+            os._exit(EXIT_UNSTORED)
 
     async def _on_shutdown(self, sender: Any, *args: Any, signal: Any = None,
                            **kwargs: Any) -> None:

@@ -22,7 +22,7 @@ from aiohttp import web
 from diagnosis.agents import attach as attach_diagnosis
 from ingest.records import DERIVED
 from rankwatch.settings import Settings
-from rankwatch.stack import display_url
+from rankwatch.stack import display_url, record_exit
 from streams.app import AppConfig, StreamsApp
 from streams.db import ClickHouseError, Database, SqlLimits, migrate
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
@@ -94,6 +94,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     deriver = DerivedRunner(db, publish, derived)
     sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows, deriver.kernels.buffer))
     sapp.derived = deriver
+    sapp.on_exit = lambda code, reason: record_exit(settings, code, reason)
     sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics)  # type: ignore[attr-defined]
     for kind in DERIVED:
         topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",
@@ -123,6 +124,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
                 health=health)
         except (OSError, ValueError) as e:
             log.critical("SQL endpoint: %s; stopping", e)
+            record_exit(settings, EXIT_CONFIG, f"SQL endpoint: {e}")
             os._exit(EXIT_CONFIG)
         log.info("SQL endpoint on http://%s:%d (%s)", settings.bind_host, settings.sql_port,
                  "writable" if settings.sql_writable else "read-only")
