@@ -18,6 +18,7 @@ BENCHES = {
     "streams": "bench.streams",
     "raw_order": "bench.raw_order",
     "sweep": "bench.sweep",
+    "soak": "bench.soak",
 }
 
 
