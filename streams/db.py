@@ -592,9 +592,12 @@ class Database:
                           settings: dict[str, Any]) -> bytes:
         """A server: a client of its own per call (no session id: every request is its own
         session); the server refuses INTO OUTFILE and several statements over HTTP itself, and
-        enforces its user's grants and profile."""
+        enforces its user's grants and profile. readonly=2 here, not 1: readonly=1 in a request
+        would refuse the request's own limits. So on a server the limits are defaults a query's
+        SETTINGS could raise: give rankwatch's user a profile with readonly=1 and constraints
+        (ClickHouse's settings profiles) to make them binding; not tested here (no server)."""
         if readonly:
-            settings = {**settings, "readonly": 1}
+            settings = {**settings, "readonly": 2}
         client = self._connect(settings)
         try:
             client.database = self.database
