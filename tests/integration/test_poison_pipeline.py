@@ -8,17 +8,21 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from ingest.batch import TIME_COLUMN, encode_batch, encode_topology
+from ingest.batch import TIME_COLUMN, BatchError, decode_batch, encode_batch, encode_topology
 from ingest.records import COLUMNS, MODELS, Communicator, JobTopology
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
+from streams.raw_sink import TimeBounds
 from tests.integration.test_ingest_pipeline import Pipeline
-from tests.unit.test_poison_decode import valid_columns
+from tests.unit.test_poison_decode import valid_batches, valid_columns
 
 SEC = 1_000_000_000
 KINDS = sorted(MODELS)
@@ -132,3 +136,68 @@ def test_worst_records_of_every_topic_leave_the_worker_up_and_neighbours_stored(
     ahead = p.count("iterations", "toUnixTimestamp64Nano(t_end) > "
                                   f"{time.time_ns() + 60 * SEC}")
     assert ahead == 0
+
+
+@st.composite
+def messages(draw: st.DrawFn, now: int) -> tuple[str, bytes, int | None]:
+    """(topic kind, message, rows it should store or None for a dead letter): a fuzzed batch of
+    any kind with its times near `now`, sometimes mutated, sometimes on another kind's topic."""
+    kind, raw, n = draw(valid_batches())
+    rb = decode_batch(raw)
+    for name in {TIME_COLUMN[kind], "t_end", "t_enqueue", "ts"} & set(rb.cols):
+        rb.cols[name] = now - draw(st.integers(0, 60 * SEC)) + np.arange(n, dtype=np.int64)
+    cols = {c.name: rb.column(c.name) for c in COLUMNS[kind]}
+    raw = encode_batch(kind, rb.job_id, cols, framing=draw(st.sampled_from(["json", "binary"])))
+    topic = kind
+    how = draw(st.sampled_from(["as is", "as is", "as is", "cut", "flip", "other topic"]))
+    if how == "cut":
+        raw = raw[:draw(st.integers(0, len(raw) - 1))]
+    elif how == "flip":
+        i = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:i] + bytes([raw[i] ^ draw(st.integers(1, 255))]) + raw[i + 1:]
+    elif how == "other topic":
+        topic = draw(st.sampled_from([k for k in KINDS if k != kind]))
+    try:  # what the worker must do, by the unit-tested rules
+        got = decode_batch(raw, coded=True)
+        if got.kind != topic:
+            return topic, raw, None
+        BOUNDS.check(got.kind, got, now)
+        return topic, raw, got.n
+    except BatchError:
+        return topic, raw, None
+
+
+BOUNDS = TimeBounds(min_ns=946_684_800 * SEC, future_ns=600 * SEC, span_ns=86400 * SEC)
+
+
+@settings(max_examples=1, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_fuzzed_messages_through_the_real_worker(poison_pipeline: Pipeline,
+                                                 data: st.DataObject) -> None:
+    """Sixty hypothesis-drawn messages of every kind (valid at the contract's edges, cut,
+    bit-flipped, on the wrong topic) through the real broker and worker: each valid one is
+    stored with exactly its rows, each other one is a dead letter, and the worker stays up."""
+    p = poison_pipeline
+    pid = stack.worker_daemon(p.settings).pid()
+    now = time.time_ns()
+    msgs = data.draw(st.lists(messages(now), min_size=60, max_size=60))
+    pub = p.publisher()
+    for i, (topic, raw, _) in enumerate(msgs):
+        pub.publish(topic, raw, key=str(i % 5))
+    assert pub.flush(60) == 0
+    want: Counter[str] = Counter()
+    for topic, _, n in msgs:
+        if n is not None:
+            want[topic] += n
+    dead = sum(n is None for _, _, n in msgs)
+    print(f"\n{len(msgs) - dead} messages to store ({sum(want.values())} rows), {dead} to "
+          "dead-letter")
+    assert dead and want  # both paths exercised
+    assert p.wait_count("dlq", dead, timeout=90) == dead
+    for kind in KINDS:
+        assert p.wait_count(kind, want[kind], timeout=60) == want[kind], kind
+    time.sleep(2)
+    assert p.count("dlq") == dead
+    assert all(p.count(kind) == want[kind] for kind in KINDS)
+    assert stack.worker_daemon(p.settings).pid() == pid
