@@ -50,6 +50,10 @@ class Settings(BaseModel):
     kafka_version: str = "3.9.1"
     kafka_partitions: Annotated[int, Field(ge=1, le=1024)] = 6
     kafka_heap: str = "512m"
+    #: The worker's consumer-group session: a worker killed without leaving the group holds its
+    #: partitions this long, so its replacement waits this long to consume (Faust's 60 s made a
+    #: restart after a crash take a minute).
+    kafka_session_timeout_s: Annotated[float, Field(ge=6, le=300)] = 20.0
     #: ClickHouse: `chdb:///path` (embedded, default <home>/clickhouse) or `http(s)://host:port`.
     clickhouse_url: str = ""
     clickhouse_database: str = "rankwatch"

@@ -49,6 +49,8 @@ class AppConfig:
     max_messages: int = 256
     within_s: float = 0.5
     commit_interval_s: float = 1.0
+    #: Consumer-group session timeout (heartbeats every sixth of it, at most 3 s).
+    session_timeout_s: float = 60.0
     #: Plausible event times around the producer's clock (streams.raw_sink.TimeBounds); None
     #: accepts any time the contract does.
     bounds: TimeBounds | None = None
@@ -81,6 +83,8 @@ class StreamsApp:
             web_enabled=False,
             consumer_auto_offset_reset="earliest",
             broker_commit_interval=cfg.commit_interval_s,
+            broker_session_timeout=cfg.session_timeout_s,
+            broker_heartbeat_interval=min(3.0, cfg.session_timeout_s / 6),
             topic_disable_leader=True,
             producer_compression_type="zstd",
             # the broker's message.max.bytes (rankwatch/kafka_broker.py): a raw message of any
