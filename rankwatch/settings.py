@@ -6,14 +6,16 @@ Sources, lowest to highest precedence: defaults, environment variables `RANKWATC
 
 from __future__ import annotations
 
+import calendar
 import difflib
 import os
 import warnings
 from collections.abc import Mapping
+from datetime import date
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from ingest.topics import Topics
 
@@ -48,6 +50,10 @@ class Settings(BaseModel):
     kafka_version: str = "3.9.1"
     kafka_partitions: Annotated[int, Field(ge=1, le=1024)] = 6
     kafka_heap: str = "512m"
+    #: The worker's consumer-group session: a worker killed without leaving the group holds its
+    #: partitions this long, so its replacement waits this long to consume (Faust's 60 s made a
+    #: restart after a crash take a minute).
+    kafka_session_timeout_s: Annotated[float, Field(ge=6, le=300)] = 20.0
     #: ClickHouse: `chdb:///path` (embedded, default <home>/clickhouse) or `http(s)://host:port`.
     clickhouse_url: str = ""
     clickhouse_database: str = "rankwatch"
@@ -58,6 +64,14 @@ class Settings(BaseModel):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8125
     #: The worker's incident pages at http://bind_host:page_port/ (0: off).
     page_port: Annotated[int, Field(ge=0, le=65535)] = 8128
+    #: The token the SQL endpoint requires of every query (required to bind beyond loopback).
+    sql_token: SecretStr = SecretStr("")
+    #: Limits of one query through the endpoint (set before readonly=1: a query cannot raise
+    #: them) and how many run at once, each on its own thread.
+    sql_max_execution_time_s: Annotated[int, Field(ge=1, le=86400)] = 60
+    sql_max_memory_mb: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
+    sql_max_result_mb: Annotated[int, Field(ge=1, le=1 << 20)] = 512
+    sql_concurrency: Annotated[int, Field(ge=1, le=64)] = 2
     topic_prefix: str = "rw"
     #: Writer batching: one insert per partition for at most this many Kafka messages (each a
     #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.
@@ -73,6 +87,15 @@ class Settings(BaseModel):
     #: `rankwatch notify`'s configuration file (diagnosis/sinks/config.py); empty: the file
     #: <home>/notify.toml if it exists. `rankwatch up` starts notify when there is one.
     notify_config: str = ""
+    #: Plausible event times (streams.raw_sink.TimeBounds): a batch with a nonzero time before
+    #: event_time_min (a UTC date), more than event_time_future_s ahead of its producer's clock
+    #: (the Kafka message timestamp), more than event_time_past_s behind it (0: no bound, so
+    #: imports and replays of old traces pass), or whose record times span more than
+    #: event_time_span_s is dead-lettered: it is never stored and never drives a window.
+    event_time_min: date = date(2000, 1, 1)
+    event_time_future_s: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] = 600.0
+    event_time_past_s: Annotated[float, Field(ge=0, le=100 * 365 * 86400)] = 0.0
+    event_time_span_s: Annotated[float, Field(gt=0, le=90 * 86400)] = 86400.0
 
     @field_validator("clickhouse_url")
     @classmethod
@@ -92,6 +115,10 @@ class Settings(BaseModel):
     @property
     def topics(self) -> Topics:
         return Topics() if self.topic_prefix == "rw" else Topics.with_prefix(self.topic_prefix)
+
+    @property
+    def event_time_min_ns(self) -> int:
+        return calendar.timegm(self.event_time_min.timetuple()) * 1_000_000_000
 
     @property
     def run_dir(self) -> Path:

@@ -12,14 +12,19 @@ SIGTERM) → broker.
 
 from __future__ import annotations
 
+import http.client
 import os
+import random
 import socket
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 from rankwatch import notify_service
 from rankwatch.kafka_broker import (
@@ -45,10 +50,19 @@ class StackError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, below Linux's ephemeral range (32768+): a port
+    the kernel hands to outgoing connections can be taken by one between now and the bind, or
+    connect to itself (a client on 127.0.0.1:P reaching for 127.0.0.1:P)."""
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free TCP port in 20000-32000 on 127.0.0.1")
 
 
 def private_settings(home: Path, **overrides: Any) -> Settings:
@@ -58,10 +72,24 @@ def private_settings(home: Path, **overrides: Any) -> Settings:
                          sql_port=free_port(), **overrides)
 
 
+def display_url(url: str) -> str:
+    """`url` with any password masked, for output and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """`settings` as ``RANKWATCH_*`` variables, so a child's `Settings.load()` equals `settings`."""
     out = {}
     for name, value in settings.model_dump(mode="json").items():
+        secret = getattr(settings, name)
+        if isinstance(secret, SecretStr):  # the child needs the value itself
+            value = secret.get_secret_value()
         text = ("true" if value else "false") if isinstance(value, bool) else str(value)
         out[f"RANKWATCH_{name.upper()}"] = text
     return out
@@ -96,21 +124,67 @@ def sql_endpoint(settings: Settings) -> str:
 
 
 def ping_worker(settings: Settings, timeout: float = 1.0) -> str:
-    """"" if the worker's SQL endpoint answers ``/ping`` with ``Ok.``, else why not."""
+    """"" if the worker's SQL endpoint answers ``/ping`` with ``Ok.``, else why not (the
+    worker's own account when it answers that it is unhealthy)."""
     url = f"{sql_endpoint(settings)}/ping"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = r.read(64).decode(errors="replace").strip()
-    except (urllib.error.URLError, OSError) as e:
+            body = r.read(4096).decode(errors="replace").strip()
+    except urllib.error.HTTPError as e:
+        return e.read(4096).decode(errors="replace").strip() or f"{url}: HTTP {e.code}"
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         return f"{url}: {getattr(e, 'reason', e)}"
     return "" if body == "Ok." else f"{url} answered {body!r}"
+
+
+#: Unclean exits within this many seconds that make a crash loop.
+CRASH_WINDOW_S = 600.0
+CRASH_LOOP_EXITS = 3
+
+
+def exits_file(settings: Settings) -> Path:
+    return settings.run_dir / "worker.exits"
+
+
+def record_exit(settings: Settings, code: int, reason: str) -> None:
+    """Note an unclean worker exit (time, code, reason), keeping the last 50."""
+    path = exits_file(settings)
+    try:
+        lines = path.read_text().splitlines()[-49:] if path.exists() else []
+        lines.append(f"{time.time():.3f}\t{code}\t{' '.join(reason.split())[:500]}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+    except OSError:
+        pass  # the exit goes on; status just won't count it
+
+
+def crash_loop(settings: Settings, now: float | None = None) -> str:
+    """"" or a description of a crash loop: CRASH_LOOP_EXITS unclean exits in CRASH_WINDOW_S."""
+    now = time.time() if now is None else now
+    try:
+        lines = exits_file(settings).read_text().splitlines()
+    except OSError:
+        return ""
+    recent = []
+    for line in lines:
+        t, _, rest = line.partition("\t")
+        try:
+            if now - float(t) <= CRASH_WINDOW_S:
+                recent.append(rest)
+        except ValueError:
+            continue
+    if len(recent) < CRASH_LOOP_EXITS:
+        return ""
+    code, _, reason = recent[-1].partition("\t")
+    return (f"crash loop: {len(recent)} unclean exits in the last {CRASH_WINDOW_S / 60:.0f} "
+            f"min; the last (exit {code}): {reason}")
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
-       timeout: float = 60.0) -> dict[str, Any]:
+       timeout: float = 180.0) -> dict[str, Any]:
     """Start whatever is not running (idempotent) and return `status`. Raises StackError or
     BrokerError with the end of the failing part's log."""
     if settings.kafka_bootstrap:
@@ -159,15 +233,31 @@ def _start_worker(settings: Settings, progress: Progress, timeout: float) -> Non
             raise StackError(f"worker: exited while starting; the end of {d.log_file}:\n"
                              f"{tail(d.log_file)}")
         why = ping_worker(settings)
-        if not why:
+        if not why and _stays_up(d, pid, settings):
             progress(f"worker: ready in {time.monotonic() - t0:.1f} s; SQL at "
-                     f"{sql_endpoint(settings)}, ClickHouse {settings.clickhouse}")
+                     f"{sql_endpoint(settings)}, ClickHouse {display_url(settings.clickhouse)}")
             return
         time.sleep(0.25)
-    d.stop(WORKER_STOP_TIMEOUT)
-    raise StackError(f"worker: no answer within {timeout:.0f} s ({why}); stopped it. The broker "
-                     f"is still running (`rankwatch down` stops it). The end of {d.log_file}:\n"
+    # a worker still starting (rejoining its consumer group after an unclean stop takes up to
+    # the group's session timeout) is left to finish: killing it would only start that over
+    raise StackError(f"worker: not ready within {timeout:.0f} s ({why}); it is still running "
+                     f"(pid {pid}) and was not stopped: `rankwatch status` tells when it is "
+                     f"ready, `rankwatch down` stops everything. The end of {d.log_file}:\n"
                      f"{tail(d.log_file)}")
+
+
+#: After the first good /ping, how long the worker must stay up before `up` calls it ready (a
+#: worker that dies on the first message it consumes dies within this).
+SETTLE_S = 2.0
+
+
+def _stays_up(d: Daemon, pid: int, settings: Settings) -> bool:
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        if d.exited() is not None or d.pid() != pid:
+            return False
+        time.sleep(0.25)
+    return not ping_worker(settings)
 
 
 def down(settings: Settings, progress: Progress = print) -> bool:
@@ -203,6 +293,9 @@ def status(settings: Settings) -> dict[str, Any]:
     d = worker_daemon(settings)
     pid = d.pid()
     why = ping_worker(settings) if pid is not None else "not running"
+    loop = crash_loop(settings)
+    if loop:
+        why = f"{why}; {loop}" if why else loop
     worker = {"running": pid is not None, "healthy": not why, "pid": pid, "detail": why or "ok",
               "sql_endpoint": sql_endpoint(settings), "log": str(d.log_file)}
     return {
@@ -210,6 +303,7 @@ def status(settings: Settings) -> dict[str, Any]:
         "home": str(settings.home),
         "kafka": kafka,
         "worker": worker,
-        "clickhouse": {"url": settings.clickhouse, "database": settings.clickhouse_database},
+        "clickhouse": {"url": display_url(settings.clickhouse),
+                       "database": settings.clickhouse_database},
         "notify": notify_service.status(settings),
     }

@@ -13,9 +13,11 @@ Known traps this module is built around (faust-streaming 0.15.3, chdb 26.9):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -28,7 +30,7 @@ from ingest.batch import BatchError, decode_batch
 from ingest.records import MODELS
 from ingest.topics import MAX_MESSAGE_BYTES, Topics
 from streams.ownership import owned_jobs
-from streams.raw_sink import DeadLetter, Message, RawSink
+from streams.raw_sink import DeadLetter, Message, RawSink, TimeBounds, refused_by_store
 from streams.store import ClickHouseStore
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,24 @@ class AppConfig:
     max_messages: int = 256
     within_s: float = 0.5
     commit_interval_s: float = 1.0
+    #: Consumer-group session timeout (heartbeats every sixth of it, at most 3 s).
+    session_timeout_s: float = 60.0
+    #: Plausible event times around the producer's clock (streams.raw_sink.TimeBounds); None
+    #: accepts any time the contract does.
+    bounds: TimeBounds | None = None
 
 
 def raw_table(kind: str) -> str:
     return kind
+
+
+def _timestamp_ns(message: Any) -> int:
+    """A consumed message's Kafka timestamp in ns (its producer's clock), 0 when it has none."""
+    ts = getattr(message, "timestamp", None)
+    try:
+        return int(float(ts) * 1e9) if ts and float(ts) > 0 else 0
+    except (TypeError, ValueError, OverflowError):
+        return 0
 
 
 class StreamsApp:
@@ -67,6 +83,8 @@ class StreamsApp:
             web_enabled=False,
             consumer_auto_offset_reset="earliest",
             broker_commit_interval=cfg.commit_interval_s,
+            broker_session_timeout=cfg.session_timeout_s,
+            broker_heartbeat_interval=min(3.0, cfg.session_timeout_s / 6),
             topic_disable_leader=True,
             producer_compression_type="zstd",
             # the broker's message.max.bytes (rankwatch/kafka_broker.py): a raw message of any
@@ -76,6 +94,10 @@ class StreamsApp:
         self.dlq_topic = self.app.topic(cfg.topics.dlq, value_serializer="raw",
                                         key_serializer="raw")
         self.sinks: dict[str, RawSink] = {}
+        self.dead_lettered = 0
+        #: Called with (exit code, reason) before the worker exits uncommitted.
+        self.on_exit: Callable[[int, str], None] | None = None
+        self._commits: dict[Any, tuple[int | None, float]] = {}  # tp -> (committed, since)
         #: This worker's partitions of the ops topic, and the topic's partition count (from the
         #: last assignment): what `owned_jobs` decides by.
         self.ops_partitions: frozenset[int] = frozenset()
@@ -93,7 +115,7 @@ class StreamsApp:
 
     def _add_raw_agent(self, kind: str) -> None:
         sink = RawSink(kind, raw_table(kind), self.store, self._dead_letters,
-                       stopping=lambda: self.stopping)
+                       stopping=lambda: self.stopping, bounds=self.cfg.bounds)
         self.sinks[kind] = sink
         topic = self.app.topic(self.cfg.topics.for_kind(kind), value_serializer="raw",
                                key_serializer="raw")
@@ -102,13 +124,15 @@ class StreamsApp:
             stream_ = cast(Stream[bytes], stream)
             async for events in stream_.take_events(self.cfg.max_messages, self.cfg.within_s):
                 msgs = [Message(e.message.topic, e.message.partition, e.message.offset,
-                                e.message.value or b"") for e in events]
+                                e.message.value or b"", _timestamp_ns(e.message))
+                        for e in events]
                 try:
                     await sink.process(msgs)
-                except BaseException:
+                except BaseException as e:
                     log.critical("stopping with unstored %s rows; exiting without committing "
-                                 "their offsets so they are delivered again", kind)
-                    os._exit(EXIT_UNSTORED)
+                                 "their offsets so they are delivered again", kind,
+                                 exc_info=True)
+                    self.exit_unstored(f"{kind}: {type(e).__name__}: {e}")
 
         self.app.agent(topic, name=f"rankwatch.ingest.{kind}", concurrency=1)(consume)
 
@@ -117,39 +141,98 @@ class StreamsApp:
 
         async def consume(stream: StreamT[Any]) -> None:
             async for events in cast(Stream[bytes], stream).take_events(64, self.cfg.within_s):
-                topos, dead = [], []
+                topos: list[tuple[Any, Any]] = []
+                dead: list[DeadLetter] = []
                 for e in events:
                     m = e.message
                     try:
                         rb = decode_batch(m.value or b"")
                         if rb.kind != "jobs":
                             raise BatchError(f"a {rb.kind!r} batch on the jobs topic", "kind")
-                        topos.extend(rb.topologies)
+                        topos.extend((m, t) for t in rb.topologies)
                     except BatchError as err:
                         dead.append(DeadLetter(m.topic, m.partition, m.offset, err, m.value or b""))
                 try:
-                    if topos:
-                        first, last = events[0].message, events[-1].message
-                        await self.store.write_topologies(
-                            topos, f"jobs:{first.partition}:{first.offset}-{last.offset}")
                     if dead:
                         await self._dead_letters(dead)
-                except BaseException:
-                    log.critical("stopping with unstored topologies; exiting uncommitted")
-                    os._exit(EXIT_UNSTORED)
+                    if topos:
+                        first, last = events[0].message, events[-1].message
+                        await self._write_topologies(
+                            topos, f"jobs:{first.partition}:{first.offset}-{last.offset}", events)
+                except BaseException as e:
+                    log.critical("stopping with unstored topologies; exiting uncommitted",
+                                 exc_info=True)
+                    self.exit_unstored(f"jobs: {type(e).__name__}: {e}")
 
         self.app.agent(topic, name="rankwatch.ingest.jobs", concurrency=1)(consume)
+
+    async def _write_topologies(self, topos: list[tuple[Any, Any]], token: str,
+                                events: Sequence[Any]) -> None:
+        """Store topologies in one insert, retried while the store is out; when the store refuses
+        them, one message at a time, dead-lettering the messages it still refuses."""
+        try:
+            await self._retrying(lambda: self.store.write_topologies([t for _, t in topos], token))
+            return
+        except _Refused as r:
+            log.warning("jobs: the store refused %d topologies (%s); storing them one message "
+                        "at a time", len(topos), r.error)
+        for m in dict.fromkeys(m for m, _ in topos):
+            mine = [t for mm, t in topos if mm is m]
+            try:
+                await self._retrying(lambda mine=mine, m=m: self.store.write_topologies(
+                    mine, f"jobs:{m.partition}:{m.offset}-{m.offset}"))
+            except _Refused as r:
+                err = BatchError(f"the store refused the topology: {type(r.error).__name__}: "
+                                 f"{' '.join(str(r.error).split())[:2000]}")
+                await self._dead_letters([DeadLetter(m.topic, m.partition, m.offset, err,
+                                                     m.value or b"")])
+
+    async def _retrying(self, write: Any) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await write()
+                return
+            except Exception as e:
+                if refused_by_store(e):
+                    raise _Refused(e) from e
+                if self.stopping:
+                    raise
+                log.warning("jobs: storing topologies failed (%s: %s); retrying in %.1fs",
+                            type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     # -- dead letters and lifecycle --------------------------------------------------------
 
     async def _dead_letters(self, dead: Sequence[DeadLetter]) -> None:
-        """Durable in the DLQ topic before the source offsets are committed; also in SQL."""
+        """Durable in the DLQ topic before the source offsets are committed; also in SQL. A
+        dead letter carries at most streams.raw_sink.DLQ_PAYLOAD_MAX bytes of its message, so
+        it fits the topic; publishing is retried while the broker is out (until the worker
+        stops: then the caller exits uncommitted and the message comes again)."""
         for d in dead:
-            log.warning("dead letter %s[%d]@%d: %s", d.topic, d.partition, d.offset, d.error)
-            fut = await self.dlq_topic.send(key=f"{d.topic}:{d.partition}".encode(),
-                                            value=orjson.dumps(d.to_json()))
-            await fut
-        await self.store.write_dead_letters(dead)
+            log.warning("dead letter %s[%d]@%d: %s", d.topic, d.partition, d.offset, d.reason())
+            value = orjson.dumps(d.to_json())
+            delay = 0.2
+            while True:
+                try:
+                    fut = await self.dlq_topic.send(key=f"{d.topic}:{d.partition}".encode(),
+                                                    value=value)
+                    await fut
+                    break
+                except Exception as e:
+                    if self.stopping:
+                        raise
+                    log.warning("publishing a dead letter failed (%s: %s); retrying in %.1fs",
+                                type(e).__name__, e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+        self.dead_lettered += len(dead)
+        try:  # the topic has them: the table is a convenience and must not stop the stream
+            await self.store.write_dead_letters(dead)
+        except Exception:
+            log.exception("storing %d dead letters in the dlq table failed; they are in the "
+                          "%s topic", len(dead), self.cfg.topics.dlq)
 
     async def _on_assigned(self, sender: Any, *args: Any, signal: Any = None,
                            **kwargs: Any) -> None:
@@ -169,9 +252,45 @@ class StreamsApp:
             return frozenset()
         return owned_jobs(jobs, self.ops_partitions, self.ops_partition_count)
 
+    def exit_unstored(self, reason: str) -> None:
+        """Exit now, uncommitted (EXIT_UNSTORED), after telling `on_exit` why."""
+        try:
+            if self.on_exit is not None:
+                self.on_exit(EXIT_UNSTORED, reason)
+        finally:
+            os._exit(EXIT_UNSTORED)
+
     async def _on_shutdown(self, sender: Any, *args: Any, signal: Any = None,
                            **kwargs: Any) -> None:
         self.stopping = True
+
+    def health(self, stall_s: float, now: float | None = None) -> list[str]:
+        """What stops ingest now: a batch not stored for `stall_s` (an insert retrying), or a
+        partition with messages waiting whose committed offset has not moved for `stall_s`."""
+        now = time.monotonic() if now is None else now
+        problems = []
+        for kind, sink in self.sinks.items():
+            since = sink.busy_since
+            if since is not None and now - since > stall_s:
+                problems.append(f"ingest of {kind} stalled: a batch has waited {now - since:.0f} s"
+                                f" to be stored ({sink.stats.last_error or 'no error yet'})")
+        try:
+            consumer = self.app.consumer
+            committed = getattr(consumer, "_committed_offset", {})
+            for tp in consumer.assignment():
+                hw, done = consumer.highwater(tp), committed.get(tp)
+                lagging = hw is not None and hw > (done or 0)
+                seen = self._commits.get(tp)
+                if not lagging or seen is None or seen[0] != done:
+                    self._commits[tp] = (done, now)
+                    continue
+                if now - seen[1] > stall_s:
+                    problems.append(f"consumer stalled on {tp.topic}[{tp.partition}]: "
+                                    f"{hw - (done or 0)} messages waiting, no commit for "
+                                    f"{now - seen[1]:.0f} s")
+        except Exception as e:  # no consumer yet (starting) or a rebalance in progress
+            log.debug("health: consumer state unavailable: %s", e)
+        return problems
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -194,3 +313,9 @@ class StreamsApp:
                 "kernel_windows_from_memory": self.derived.kernels.buffer.hits,
                 "kernel_windows_read_back": self.derived.kernels.buffer.misses,
                 "last_error": st.last_error}
+
+
+class _Refused(Exception):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error

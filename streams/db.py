@@ -13,10 +13,9 @@ Contract:
   columns may come dictionary-encoded, `ingest.batch.Coded`, and go to LowCardinality columns as
   codes + dictionary); int64 nanoseconds go into `DateTime64(9)` columns as raw ticks (no
   datetime objects anywhere).
-- `execute_sql` is the SQL endpoint's path: ClickHouse's formatted output as bytes, read-only by
-  default (ClickHouse's `readonly=2`). Read-only queries share one read-only session; `SET`,
-  `USE`, `CREATE`, `DROP` and writable calls each get a session of their own, so `SET`/`USE`
-  never leak into the writer's connection or the next caller's query.
+- `execute_sql` is the SQL endpoint's path (see "The SQL endpoint's path" below): ClickHouse's
+  formatted output as bytes, one statement per call, on a fresh engine session of its own with
+  `readonly=1` and `SqlLimits` set before it, on a thread of its own (never the writer's).
 
 Migrations (`migrate`) are the numbered files in sql/ (see sql/README.md): applied in order, each
 recorded in `schema_migrations` with its checksum; editing an applied file is an error.
@@ -58,9 +57,6 @@ BUSY_HINT = ("the embedded database is held by another process; start the worker
              "so queries go through it")
 #: Settings every connection starts with: synchronous inserts (chdb defaults async_insert=1).
 CLIENT_SETTINGS: dict[str, Any] = {"async_insert": 0}
-#: A query through the SQL endpoint runs at most this long unless the caller sets its own limit:
-#: the endpoint shares the one ClickHouse thread with the writer.
-SQL_MAX_EXECUTION_TIME = 60
 _STRING = get_from_name("String")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -179,10 +175,6 @@ _STRIP = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|`(?:[^`\\]|\\.)*`|--
                     r"""|/\*.*?\*/""", re.S)
 _HAS_FORMAT = re.compile(r"\bFORMAT\s+\w+\s*(?:SETTINGS\b.*)?;?\s*$", re.I | re.S)
 _ROWS = re.compile(r"^[\s(]*(SELECT|WITH|SHOW|DESC|DESCRIBE|EXPLAIN|EXISTS|CHECK)\b", re.I)
-#: Statements that change a connection handle's state (settings, current database, roles,
-#: temporary tables): run on a handle of their own by the SQL endpoint.
-_HANDLE_STATE = re.compile(r"^\s*(?:SET|USE|CREATE|DROP)\b", re.I)
-_FILE_WRITE = re.compile(r"\bINTO\s+OUTFILE\b|\bINTO\s+(?:TABLE\s+)?FUNCTION\b", re.I)
 
 
 def strip_sql(sql: str) -> str:
@@ -197,16 +189,60 @@ def wants_format(sql: str) -> bool:
     return bool(_ROWS.match(bare)) and not _HAS_FORMAT.search(bare)
 
 
-def readonly_refusal(sql: str) -> str | None:
-    """Why `sql` is refused in read-only mode beyond what ClickHouse's readonly=2 refuses, or None.
+@dataclass(frozen=True)
+class SqlLimits:
+    """What one query through the SQL endpoint may use. Set on its session before `readonly=1`,
+    so the query cannot raise them (ClickHouse refuses any setting change in readonly=1, in SET
+    and in a SETTINGS clause alike). `concurrency` queries run at once, each on its own thread;
+    `queue` more may wait for one, the rest are refused (HTTP 503)."""
 
-    readonly=2 refuses INSERT/CREATE/DROP/ALTER/TRUNCATE/OPTIMIZE/SYSTEM, but the embedded engine
-    still writes files for `INTO OUTFILE` and `INSERT INTO FUNCTION file(...)`; those are refused
-    here. This is a guard against accidents, not a sandbox: keep the endpoint on loopback.
-    """
-    if _FILE_WRITE.search(strip_sql(sql)):
-        return ("Code: 164. DB::Exception: rankwatch: INTO OUTFILE and INSERT INTO FUNCTION write "
-                "files; they are refused in readonly mode. (READONLY)")
+    max_execution_time_s: int = 60
+    max_memory_bytes: int = 2 << 30
+    max_result_rows: int = 10_000_000
+    max_result_bytes: int = 512 << 20
+    max_threads: int = 2
+    concurrency: int = 2
+    queue: int = 8
+
+    def settings(self, embedded: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "max_execution_time": self.max_execution_time_s, "timeout_overflow_mode": "throw",
+            "max_memory_usage": self.max_memory_bytes,
+            "max_result_rows": self.max_result_rows, "max_result_bytes": self.max_result_bytes,
+            "result_overflow_mode": "throw", "max_threads": self.max_threads,
+        }
+        if embedded:  # chdb's own: python(name) reads objects of this process
+            out["allow_python_table_function"] = 0
+        return out
+
+
+#: What the read-only endpoint runs: statements whose canonical form (the engine's formatter)
+#: starts with one of these. SYSTEM, KILL, USE, SET and the rest are refused: chdb runs every
+#: query as its `default` user with every grant and has no access storage for a user of our own,
+#: and `readonly=1` alone lets SYSTEM and KILL through there.
+READ_STATEMENTS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXPLAIN", "EXISTS", "(")
+_OUTFILE = re.compile(r"^INTO\s+OUTFILE\b", re.M)
+_CODE = re.compile(r"Code: (\d+)\.")
+
+
+def _escape_param(value: str) -> str:
+    """A query parameter's value in ClickHouse's escaped form (parameters are parsed as such)."""
+    return (value.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+            .replace("\r", "\\r").replace("\0", "\\0"))
+
+
+def refusal(canonical: str, readonly: bool) -> str | None:
+    """Why the statement whose canonical text (ClickHouse's `formatQuery`) is `canonical` is
+    refused, or None. The formatter writes a statement's clauses on lines of their own and
+    escapes line breaks inside literals and quoted names, so a line starting with INTO OUTFILE
+    is that clause and nothing else."""
+    if _OUTFILE.search(canonical):
+        return ("Code: 344. DB::Exception: rankwatch SQL endpoint: INTO OUTFILE writes a file "
+                "on the worker's machine; it is not allowed. (INTO_OUTFILE_NOT_ALLOWED)")
+    if readonly and not canonical.lstrip().upper().startswith(READ_STATEMENTS):
+        first = canonical.split(None, 1)[0] if canonical.split() else ""
+        return (f"Code: 164. DB::Exception: rankwatch SQL endpoint: {first} statements are not "
+                f"allowed; read-only: {', '.join(READ_STATEMENTS[:-1])}. (READONLY)")
     return None
 
 
@@ -233,8 +269,11 @@ class Database:
         self.database = database
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
         self._thread: int | None = None
-        #: The SQL endpoint's shared read-only handle (embedded engine only; `_execute_sql`).
-        self._readonly_handle: Client | None = None
+        #: The SQL endpoint's threads (`aexecute_sql`), made on first use; queries in flight
+        #: there: id -> (time.monotonic() at start, the SQL's first 200 characters).
+        self._sql_pool: ThreadPoolExecutor | None = None
+        self.sql_inflight: dict[int, tuple[float, str]] = {}
+        self._sql_ids = 0
         self._shapes: dict[str, _TableShape] = {}
         self._generic_sql: set[str] = set()  # queries whose results streams.native cannot read
         self._empty_shapes: dict[str, list[tuple[str, np.dtype[Any]]]] = {}
@@ -327,24 +366,24 @@ class Database:
         """A statement without a result set (DDL, SET...); returns ClickHouse's summary/value."""
         return self._call(self._command, sql, parameters)
 
-    def execute_sql(self, sql: str, fmt: str = "TabSeparated", *, readonly: bool = True) -> bytes:
+    def execute_sql(self, sql: str, fmt: str = "TabSeparated", *, readonly: bool = True,
+                    limits: SqlLimits | None = None) -> bytes:
         """Run user SQL the way ClickHouse's HTTP interface does: `fmt` is the default format for
-        statements that return rows and have no FORMAT clause; the reply is ClickHouse's text."""
-        return self._call(self._execute_sql, sql, fmt, readonly)
-
-    def _drop_readonly_handle(self) -> None:
-        handle, self._readonly_handle = self._readonly_handle, None
-        if handle is not None:
-            handle.close()
+        statements that return rows and have no FORMAT clause; the reply is ClickHouse's text.
+        Runs on the calling thread, on a session of its own (see `_execute_sql`)."""
+        if self._closed:
+            raise ClickHouseError(f"database {self.database} at {self.target.display()} is closed")
+        return self._execute_sql(sql, fmt, readonly, limits or SqlLimits())
 
     def close(self) -> None:
         if self._closed:
             return
         try:
-            self._call(self._drop_readonly_handle)
             self._call(self._client.close)
         finally:
             self._closed = True
+            if self._sql_pool is not None:
+                self._sql_pool.shutdown(wait=False, cancel_futures=True)
             # from the database thread itself (a callback), it cannot wait for itself
             self._executor.shutdown(wait=threading.get_ident() != self._thread)
 
@@ -385,8 +424,22 @@ class Database:
         return await self._acall(self._command, sql, parameters)
 
     async def aexecute_sql(self, sql: str, fmt: str = "TabSeparated", *,
-                           readonly: bool = True) -> bytes:
-        return await self._acall(self._execute_sql, sql, fmt, readonly)
+                           readonly: bool = True, limits: SqlLimits | None = None) -> bytes:
+        """`execute_sql` on the SQL endpoint's own threads (`limits.concurrency` of them), never
+        the database thread: a slow query does not hold up the writer's inserts."""
+        if self._closed:
+            raise ClickHouseError(f"database {self.database} at {self.target.display()} is closed")
+        limits = limits or SqlLimits()
+        if self._sql_pool is None:
+            self._sql_pool = ThreadPoolExecutor(limits.concurrency, thread_name_prefix="sql")
+        self._sql_ids += 1
+        qid = self._sql_ids
+        self.sql_inflight[qid] = (time.monotonic(), " ".join(sql.split())[:200])
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._sql_pool, self._execute_sql, sql, fmt, readonly, limits)
+        finally:
+            self.sql_inflight.pop(qid, None)
 
     # -- implementations (database thread only) ---------------------------------------------
 
@@ -494,41 +547,76 @@ class Database:
             self._shapes[table] = cached
         return cached
 
-    def _execute_sql(self, sql: str, fmt: str, readonly: bool) -> bytes:
+    def _execute_sql(self, sql: str, fmt: str, readonly: bool, limits: SqlLimits) -> bytes:
+        """One caller's statement on a fresh session: the limits, then `readonly=1` (read-only
+        calls), then the engine's parser: `formatQuery` refuses anything but exactly one
+        statement, and its canonical text is checked (`refusal`) and, read-only, is what
+        runs."""
         if not _IDENT.match(fmt):
             raise ClickHouseError(
                 f"Code: 73. DB::Exception: Unknown format {fmt}. (UNKNOWN_FORMAT)", 73)
-        if readonly and (refusal := readonly_refusal(sql)):
-            raise ClickHouseError(refusal, 164)
-        settings: dict[str, Any] = {"max_execution_time": SQL_MAX_EXECUTION_TIME}
-        if readonly:
-            settings["readonly"] = 2
-        out_fmt = fmt if wants_format(sql) else None
-        if not self.target.embedded:  # HTTP: settings ride on this one request only
-            return self._client.raw_query(sql, fmt=out_fmt, settings=settings)
-        # chdb: SET and USE are per connection handle and readonly cannot be unset once set.
-        # Read-only queries share one read-only handle (opening one costs ~11 ms of CPU:
-        # clickhouse-connect reads the server's settings); a statement that changes the
-        # handle's state (SET, USE, ...) and every writable call get a handle of their own,
-        # closed after the call, so nothing carries over from one call to the next.
-        if readonly and not _HANDLE_STATE.match(strip_sql(sql)):
-            if self._readonly_handle is None:
-                handle = self._connect(settings)
-                handle.database = self.database
-                self._readonly_handle = handle
-            try:
-                return self._readonly_handle.raw_query(sql, fmt=out_fmt)
-            except _DriverError:
-                raise  # the query failed, the handle is fine
-            except BaseException:
-                self._drop_readonly_handle()
-                raise
-        session = self._connect(settings)
+        settings = limits.settings(self.target.embedded)
+        if not self.target.embedded:
+            return self._execute_sql_http(sql, fmt, readonly, settings)
+        import chdb  # the embedded engine is loaded already (this process holds the database)
+
         try:
-            session.database = self.database
-            return session.raw_query(sql, fmt=out_fmt)
+            conn = chdb.connect(self.target.path)  # type: ignore[no-untyped-call]
+        except Exception as e:
+            raise _chdb_error(e) from None
+        try:
+            def run(query: str, out: str = "TSVRaw", params: dict[str, str] | None = None
+                    ) -> bytes:
+                try:
+                    return bytes(conn.query(query, out, params=params or {}).bytes())
+                except Exception as e:  # chdb's errors carry ClickHouse's text
+                    raise _chdb_error(e) from None
+
+            run(f"USE `{self.database}`")
+            for name, value in settings.items():
+                run(f"SET {name} = {value!r}")
+            if readonly:
+                run("SET readonly = 1")
+            canonical = run("SELECT formatQuery({q:String})",
+                            params={"q": _escape_param(sql)}).decode().rstrip("\n")
+            why = refusal(canonical, readonly)
+            if why:
+                raise ClickHouseError(why, int(_CODE.search(why).group(1)))  # type: ignore[union-attr]
+            # read-only: what was checked is what runs; writable: the caller's text (the
+            # formatter leaves out an INSERT's inline data)
+            return run(canonical if readonly else sql, fmt)
         finally:
-            session.close()
+            conn.close()
+
+    def _execute_sql_http(self, sql: str, fmt: str, readonly: bool,
+                          settings: dict[str, Any]) -> bytes:
+        """A server: a client of its own per call (no session id: every request is its own
+        session); the server refuses INTO OUTFILE and several statements over HTTP itself, and
+        enforces its user's grants and profile. readonly=2 here, not 1: readonly=1 in a request
+        would refuse the request's own limits. So on a server the limits are defaults a query's
+        SETTINGS could raise: give rankwatch's user a profile with readonly=1 and constraints
+        (ClickHouse's settings profiles) to make them binding; not tested here (no server)."""
+        if readonly:
+            settings = {**settings, "readonly": 2}
+        client = self._connect(settings)
+        try:
+            client.database = self.database
+            canonical = str(client.command("SELECT formatQuery({q:String})",
+                                           parameters={"q": sql}))
+            why = refusal(canonical, readonly)
+            if why:
+                raise ClickHouseError(why, int(_CODE.search(why).group(1)))  # type: ignore[union-attr]
+            return client.raw_query(sql, fmt=fmt if wants_format(sql) else None)
+        except _DriverError as e:
+            raise _wrap(e) from None
+        finally:
+            client.close()
+
+
+def _chdb_error(e: BaseException) -> ClickHouseError:
+    message = _message(e)
+    code = _CODE.search(message)
+    return ClickHouseError(message, int(code.group(1)) if code else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,7 +727,7 @@ def record_migration(db: Database, mig: Migration) -> None:
 
 __all__: Sequence[str] = (
     "BUSY_HINT", "ClickHouseError", "Database", "EmbeddedDatabaseBusy", "Migration",
-    "MigrationError", "Target", "applied_migrations", "client_args", "load_migrations", "migrate",
-    "migrations_dir", "parse_url", "readonly_refusal", "split_statements", "strip_sql",
-    "wants_format",
+    "MigrationError", "SqlLimits", "Target", "applied_migrations", "client_args",
+    "load_migrations", "migrate", "migrations_dir", "parse_url", "refusal", "split_statements",
+    "strip_sql", "wants_format",
 )

@@ -74,6 +74,8 @@ def _coded(col: Column) -> Coded:
 
 
 def _low_cardinality(col: Column) -> bytes:
+    if not len(col):  # ClickHouse reads no dictionary for no rows (an array of empty arrays)
+        return b""
     coded = _coded(col)
     keys = len(coded.values)
     width = 0 if keys <= 1 << 8 else 1 if keys <= 1 << 16 else 2 if keys <= 1 << 32 else 3

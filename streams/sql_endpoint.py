@@ -9,21 +9,39 @@ speaking the part of ClickHouse's HTTP interface that `rankwatch sql` and curl n
 
 `query` (URL) and the body are joined as ClickHouse does. The format applies to statements that
 return rows and have no FORMAT clause of their own; the reply is ClickHouse's own output. A query
-error is HTTP 400 with ClickHouse's message (no traceback). Read-only unless `writable`
-(ClickHouse's readonly=2: settings may change, data and schema may not). Queries run on the
-database thread, one at a time, between the writer's inserts; each is limited to
-`streams.db.SQL_MAX_EXECUTION_TIME` seconds unless it sets max_execution_time itself.
+error is HTTP 400 with ClickHouse's message (no traceback).
 
-No authentication: bind it to loopback (the default) and never expose it.
+What the engine enforces (streams.db `Database.execute_sql`): every request gets a fresh engine
+session; `SqlLimits` (time, memory, result size, threads) are set on it and then `readonly=1`, so
+a caller can change no setting (SET or SETTINGS alike) and write nothing; table functions that
+reach files, URLs, other servers or programs (file, url, s3, remote, mysql, executable, ...) are
+refused by readonly=1, chdb's python() by a setting; exactly one statement, parsed by the
+engine's own parser, which must be a read (SELECT, SHOW, DESCRIBE, EXPLAIN, EXISTS; SYSTEM and
+KILL are refused: chdb's only user holds every grant); INTO OUTFILE is refused. Queries run on
+threads of their own, `limits.concurrency` at a time and `limits.queue` waiting, never on the
+writer's thread. `writable` drops readonly=1 and the statement check (an operator's choice).
+
+Authentication: with a `token`, every request but /ping must carry it (`Authorization: Bearer`,
+basic auth with the token as password, or `X-ClickHouse-Key`). Serving anywhere but loopback
+without a token is refused.
+
+`/ping` answers "Ok." when the worker's health checks pass, else HTTP 503 naming the problems
+(a stalled consumer, a stuck query, ...).
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import hmac
+import ipaddress
 import logging
+import time
+from collections.abc import Callable
 
 from aiohttp import web
 
-from streams.db import ClickHouseError, Database
+from streams.db import ClickHouseError, Database, SqlLimits
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +61,53 @@ _CONTENT_TYPES = {"JSON": "application/json", "JSONCompact": "application/json",
 
 DB_KEY: web.AppKey[Database] = web.AppKey("db", Database)
 WRITABLE_KEY: web.AppKey[bool] = web.AppKey("writable", bool)
+GATE_KEY: web.AppKey[_Gate] = web.AppKey("gate")
+#: Extra seconds past its time limit after which a query in flight counts as stuck.
+STUCK_GRACE_S = 30.0
+
+Health = Callable[[], list[str]]
+
+
+class _Gate:
+    """Who may query and how many at once."""
+
+    def __init__(self, token: str, limits: SqlLimits, health: Health | None) -> None:
+        self.token = token
+        self.limits = limits
+        self.health = health
+        self.running = asyncio.Semaphore(limits.concurrency)
+        self.waiting = 0
+
+    def allowed(self, request: web.Request) -> bool:
+        if not self.token:
+            return True
+        given = request.headers.get("X-ClickHouse-Key", "")
+        auth = request.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            given = auth[7:].strip()
+        elif auth.startswith("Basic "):
+            try:
+                given = base64.b64decode(auth[6:]).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                given = ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def stuck_queries(db: Database, limits: SqlLimits, now: float | None = None) -> list[str]:
+    """Queries in flight longer than their time limit plus STUCK_GRACE_S."""
+    now = time.monotonic() if now is None else now
+    over = limits.max_execution_time_s + STUCK_GRACE_S
+    return [f"a SQL query has run {now - t0:.0f} s (limit {limits.max_execution_time_s} s): "
+            f"{text[:80]}" for t0, text in list(db.sql_inflight.values()) if now - t0 > over]
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -51,10 +116,42 @@ def _error(status: int, message: str) -> web.Response:
 
 
 async def _ping(request: web.Request) -> web.Response:
+    gate = request.app[GATE_KEY]
+    problems = stuck_queries(request.app[DB_KEY], gate.limits)
+    if gate.health is not None:
+        try:
+            problems += gate.health()
+        except Exception as e:  # a broken check is a problem to report, not a crash
+            problems.append(f"health check failed: {type(e).__name__}: {e}")
+    if problems:
+        return _error(503, "rankwatch worker unhealthy: " + "; ".join(problems))
     return web.Response(text="Ok.\n", content_type="text/plain")
 
 
 async def _query(request: web.Request) -> web.Response:
+    gate = request.app[GATE_KEY]
+    if not gate.allowed(request):
+        resp = _error(401, "Code: 516. DB::Exception: rankwatch SQL endpoint: a token is "
+                           "required (Authorization: Bearer <RANKWATCH_SQL_TOKEN>). "
+                           "(AUTHENTICATION_FAILED)")
+        resp.headers["WWW-Authenticate"] = 'Basic realm="rankwatch"'
+        return resp
+    if gate.running.locked() and gate.waiting >= gate.limits.queue:
+        return _error(503, "Code: 202. DB::Exception: rankwatch SQL endpoint: too many queries "
+                           f"at once ({gate.limits.concurrency} running, {gate.waiting} "
+                           "waiting); retry later. (TOO_MANY_SIMULTANEOUS_QUERIES)")
+    gate.waiting += 1
+    try:
+        await gate.running.acquire()
+    finally:
+        gate.waiting -= 1
+    try:
+        return await _run_query(request, gate)
+    finally:
+        gate.running.release()
+
+
+async def _run_query(request: web.Request, gate: _Gate) -> web.Response:
     fmt = request.query.get("default_format") or request.query.get("format") or DEFAULT_FORMAT
     if fmt not in FORMATS:
         return _error(400, f"Code: 73. DB::Exception: Unknown or unsupported format {fmt!r}; "
@@ -66,7 +163,7 @@ async def _query(request: web.Request) -> web.Response:
         return _error(400, "Code: 62. DB::Exception: Empty query. (SYNTAX_ERROR)")
     db, writable = request.app[DB_KEY], request.app[WRITABLE_KEY]
     try:
-        out = await db.aexecute_sql(sql, fmt, readonly=not writable)
+        out = await db.aexecute_sql(sql, fmt, readonly=not writable, limits=gate.limits)
     except ClickHouseError as e:
         return _error(400, e.message)
     except Exception as e:  # never a traceback to the caller; the worker's log has it
@@ -76,11 +173,13 @@ async def _query(request: web.Request) -> web.Response:
                         content_type=_CONTENT_TYPES.get(fmt, "text/plain"), charset="utf-8")
 
 
-def make_app(db: Database, writable: bool = False) -> web.Application:
+def make_app(db: Database, writable: bool = False, *, token: str = "",
+             limits: SqlLimits | None = None, health: Health | None = None) -> web.Application:
     """The endpoint's aiohttp application over `db` (read-only unless `writable`)."""
     app = web.Application(client_max_size=MAX_QUERY_BYTES)
     app[DB_KEY] = db
     app[WRITABLE_KEY] = writable
+    app[GATE_KEY] = _Gate(token, limits or SqlLimits(), health)
     app.router.add_get("/ping", _ping)
     app.router.add_route("GET", "/", _query)
     app.router.add_route("POST", "/", _query)
@@ -88,10 +187,21 @@ def make_app(db: Database, writable: bool = False) -> web.Application:
 
 
 async def start_sql_endpoint(db: Database, host: str = "127.0.0.1", port: int = 8124,
-                             writable: bool = False) -> web.AppRunner:
-    """Serve `make_app(db, writable)` on host:port until `stop_sql_endpoint`. Raises OSError when
-    the port is taken. Port 0 picks a free port: read it with `bound_port(runner)`."""
-    runner = web.AppRunner(make_app(db, writable), access_log=None)
+                             writable: bool = False, *, token: str = "",
+                             limits: SqlLimits | None = None,
+                             health: Health | None = None) -> web.AppRunner:
+    """Serve `make_app(db, writable, ...)` on host:port until `stop_sql_endpoint`. Raises OSError
+    when the port is taken, ValueError when `host` is not loopback and there is no `token`. Port
+    0 picks a free port: read it with `bound_port(runner)`."""
+    if not is_loopback(host):
+        if not token:
+            raise ValueError(f"refusing to serve SQL on {host} without authentication: set "
+                             "RANKWATCH_SQL_TOKEN, or bind to loopback (RANKWATCH_BIND_HOST="
+                             "127.0.0.1)")
+        log.warning("SQL endpoint bound to %s (beyond loopback)%s; requests need the token",
+                    host, ", WRITABLE" if writable else "")
+    runner = web.AppRunner(make_app(db, writable, token=token, limits=limits, health=health),
+                           access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -99,8 +209,8 @@ async def start_sql_endpoint(db: Database, host: str = "127.0.0.1", port: int = 
     except BaseException:
         await runner.cleanup()
         raise
-    log.info("SQL endpoint on http://%s:%d (%s)", host, bound_port(runner),
-             "writable" if writable else "read-only")
+    log.info("SQL endpoint on http://%s:%d (%s%s)", host, bound_port(runner),
+             "writable" if writable else "read-only", ", token required" if token else "")
     return runner
 
 

@@ -37,7 +37,7 @@ class ClickHouseStore:
     async def write_dead_letters(self, dead: Sequence[DeadLetter]) -> None:
         now = time.time_ns()
         rows = [DlqRow(now, d.topic, d.partition, d.offset, d.error.field, d.error.row,
-                       d.error.reason, d.value) for d in dead]
+                       d.reason(), d.excerpt) for d in dead]
         first, last = dead[0], dead[-1]
         await self.writer.write_dlq(
             rows, token=f"dlq:{first.topic}:{first.partition}:{first.offset}-{last.offset}")

@@ -20,7 +20,9 @@ Loop (one thread; `run` until stopped):
 
 A ring whose producer is dead is drained (skipping slots it reserved but never committed), its
 open ops are published in flight, and the ring is unlinked. `stats()` reports lag and drop
-counters; `run` writes them to ``<sidecar_dir>/agent.json`` when they change.
+counters; `run` writes them to ``<sidecar_dir>/agent.<pid>.json`` when they change (one file
+per agent, removed when `run` returns). A job's sidecar directory is removed once its last ring
+here is retired and nothing else is left in it.
 
 Idle cost: a pass over rings with nothing in them is a directory stat and one drain call per
 ring; after `idle_after_s` without a record the loop polls every `idle_poll_s` instead of
@@ -31,6 +33,7 @@ it sends at once rather than lingering: waking adds no latency over polling at `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -53,7 +56,7 @@ from ingest.batch import encode_topology
 
 @dataclass(frozen=True)
 class AgentConfig:
-    sidecar_dir: Path  # the tracers' sidecars (ingest.torch.comms); agent.json goes here too
+    sidecar_dir: Path  # the tracers' sidecars (ingest.torch.comms); agent.<pid>.json goes here too
     job: str | None = None  # only this job's rings
     prefix: str = ring.DEFAULT_PREFIX
     shm_dir: str = "/dev/shm"
@@ -227,6 +230,11 @@ class Agent:
             ring.load_library().rw_ring__unlink(r.name.encode())
             if not any(o.job == r.job and o.rank == r.rank for o in self.rings.values()):
                 self._sidecar(r).unlink(missing_ok=True)
+            if not any(o.job == r.job for o in self.rings.values()):
+                # the job's last producer here is gone (rmdir fails if a rank starting now has
+                # written its sidecar already: it keeps the directory)
+                with contextlib.suppress(OSError):
+                    self._sidecar(r).parent.rmdir()
         if not any(o.job == r.job for o in self.rings.values()):
             for per_job in (self._p2p, self._shape_said, self._topo_stamp):
                 per_job.pop(r.job, None)  # the job left this host
@@ -364,7 +372,13 @@ class Agent:
         self.out.flush(force=True)
         self.out.pump()
         self.out.poll(10)
-        self.write_stats()
+        self.stats_path.unlink(missing_ok=True)
+
+    @property
+    def stats_path(self) -> Path:
+        """This agent's state file: one per agent, so agents sharing a host never overwrite
+        each other's."""
+        return self.cfg.sidecar_dir / f"agent.{os.getpid()}.json"
 
     def stats(self) -> dict[str, Any]:
         """Ring-side counters (read, backlog, drops, torn) and the outbox's (outbox.py)."""
@@ -379,11 +393,12 @@ class Agent:
         }
 
     def write_stats(self) -> None:
-        """Write `stats()` to agent.json — only when they changed (an idle agent writes none)."""
+        """Write `stats()` to this agent's state file — only when they changed (an idle agent
+        writes none)."""
         stats = self.stats()
         if stats == self._last_stats:
             return
-        path = self.cfg.sidecar_dir / "agent.json"
+        path = self.stats_path
         try:
             self.cfg.sidecar_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")

@@ -22,6 +22,7 @@ BENCHES = {
     "agent": "bench.agent",
     "notify": "bench.notify",
     "export": "bench.export",
+    "soak": "bench.soak",
 }
 
 

@@ -51,12 +51,15 @@ def endpoint_url(settings: Settings) -> str:
     return f"http://{host}:{settings.sql_port}/"
 
 
-def query_endpoint(url: str, sql: str, fmt: str, timeout: float = CONNECT_TIMEOUT_S) -> bytes:
-    """POST `sql` to a SQL endpoint. Raises NoEndpoint when nothing listens, RuntimeError with the
-    server's message when the query fails."""
+def query_endpoint(url: str, sql: str, fmt: str, timeout: float = CONNECT_TIMEOUT_S,
+                   token: str = "") -> bytes:
+    """POST `sql` to a SQL endpoint (with `token` when it needs one). Raises NoEndpoint when
+    nothing listens, RuntimeError with the server's message when the query fails."""
+    headers = {"Content-Type": "text/plain; charset=utf-8"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(f"{url}?{urllib.parse.urlencode({'default_format': fmt})}",
-                                 data=sql.encode(), method="POST",
-                                 headers={"Content-Type": "text/plain; charset=utf-8"})
+                                 data=sql.encode(), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body: bytes = r.read()
@@ -102,6 +105,7 @@ def execute(settings: Settings, sql: str, fmt: str) -> bytes:
     if not settings.clickhouse.startswith("chdb://"):
         return query_direct(settings, sql, fmt)
     try:
-        return query_endpoint(endpoint_url(settings), sql, fmt)
+        return query_endpoint(endpoint_url(settings), sql, fmt,
+                              token=settings.sql_token.get_secret_value())
     except NoEndpoint:
         return query_direct(settings, sql, fmt)

@@ -16,7 +16,9 @@ from rankwatch.settings import Settings
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="start the local Kafka broker and worker (idempotent)")
     p.add_argument("--no-worker", action="store_true", help="start only the broker and topics")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each part")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds to wait for each part (a worker rejoining its consumer group "
+                        "after an unclean stop can take a minute)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the local worker, then the broker")

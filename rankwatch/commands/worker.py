@@ -24,16 +24,23 @@ from diagnosis.agents import attach as attach_diagnosis
 from ingest.records import DERIVED
 from rankwatch import metrics, pages
 from rankwatch.settings import Settings
+from rankwatch.stack import display_url, record_exit
 from streams.app import AppConfig, StreamsApp
-from streams.db import ClickHouseError, Database, migrate
+from streams.db import ClickHouseError, Database, SqlLimits, migrate
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
 from streams.kernel_summaries import KernelParams
 from streams.progress import ProgressParams
+from streams.raw_sink import TimeBounds
 from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
 from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
 METRICS_INTERVAL_S = 10.0
+#: A batch not stored, or a lagging partition not committed, for this long is a stall (/ping).
+STALL_S = 120.0
+#: Exit code when the worker cannot start as configured (port taken, no token beyond loopback):
+#: not a crash to restart into.
+EXIT_CONFIG = 78
 TRIM_INTERVAL_S = 10.0
 
 
@@ -55,13 +62,31 @@ def derived_config(settings: Settings) -> DerivedConfig:
         kernels=KernelParams(window_ns=ns(settings.kernel_window_s)))
 
 
+def sql_limits(settings: Settings) -> SqlLimits:
+    return SqlLimits(max_execution_time_s=settings.sql_max_execution_time_s,
+                     max_memory_bytes=settings.sql_max_memory_mb << 20,
+                     max_result_bytes=settings.sql_max_result_mb << 20,
+                     concurrency=settings.sql_concurrency)
+
+
+def time_bounds(settings: Settings) -> TimeBounds:
+    def ns(s: float) -> int:
+        return round(s * 1e9)
+
+    return TimeBounds(min_ns=settings.event_time_min_ns,
+                      future_ns=ns(settings.event_time_future_s),
+                      span_ns=ns(settings.event_time_span_s),
+                      past_ns=ns(settings.event_time_past_s))
+
+
 def build(settings: Settings, db: Database, derived: DerivedConfig | None = None) -> StreamsApp:
     """The streams app wired to `db`, with the SQL endpoint, the derived runner (progress,
     iterations, kernel summaries: streams/derived.py) and a metrics timer attached."""
     writer = ClickHouseWriter(db)
     cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
                     topics=settings.topics, max_messages=settings.writer_max_messages,
-                    within_s=settings.writer_max_seconds)
+                    within_s=settings.writer_max_seconds, bounds=time_bounds(settings),
+                    session_timeout_s=settings.kafka_session_timeout_s)
     topics: dict[str, Any] = {}
 
     async def publish(kind: str, job: str, data: bytes) -> None:
@@ -72,6 +97,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     deriver = DerivedRunner(db, publish, derived)
     sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows, deriver.kernels.buffer))
     sapp.derived = deriver
+    sapp.on_exit = lambda code, reason: record_exit(settings, code, reason)
     sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics)  # type: ignore[attr-defined]
     sapp.metrics = worker_metrics(settings, sapp, writer)  # type: ignore[attr-defined]
     for kind in DERIVED:
@@ -88,28 +114,45 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
         except Exception:
             log.exception("derived streams tick failed; retrying at the next tick")
 
+    def health() -> list[str]:
+        return sapp.health(STALL_S)
+
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}
 
     async def serve_sql() -> None:
-        runner["sql"] = await start_sql_endpoint(db, settings.bind_host, settings.sql_port,
-                                                 writable=settings.sql_writable)
+        try:
+            runner["sql"] = await start_sql_endpoint(
+                db, settings.bind_host, settings.sql_port, writable=settings.sql_writable,
+                token=settings.sql_token.get_secret_value(), limits=sql_limits(settings),
+                health=health)
+        except (OSError, ValueError) as e:
+            log.critical("SQL endpoint: %s; stopping", e)
+            record_exit(settings, EXIT_CONFIG, f"SQL endpoint: {e}")
+            os._exit(EXIT_CONFIG)
         log.info("SQL endpoint on http://%s:%d (%s)", settings.bind_host, settings.sql_port,
                  "writable" if settings.sql_writable else "read-only")
 
     async def store_metrics() -> None:
-        rows = []
+        rows, seen = [], {}
         now = time.time_ns()
         for kind, st in sapp.stats().items():
             rows_before, msgs_before = last.get(kind, (0, 0))
             if st["messages"] == msgs_before:
                 continue
-            last[kind] = (st["rows"], st["messages"])
+            seen[kind] = (st["rows"], st["messages"])
             rows.append(IngestMetric(now, settings.worker_id, settings.topics.for_kind(kind), -1,
                                      st["rows"] - rows_before, st["messages"] - msgs_before,
                                      st.get("lag_ms_p50", 0.0), st.get("lag_ms_max", 0.0)))
-        if rows:
+        if not rows:
+            return
+        try:  # metrics are a convenience: a full disk or an outage must not stop the worker
             await writer.write_metrics(rows)
+        except Exception as e:  # the counts stay due: the next tick stores them
+            log.warning("storing ingest metrics failed (%s); retrying at the next tick",
+                        getattr(e, "message", e))
+            return
+        last.update(seen)
 
     async def serve_pages() -> None:
         if settings.page_port:
@@ -193,7 +236,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         db = Database(settings.clickhouse, settings.clickhouse_database)
     except ClickHouseError as e:
-        print(f"rankwatch worker: cannot open ClickHouse at {settings.clickhouse}: {e.message}",
+        print(f"rankwatch worker: cannot open ClickHouse at {display_url(settings.clickhouse)}: "
+              f"{e.message}",
               file=sys.stderr)
         return 1
     try:

@@ -16,11 +16,13 @@ named database, dropped afterwards. Any test that opens ClickHouse in this proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -67,12 +69,12 @@ class SqlEndpoint:
     db: Database
 
 
-def _serve(db: Database, writable: bool) -> Iterator[SqlEndpoint]:
+def _serve(db: Database, writable: bool, **kwargs: Any) -> Iterator[SqlEndpoint]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="sql-endpoint", daemon=True)
     thread.start()
     runner = asyncio.run_coroutine_threadsafe(
-        start_sql_endpoint(db, "127.0.0.1", 0, writable), loop).result(30)
+        start_sql_endpoint(db, "127.0.0.1", 0, writable, **kwargs), loop).result(30)
     port = bound_port(runner)
     try:
         yield SqlEndpoint(f"http://127.0.0.1:{port}/", port, db)
@@ -81,6 +83,12 @@ def _serve(db: Database, writable: bool) -> Iterator[SqlEndpoint]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@contextlib.contextmanager
+def serve_sql(db: Database, writable: bool = False, **kwargs: Any) -> Iterator[SqlEndpoint]:
+    """An endpoint over `db` with `start_sql_endpoint`'s keyword arguments (token, limits...)."""
+    yield from _serve(db, writable, **kwargs)
 
 
 @pytest.fixture

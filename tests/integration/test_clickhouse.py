@@ -18,6 +18,7 @@ from streams.db import (
     ClickHouseError,
     Database,
     MigrationError,
+    SqlLimits,
     applied_migrations,
     load_migrations,
     migrate,
@@ -305,8 +306,8 @@ def test_writer_rejects_mixed_kinds(clickhouse_db: Database) -> None:
 def test_execute_sql_sessions_do_not_leak(clickhouse_db: Database) -> None:
     db = clickhouse_db
     assert db.execute_sql("SELECT currentDatabase()", "TSV") == f"{db.database}\n".encode()
-    db.execute_sql("USE system", "TSV")
-    db.execute_sql("SET max_threads = 1", "TSV")
+    db.execute_sql("USE system", "TSV", readonly=False)
+    db.execute_sql("SET max_threads = 1", "TSV", readonly=False)
     assert db.execute_sql("SELECT currentDatabase(), getSetting('max_threads') = 1",
                           "TSV") == f"{db.database}\t0\n".encode()
     with pytest.raises(ClickHouseError, match="READONLY") as e:
@@ -320,22 +321,29 @@ def test_execute_sql_sessions_do_not_leak(clickhouse_db: Database) -> None:
     assert count(db, "beats") == 2
 
 
-def test_read_only_queries_share_one_handle_and_state_changes_do_not_reach_it(
+def test_every_call_gets_a_fresh_read_only_session_with_limits_it_cannot_raise(
         clickhouse_db: Database) -> None:
-    """The endpoint's read-only queries reuse one read-only handle (opening one costs ~11 ms of
-    CPU); SET and USE run on handles of their own, so the shared one keeps its database and
-    settings, and stays read-only after a refused query."""
+    """A read-only call's session has the limits and readonly=1; SET, USE and SETTINGS
+    cannot change them, and nothing carries over to the next call or the writer."""
     db = clickhouse_db
-    db.execute_sql("SELECT 1", "TSV")
-    shared = db._readonly_handle
-    assert shared is not None
-    db.execute_sql("SET max_threads = 1", "TSV")
-    db.execute_sql("USE system", "TSV")
-    with pytest.raises(ClickHouseError, match="READONLY"):
-        db.execute_sql("SELECT 1 SETTINGS readonly = 0", "TSV")
-    assert db.execute_sql("SELECT currentDatabase(), getSetting('max_threads') = 1, "
-                          "getSetting('readonly')", "TSV") == f"{db.database}\t0\t2\n".encode()
-    assert db._readonly_handle is shared
+    limits = SqlLimits(max_execution_time_s=7, max_memory_bytes=300 << 20)
+    assert db.execute_sql("SELECT getSetting('readonly'), getSetting('max_execution_time'), "
+                          "getSetting('max_memory_usage')", "TSV", limits=limits
+                          ) == f"1\t7\t{300 << 20}\n".encode()
+    for sql in ("SET max_execution_time = 0", "SELECT 1 SETTINGS max_memory_usage = 0",
+                "SELECT 1 SETTINGS readonly = 0", "USE system"):
+        with pytest.raises(ClickHouseError, match="READONLY"):
+            db.execute_sql(sql, "TSV", limits=limits)
+    with pytest.raises(ClickHouseError, match="MEMORY_LIMIT_EXCEEDED"):
+        db.execute_sql("SELECT length(groupArray(number)) FROM numbers(200000000)", "TSV",
+                       limits=limits)
+    with pytest.raises(ClickHouseError, match="TIMEOUT_EXCEEDED"):
+        db.execute_sql("SELECT count() FROM system.numbers WHERE sipHash64(number) = 0", "TSV",
+                       limits=SqlLimits(max_execution_time_s=1))
+    with pytest.raises(ClickHouseError, match="Multi-statements are not allowed"):
+        db.execute_sql("SELECT 1; SELECT 2", "TSV")
+    db.insert_columns("beats", {"rank": np.array([1], np.int32), "ts": np.array([T0])})
+    assert count(db, "beats") == 1
 
 
 def test_execute_sql_format_rules(clickhouse_db: Database) -> None:

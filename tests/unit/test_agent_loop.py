@@ -155,6 +155,18 @@ def test_dead_producer_ring_is_drained_and_unlinked(tmp_path: Path, prefix: str)
     pub.flush()
     assert [c["t_end"].tolist() for c in kinds(pub, "ops")] == [[0]]  # in flight when it died
     assert ring.list_rings(prefix) == [] and not (tmp_path / "job1" / "rank-0.json").exists()
+    assert not (tmp_path / "job1").exists()  # the job's last producer here is gone: tidied
+
+
+def test_each_agent_has_its_own_state_file_removed_when_it_stops(tmp_path: Path,
+                                                                 prefix: str) -> None:
+    agent = Agent(config(tmp_path, prefix), FakePublisher())
+    agent.write_stats()
+    own = tmp_path / f"agent.{os.getpid()}.json"
+    assert agent.stats_path == own and orjson.loads(own.read_bytes())["rings"] == 0
+    assert not (tmp_path / "agent.json").exists()
+    agent.run(stop=lambda: True)
+    assert not own.exists()
 
 
 def test_every_native_kind_becomes_valid_batches(tmp_path: Path, prefix: str) -> None:

@@ -18,7 +18,7 @@ from streams.db import (
     load_migrations,
     migrations_dir,
     parse_url,
-    readonly_refusal,
+    refusal,
     split_statements,
     wants_format,
 )
@@ -183,14 +183,25 @@ def test_wants_format(sql: str, expected: bool) -> None:
     assert wants_format(sql) is expected
 
 
-@pytest.mark.parametrize(("sql", "refused"), [
-    ("SELECT 1 INTO OUTFILE '/tmp/x'", True),
-    ("select 1 into\n outfile '/tmp/x'", True),
-    ("INSERT INTO FUNCTION file('/tmp/x', 'CSV') SELECT 1", True),
-    ("INSERT INTO TABLE FUNCTION file('/tmp/x', 'CSV') SELECT 1", True),
-    ("SELECT 'INTO OUTFILE' AS s", False),
-    ("SELECT 1 /* INTO OUTFILE */", False),
-    ("SELECT * FROM ops", False),
+@pytest.mark.parametrize(("canonical", "refused"), [
+    # canonical texts as ClickHouse's formatQuery writes them (clauses on lines of their own,
+    # line breaks in literals escaped)
+    ("SELECT 1\nINTO OUTFILE '/tmp/x'", "INTO_OUTFILE_NOT_ALLOWED"),
+    ("SELECT 'a\\nINTO OUTFILE b'", None),
+    ("INSERT INTO FUNCTION file('/tmp/x', 'CSV') SELECT 1", "READONLY"),
+    ("SYSTEM STOP MERGES", "READONLY"),
+    ("KILL QUERY WHERE 0 ASYNC", "READONLY"),
+    ("USE system", "READONLY"),
+    ("SET max_threads = 1", "READONLY"),
+    ("SELECT *\nFROM ops", None),
+    ("WITH 1 AS a\nSELECT a", None),
+    ("SHOW TABLES", None),
+    ("DESCRIBE TABLE ops", None),
+    ("EXPLAIN\nSELECT 1", None),
+    ("EXISTS TABLE ops", None),
 ])
-def test_readonly_refusal(sql: str, refused: bool) -> None:
-    assert (readonly_refusal(sql) is not None) is refused
+def test_endpoint_refusal(canonical: str, refused: str | None) -> None:
+    why = refusal(canonical, readonly=True)
+    assert (why is None) if refused is None else (why is not None and f"({refused})" in why)
+    if refused == "READONLY":
+        assert refusal(canonical, readonly=False) is None  # a writable endpoint runs them

@@ -70,3 +70,20 @@ def test_a_call_stored_in_flight_and_again_completed_is_not_in_flight_twice_or_f
     assert row["last_op_seq"][0] == 4
     assert row["inflight_ops"][0] == 1
     assert row["oldest_inflight_age_ns"][0] == we - (ws + S // 2)
+
+
+def test_bytes_per_second_is_exact_and_never_overflows() -> None:
+    """400 Gb/s links, 60 s windows, 10x today's rates: bytes * 10^9 overflows int64, the rate
+    does not; every value equals Python's exact integer floor division."""
+    from streams.progress import per_second
+
+    rng = np.random.default_rng(3)
+    for width in (1, 999, 1_000_000_000, 60_000_000_000, 3_600_000_000_000):
+        totals = np.concatenate([rng.integers(0, 1 << 62, 200), [0, 1, width - 1, width,
+                                 9_300_000_000, 50 * 10**9 * 60 * 10, (1 << 63) - 1]])
+        got = per_second(totals.astype(np.int64), width)
+        for t, g in zip(totals.tolist(), got.tolist(), strict=True):
+            exact = t * 10**9 // width  # Python's integers: no overflow
+            clipped = 9_223_372_035 * 10**9 + (t % width) * 10**9 // width
+            assert g == (exact if t // width <= 9_223_372_035 else clipped), (t, width, g)
+            assert g >= 0
