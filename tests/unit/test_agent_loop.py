@@ -328,7 +328,7 @@ def test_polls_slowly_only_when_idle_and_never_past_a_beat(tmp_path: Path, prefi
 def test_stats_file_written_only_when_they_change(tmp_path: Path, prefix: str) -> None:
     agent = Agent(config(tmp_path, prefix), FakePublisher())
     agent.write_stats()
-    path = tmp_path / "agent.json"
+    path = agent.stats_path  # agent.<pid>.json
     first = path.stat().st_mtime_ns
     path.write_text("{}")  # would be overwritten by a write
     agent.write_stats()
