@@ -39,6 +39,7 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
     from diagnosis.analyst import SWEEP_KINDS, SWEEP_MARGIN_STEPS, Analyst, AnalystConfig
     from diagnosis.window import Window
     from ingest.batch import decode_batch
+    from ingest.records import MODELS
     from ingest.sim.config import JobConfig
     from ingest.sim.simulation import Simulation
     from streams.db import Database, migrate
@@ -61,7 +62,9 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
 
             async def load() -> int:
                 n = 0
-                for i, (_, kind, data) in enumerate(sim.batches(kinds=frozenset(SWEEP_KINDS))):
+                # the raw kinds of them (kernel summaries are the worker's, from the kernels)
+                raw = frozenset(SWEEP_KINDS) & frozenset(MODELS)
+                for i, (_, kind, data) in enumerate(sim.batches(kinds=raw)):
                     if kind != "jobs":  # the topology comes from `sim` (the reader's `topo`)
                         n += await writer.write(kind, [decode_batch(data)], f"sweep:{i}")
                 return n
