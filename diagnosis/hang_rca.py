@@ -247,7 +247,9 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
             stage, comp = between, "data_loader" if between == "data" else "gpu_compute"
         else:
             alt = normalize_stage(top.stage)
-        conf = 0.95 if hp is not None or inside is not None else 0.75
+        # the stage is known when the rank says where it is, or a pipeline's halt point places
+        # it; a data-parallel job's "halt point" is the schedule's guess (no 1F1B to place it)
+        conf = 0.95 if inside is not None or (hp is not None and w.grid.pp > 1) else 0.75
     ranks = tuple(sorted({int(r) for f in min_op for r in f.culprit_ranks}))
     labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))
     summ = [(top.rule, f"rank {x} never reached the op its peers wait in "
