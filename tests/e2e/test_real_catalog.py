@@ -6,11 +6,11 @@ Cases: a 4-rank DDP control; a 2-stage × 2 pipeline control beside two busy pro
 runnable processes than cores); rank 3 of that pipeline with its backward 4× slower from step 40;
 rank 2 of a DDP job hanging inside its backward at step 30.
 
-Asserted: every case ran and wrote its truth; the report scores each case; the diagnoses the
-rules get right today (the hung rank, named as a hang). Not asserted yet, because today's rules
-fail them (docs/real-catalog.md, "What the rules get wrong"): no false alarm on the two controls,
-the hang's stage (bwd) and component, and for the slowdown anything at all (an incident opened
-after the onset naming rank 3 alone, with stage compute and component gpu_compute).
+Asserted: every case ran and wrote its truth; the report scores each case; no incident on the
+two controls (the contended one too); the hung rank named as a hang inside its backward
+(stage bwd, component gpu_compute: the tracer's stage entry in its beats); the slowed rank 3
+named alone, after the onset, for its backward (stage bwd pp=1 counts as compute) on
+gpu_compute.
 """
 
 from __future__ import annotations
@@ -59,18 +59,22 @@ def test_quick_subset_scored_end_to_end(kafka, settings_factory, tmp_path: Path)
         r = by[name]
         assert r.control and r.exit_code == 0 and r.run is not None and r.run["traced"]
         assert r.false_alarms == r.incidents  # on a control every incident is a false alarm
+        assert r.incidents == 0, (name, r.diagnoses)
     assert by["pp4-slow-bwd-x4"].step_ms_p50 is not None
 
     hang = by["ddp4-hang-bwd"]
     assert hang.truth is not None and hang.truth["ranks"] == [2]
     assert hang.truth["kind"] == "hang" and hang.truth["stage"] == "bwd mb=0 pp=0"
     assert hang.detected and hang.kind_ok and hang.ranks_ok, hang.diagnoses
+    assert hang.stage_ok and hang.component_ok, hang.diagnoses
     assert hang.latency_s is not None and hang.latency_s > 0
 
     slow = by["pp4-slow-bwd-x4"]
     assert slow.truth is not None and slow.truth["ranks"] == [3]
     assert (slow.truth["kind"], slow.truth["stage"]) == ("slowdown", "compute")
     assert slow.truth["onset_ns"] > 0 and slow.run is not None
+    assert slow.detected and slow.kind_ok and slow.ranks_ok, slow.diagnoses
+    assert slow.stage_ok and slow.component_ok, slow.diagnoses
 
     assert summary["cases"] == 4 and summary["faults"] == 2 and summary["controls"] == 2
     assert summary["recall"] is not None and summary["false_alarms_per_control_hour"] is not None
