@@ -248,8 +248,10 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
         else:
             alt = normalize_stage(top.stage)
         # the stage is known when the rank says where it is, or a pipeline's halt point places
-        # it; a data-parallel job's "halt point" is the schedule's guess (no 1F1B to place it)
-        conf = 0.95 if inside is not None or (hp is not None and w.grid.pp > 1) else 0.75
+        # it; a data-parallel job's "halt point" is the schedule's guess (no 1F1B to place it);
+        # in a pipeline the rank's position names the pass, not the microbatch a node has
+        placed = hp is not None and w.grid.pp > 1 and (inside is None or stage == hp.stage)
+        conf = 0.95 if placed or (inside is not None and w.grid.pp <= 1) else 0.75
     ranks = tuple(sorted({int(r) for f in min_op for r in f.culprit_ranks}))
     labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))
     summ = [(top.rule, f"rank {x} never reached the op its peers wait in "
