@@ -438,11 +438,12 @@ def run_batches(batches: Any, epoch: int, config: AnalystConfig | None = None
     return diags, analyst.analysis_ms
 
 
-def evaluate_in_process(names: Sequence[str] | None = None,
-                        progress: Any = None) -> tuple[list[ScenarioScore], dict[str, Any]]:
+def evaluate_in_process(names: Sequence[str] | None = None, progress: Any = None,
+                        catalog: str = "standard") -> tuple[list[ScenarioScore], dict[str, Any]]:
+    """In-process scores of `names` (default: all) of a named scenario catalog."""
     from ingest.sim.scenario import load_catalog
 
-    cat = load_catalog()
+    cat = load_catalog(catalog)
     scores = []
     for name in names or list(cat):
         sc = cat[name]

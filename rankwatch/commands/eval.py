@@ -131,28 +131,6 @@ def _names(arg: str, real: bool, catalog: str = "standard") -> list[str]:
     return list(cat)
 
 
-def evaluate_catalog(catalog: str, names: list[str], progress: Any = None
-                     ) -> tuple[list[ScenarioScore], dict[str, Any]]:
-    """In-process scores of `names` from a named catalog (diagnosis.evaluate's loop, which
-    reads the standard catalog only)."""
-    from diagnosis.evaluate import run_in_process
-    from ingest.sim.scenario import load_catalog
-
-    cat = load_catalog(catalog)
-    scores = []
-    for name in names:
-        sc = cat[name]
-        t0 = time.perf_counter()
-        diags, truth, ms = run_in_process(sc)
-        s = score_scenario(name, sc.tags, truth, diags)
-        s.wall_s = time.perf_counter() - t0
-        s.analysis_ms = ms
-        scores.append(s)
-        if progress:
-            progress(s, diags)
-    return scores, summarize(scores)
-
-
 def incident_brief(diags: list[Diagnosis]) -> list[dict[str, Any]]:
     """Each incident's last version before resolution, in a few words (the report's
     `incident_briefs`: what a false alarm said)."""
@@ -248,10 +226,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                 + "".join(f"; {d.kind} ranks={d.culprit_ranks[:4]} stage={d.stage} "
                           f"comp={d.component} conf={d.confidence:.2f}"
                           for d in diags if d.version == 1))
-        if args.catalog == "standard":
-            scores, summary = evaluate_in_process(names, prog)
-        else:
-            scores, summary = evaluate_catalog(args.catalog, names, prog)
+        scores, summary = evaluate_in_process(names, prog, args.catalog)
         mode = f"in-process (simulated time), catalog {args.catalog}"
     else:
         stages: list[dict[str, Any]] = []
