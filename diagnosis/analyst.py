@@ -30,6 +30,11 @@ finished job would drift to "process died".
   ops and beats). Otherwise it reads only `SWEEP_KINDS`, the kinds the sweep's two
   rules look at — flows and beats, about a third of a job's op/flow/chunk rows, are not read —
   and only from the start of the steps the slowdown analysis judges (`_sweep_window`).
+- a hang trigger whose analysis finds nothing (read when the stall was younger than the
+  analysis's own `stuck_ns`, or before the waiters' rows were stored) stays pending: every
+  tick for `pending_s` the hang analysis runs again at the advancing event clock until it
+  concludes (then it opens the incident, under that trigger) or the time is up. A trigger
+  fires once per episode, so without this a hang analysed a moment too early was never named.
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
@@ -74,6 +79,7 @@ class AnalystConfig:
     sweep_s: float = 10.0
     aftermath_s: float = 20.0
     first_recheck_s: float = 1.0
+    pending_s: float = 30.0
 
 
 @dataclass
@@ -91,6 +97,8 @@ class Analyst:
     resolved_hangs: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
     analysis_ms: list[float] = field(default_factory=list)
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
+    #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived)
+    pending: dict[str, tuple[Trigger, int]] = field(default_factory=dict)
 
     def _window(self, job_id: str, at_ns: int,
                 kinds: Collection[str] | None = None) -> Window | None:
@@ -135,7 +143,27 @@ class Analyst:
             return []
         c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
         if c is None:
+            if cls == "hang":
+                self.pending.setdefault(t.job_id, (t, now_ns))
             return []
+        if cls == "hang":
+            self.pending.pop(t.job_id, None)
+        return self._publish(c, w, t, now_ns, ms)
+
+    def _retry_pending(self, job: str, now_ns: int) -> list[Diagnosis]:
+        """Re-run the analysis of a hang trigger that found nothing (module docstring)."""
+        t, since = self.pending[job]
+        if self.book.is_open(job, "hang") or now_ns - since > self.config.pending_s * SECOND:
+            del self.pending[job]
+            return []
+        at = self.event_clock(job, now_ns)
+        w = self._window(job, at)
+        if w is None:
+            return []
+        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        if c is None:
+            return []
+        del self.pending[job]
         return self._publish(c, w, t, now_ns, ms)
 
     def _aftermath(self, job_id: str, c: Conclusion, now_ns: int) -> bool:
@@ -167,6 +195,8 @@ class Analyst:
 
     def tick(self, now_ns: int) -> list[Diagnosis]:
         out: list[Diagnosis] = []
+        for job in sorted(self.pending):
+            out += self._retry_pending(job, now_ns)
         for job in sorted(self.jobs):
             due = now_ns - self.last_check.get(job, 0) >= self.config.recheck_s * SECOND
             open_cls = [cls for cls in ("hang", "performance") if self.book.is_open(job, cls)]

@@ -90,16 +90,58 @@ POSITION_STAGE: dict[str, tuple[str, Component]] = {
     "optim.step": ("optim", "gpu_compute")}
 
 
-def _inside_stage(w: Window, rank: int, step: int) -> tuple[str, Component] | None:
+def _inside_stage(w: Window, rank: int, step: int, now_ns: int | None = None
+                  ) -> tuple[str, Component] | None:
     """The stage the hung rank is inside, from the position its beats carry
     (`diagnosis.position`: the tracer records stage entry, so an unfinished step still has a
-    current stage): (stage, component), or None when its beats carry none, it is between
-    stages, or the position is of a step before the hung one (it is stale)."""
+    current stage): (stage, component), or None when its beats carry none or it is between
+    stages. The position is read from the rank's ring at every beat, so a stage it names is
+    where the rank is now — also when that is a step before the one its peers wait in (a rank
+    stopped in its optimizer while its peers began the next step). In a pipeline, with
+    `now_ns`, the pass's microbatch comes from the rank's own calls (`_pass_microbatch`):
+    "bwd mb=1 pp=1"."""
     pos = current_stage(w.get("beats"), rank)
-    if pos is None or pos[1] not in POSITION_STAGE or (step >= 0 and 0 <= pos[0] < step):
+    if pos is None or pos[1] not in POSITION_STAGE:
         return None
     name, comp = POSITION_STAGE[pos[1]]
-    return name.format(pp=int(w.grid.stage[rank])), comp
+    name = name.format(pp=int(w.grid.stage[rank]))
+    if name.startswith(("fwd ", "bwd ")) and now_ns is not None:
+        m = _pass_microbatch(w, rank, pos[0] if pos[0] >= 0 else step, name.startswith("fwd"),
+                             now_ns)
+        if m is not None:
+            name = f"{name[:3]} mb={m} {name[4:]}"
+    return name, comp
+
+
+def _pass_microbatch(w: Window, rank: int, step: int, forward: bool, now_ns: int) -> int | None:
+    """The microbatch of the `forward` (else backward) pass a pipeline rank is inside at `step`,
+    counted from its own p2p calls of that step: every schedule runs one kind's passes in
+    microbatch order, so a stage that sends after the pass (F: to stage s+1, B: to s−1) is in
+    pass m once it issued m such Sends; a stage that does not (F on the last stage, B on the
+    first) entered pass m when its m+1-th Recv of that kind (from s−1 for F, s+1 for B)
+    completed. Works for any schedule with that order (1F1B, GPipe) and needs no op_seq
+    alignment — only calls that carry their step (the PyTorch tracer's). None when unknown."""
+    ops = w.get("ops")
+    grid = w.grid
+    if not ops or step < 0 or grid.pp <= 1 or "peer" not in ops:
+        return None
+    rows = np.flatnonzero((ints(ops, "rank") == rank) & (ints(ops, "step", -1) == step)
+                          & (ints(ops, "t_enqueue") <= now_ns) & (ints(ops, "peer", -1) >= 0))
+    s = int(grid.stage[rank])
+    nxt, prev = (s + 1, s - 1) if forward else (s - 1, s + 1)
+    sends_after = 0 <= nxt < grid.pp
+    op = col(ops, "op", "")[rows].astype(str)
+    peer = ints(ops, "peer", -1)[rows]
+    ok = peer < grid.world
+    peer_stage = np.full(peer.size, -1, dtype=np.int64)
+    peer_stage[ok] = np.asarray(grid.stage)[peer[ok]]
+    if sends_after:
+        m = int(((op == "Send") & (peer_stage == nxt)).sum())
+    else:
+        done = ints(ops, "t_end", 0)[rows]
+        m = int(((op == "Recv") & (peer_stage == prev) & (done > 0) & (done <= now_ns)).sum()) - 1
+    microbatches = int(w.spec.microbatches or 0)
+    return m if m >= 0 and (microbatches <= 0 or m < microbatches) else None
 
 
 def _waiters_step(w: Window, top: Finding, now_ns: int) -> int:
@@ -158,6 +200,11 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
     min_op = [f for f in alg2 if f.rule == "mycroft.alg2.min_op"]
     if min_op:
         return _min_op(w, now_ns, min_op, halt, alg2)
+    cycle = next((f for f in alg2 if f.rule == "mycroft.alg2.deadlock"), None)
+    if cycle is not None:
+        desync = _desync(w, now_ns, stuck_ns, cycle, alg2)
+        if desync is not None:
+            return desync
     incomplete = _incomplete_flows(w, now_ns, stuck_ns)
     blamed = [f for f in alg2 if f.culprit_ranks]
     if not blamed:
@@ -172,6 +219,57 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
                           findings=(*incomplete, *alg2),
                           summaries=((f.rule, "a flow of the rank never completed"),))
     return None
+
+
+def _desync(w: Window, now_ns: int, stuck_ns: int, cycle: Finding, alg2: list[Finding]
+            ) -> Conclusion | None:
+    """A deadlock cycle where some ranks entered a collective most of its members never reach:
+    each stuck op of the cycle's ranks is scored by the share of its communicator's members
+    that reached it; when one op holds at most half its members and less than every other op
+    of the cycle, its ranks left the program order the others follow (a collective the peers
+    skip, or a different communicator than theirs) — they are the cause, the rest wait for them.
+    Mycroft Alg. 2 reports a cycle as a deadlock of all its ranks; the arrival shares are our
+    refinement: a desync has a minority side, a true ordering deadlock (two halves issuing two
+    collectives in opposite order) has none and stays a deadlock."""
+    from diagnosis.rules.last_logs import last_logs
+    from diagnosis.rules.mycroft_hang import op_stage
+
+    ops = w.get("ops")
+    ll = last_logs(ops, now_ns, stuck_ns)
+    cyc = np.isin(ll.rank, np.asarray(cycle.culprit_ranks, dtype=np.int64)) & ll.stuck
+    ops_of: dict[tuple[str, int], list[int]] = {}
+    for i in np.flatnonzero(cyc):
+        ops_of.setdefault((str(ll.comm_id[i]), int(ll.op_seq[i])), []).append(int(ll.rank[i]))
+    if len(ops_of) < 2:
+        return None
+    share: dict[tuple[str, int], float] = {}
+    for (c, seq) in ops_of:
+        here = np.flatnonzero(ll.comm_id.astype(str) == c)
+        members = np.asarray(w.grid.comm_members.get(c, np.unique(ll.rank[here])), dtype=np.int64)
+        arrived = np.unique(ll.rank[here][ll.op_seq[here] >= seq])
+        share[(c, seq)] = np.isin(members, arrived).sum() / max(members.size, 1)
+    low = min(share, key=lambda k: share[k])
+    if share[low] > 0.5 or any(share[k] <= share[low] for k in share if k != low):
+        return None
+    ranks = tuple(sorted(ops_of[low]))
+    c, seq = low
+    row = next(i for i in np.flatnonzero(cyc) if str(ll.comm_id[i]) == c
+               and int(ll.op_seq[i]) == seq)
+    stage = op_stage(w.grid, c, str(ll.op[row]))
+    f = Finding(rule="rankwatch.collective_desync", culprit_ranks=ranks, stage=stage,
+                component="host_software", score=1.0, kind="hang",
+                labels=("deadlock_cycle", "collective_desync"),
+                evidence={"comm_id": c, "op_seq": seq, "op": str(ll.op[row]),
+                          "arrived_share": round(share[low], 3),
+                          "others": {f"{k[0]}#{k[1]}": round(v, 3) for k, v in share.items()
+                                     if k != low}})
+    peers = sorted(set(cycle.culprit_ranks) - set(ranks))
+    return Conclusion("hang", ranks, stage, "host_software", 0.75, onset_ns=cycle.onset_ns,
+                      stages=(stage,), labels=f.labels, findings=(f, *alg2),
+                      summaries=((f.rule, f"rank(s) {list(ranks)[:8]} sit in {ll.op[row]} "
+                                  f"#{seq} on {c}, which {share[low]:.0%} of its members "
+                                  f"reached; ranks {peers[:8]} wait in collectives those "
+                                  "ranks never join: the program order diverged there"),))
 
 
 def _incomplete_flows(w: Window, now_ns: int, stuck_ns: int) -> list[Finding]:
@@ -233,11 +331,12 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
             except (ValueError, IndexError):
                 k = -1
         between = _between_steps(w, x, k, now_ns)
-        inside = _inside_stage(w, x, k)
-        if inside is not None and not (hp is not None and hp.stage
-                                       and hp.stage.split(" ")[0] == inside[0].split(" ")[0]):
+        inside = _inside_stage(w, x, k, now_ns)
+        if inside is not None and (" mb=" in inside[0] or not (
+                hp is not None and hp.stage
+                and hp.stage.split(" ")[0] == inside[0].split(" ")[0])):
             # where the rank says it is beats where the schedule guesses it is; a halt point
-            # that agrees (same pass) is kept: it also names the microbatch
+            # of the same pass is kept when the rank's calls do not name the microbatch
             alt = stage
             stage, comp = inside
         elif between is not None and (hp is None or "min_tp_calls" in hp.labels
@@ -247,11 +346,14 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
             stage, comp = between, "data_loader" if between == "data" else "gpu_compute"
         else:
             alt = normalize_stage(top.stage)
-        # the stage is known when the rank says where it is, or a pipeline's halt point places
-        # it; a data-parallel job's "halt point" is the schedule's guess (no 1F1B to place it);
-        # in a pipeline the rank's position names the pass, not the microbatch a node has
-        placed = hp is not None and w.grid.pp > 1 and (inside is None or stage == hp.stage)
-        conf = 0.95 if placed or (inside is not None and w.grid.pp <= 1) else 0.75
+        # the stage is known when the rank says where it is (in a pipeline: with the pass's
+        # microbatch from its own calls), or a pipeline's halt point places it; a data-parallel
+        # job's "halt point" is the schedule's guess (no 1F1B to place it)
+        placed = hp is not None and w.grid.pp > 1 and (inside is None or stage == hp.stage) \
+            and not {"ambiguous_fwd_bwd", "data_or_fwd"} & set(hp.labels)
+        observed = inside is not None and stage == inside[0] and (
+            w.grid.pp <= 1 or " mb=" in inside[0] or not inside[0].startswith(("fwd", "bwd")))
+        conf = 0.95 if placed or observed else 0.75
     ranks = tuple(sorted({int(r) for f in min_op for r in f.culprit_ranks}))
     labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))
     summ = [(top.rule, f"rank {x} never reached the op its peers wait in "

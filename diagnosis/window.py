@@ -42,7 +42,8 @@ def latest_op_rows(ops: Columns) -> Columns:
 
 def without_superseded_in_flight(ops: Columns, now_ns: int) -> Columns:
     """Drop in-flight rows (`t_end = 0`) of calls that completed by `now_ns`
-    (`ingest.inflight.superseded`: a later call on the same communicator completed).
+    (`ingest.inflight.superseded`: a later call on the same communicator completed; for p2p
+    calls, on the same communicator, direction and peer).
 
     `latest_op_rows` pairs an in-flight row with its completed row when both are read; this
     covers the row read alone — the window reads in-flight rows from up to an hour back, and
@@ -52,6 +53,16 @@ def without_superseded_in_flight(ops: Columns, now_ns: int) -> Columns:
     if not ops or "rank" not in ops or not len(ops["rank"]):
         return ops
     _, comm = codes(col(ops, "comm_id"))
+    comm = comm.astype(np.int64)
+    if "peer" in ops and "op" in ops:
+        # p2p calls complete in order only per direction and peer: an isend still in flight is
+        # not superseded by a later Recv on the same communicator that completed
+        peer = ints(ops, "peer", -1)
+        op = col(ops, "op", "").astype(str)
+        p2p = (peer >= 0) & np.isin(op, ("Send", "Recv"))
+        if p2p.any():
+            lane = np.where(p2p, 2 * (peer + 1) + (op == "Send"), 0)
+            comm = comm * (2 * int(peer.max()) + 4) + lane
     stale = superseded(ints(ops, "rank"), comm, ints(ops, "op_seq"), ints(ops, "t_end"), now_ns)
     if not stale.any():
         return ops

@@ -27,6 +27,12 @@ live agent, interleaved; the report compares rank 0's median step time. The agen
 read from /proc/<pid>/stat (utime + stime) once it is up (start-up: imports, Kafka producer) and
 just before it is stopped; the difference over its record count (its own final ``--json``
 stats) is its CPU per record.
+
+With a kept work directory (`--workdir`) each agent also writes what it published to
+``cases/<job>/cap.rwcap`` (`rankwatch agent --tee`); `rescore` replays those captures through
+the in-process diagnosis path (diagnosis.evaluate.run_batches) and scores them the same way —
+the rules re-judged on the same real jobs in seconds, without training again. The live figures
+stay the reported ones: replay times triggers from the records' own clocks, not the broker's.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ SECOND = 1_000_000_000
 HANG_OBSERVE_S = 12.0
 SETTLE_S = 10.0
 DRAIN_S = 2.0
+CAPTURE = "cap.rwcap"
 ROOT = Path(__file__).resolve().parents[2]
 Say = Callable[[str], None]
 
@@ -285,10 +292,11 @@ def _stop(p: subprocess.Popen[bytes], grace: float = 15.0) -> None:
 class Runner:
     """The stack and the per-case processes."""
 
-    def __init__(self, home: Path, say: Say, settings: Settings | None = None) -> None:
+    def __init__(self, home: Path, say: Say, settings: Settings | None = None,
+                 tee: bool = False) -> None:
         from rankwatch import stack
 
-        self.home, self.say = home, say
+        self.home, self.say, self.tee = home, say, tee
         self.settings = settings or stack.private_settings(home / "stack",
                                                            topic_prefix="realeval")
         self.prefix = f"/rwr{uuid.uuid4().hex[:8]}"
@@ -366,7 +374,8 @@ class Runner:
             aenv = {k: v for k, v in stack.child_env(self.settings).items()}
             agent = subprocess.Popen(
                 [sys.executable, "-m", "rankwatch.cli", "agent", "--sidecar-dir",
-                 str(self.ring_dir), "--prefix", self.prefix, "--job", job, "--json"],
+                 str(self.ring_dir), "--prefix", self.prefix, "--job", job, "--json",
+                 *(["--tee", str(cdir / CAPTURE)] if self.tee else [])],
                 env=aenv, stdout=open(cdir / "agent.json", "wb"),  # noqa: SIM115
                 stderr=open(cdir / "agent.log", "wb"),  # noqa: SIM115
                 start_new_session=True, cwd=ROOT)
@@ -518,7 +527,7 @@ def run_catalog(cases: Sequence[Case], say: Say, home: Path | None = None,
     results: list[CaseResult] = []
     with tempfile.TemporaryDirectory(prefix="rankwatch-real-") as tmp:
         base = home or Path(tmp)
-        with Runner(base, say, settings) as runner:
+        with Runner(base, say, settings, tee=home is not None) as runner:
             for i, case in enumerate(cases, 1):
                 say(f"[{i}/{len(cases)}] {case.name}: {case.shape} x{case.nproc}, "
                     f"{case.steps} steps, {case.describe()}")
@@ -535,3 +544,27 @@ def run_catalog(cases: Sequence[Case], say: Say, home: Path | None = None,
 def report(results: Sequence[CaseResult], summary: dict[str, Any]) -> dict[str, Any]:
     return {"mode": "real training (gloo, CPU) through tracer, agent, broker, worker",
             "summary": summary, "cases": [asdict(r) for r in results]}
+
+
+def rescore(doc: dict[str, Any], workdir: Path, say: Say
+            ) -> tuple[list[CaseResult], dict[str, Any]]:
+    """Re-score a kept run (`report`'s document, its `--workdir`) from the captures its agents
+    wrote: each traced case's batches replayed in process (module docstring). Cases without a
+    capture keep their recorded scores (untraced cases have none)."""
+    from diagnosis.evaluate import capture_batches, run_batches
+
+    names = {f.name for f in CaseResult.__dataclass_fields__.values()}
+    results: list[CaseResult] = []
+    cases = doc.get("cases") or []
+    for i, c in enumerate(cases, 1):
+        r = CaseResult(**{k: v for k, v in c.items() if k in names})
+        cap = workdir / "cases" / r.job / CAPTURE
+        if r.traced and cap.exists():
+            batches, epoch = capture_batches(cap)
+            diags, _ = run_batches(batches, epoch)
+            score(r, diags)
+            say(f"[{i}/{len(cases)}] " + line(r))
+        elif r.traced:
+            say(f"[{i}/{len(cases)}] {r.case}: no capture at {cap}; recorded scores kept")
+        results.append(r)
+    return results, summarize(results)

@@ -61,7 +61,8 @@ def reached(ops: Columns, now_ns: int, stuck_ns: int) -> Array:
 
 def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
     """AcquireGroupLastLog for every communicator at once: per (rank, comm_id) the last op the
-    rank had reached at `now_ns` (`reached`)."""
+    rank had reached at `now_ns` (`reached`). `stuck`: in flight for more than `stuck_ns`, or
+    in flight in a collective (same communicator and op_seq) another rank is stuck in."""
     enq = ints(ops, "t_enqueue")
     ok = np.flatnonzero(reached(ops, now_ns, stuck_ns))
     uniq, ccode = codes(col(ops, "comm_id"))
@@ -74,11 +75,21 @@ def last_logs(ops: Columns, now_ns: int, stuck_ns: int) -> LastLogs:
     rows = ok[last]
     t_end = ints(ops, "t_end")[rows]
     t_end = np.where(t_end > now_ns, 0, t_end)
+    names = op_names(ops, rows)
+    flight = t_end == 0
+    stuck = flight & (now_ns - enq[rows] > stuck_ns)
+    late = flight & ~stuck
+    if stuck.any() and late.any():
+        # a rank that joined a collective its peers are stuck in, less than `stuck_ns` ago,
+        # waits with them: it is not a rank that "never reached" anything (a sink)
+        coll = ~np.isin(names, P2P)
+        op_key = ccode[last].astype(np.int64) * (int(ints(ops, "op_seq").max()) + 1) \
+            + ints(ops, "op_seq")[rows]
+        stuck |= late & coll & np.isin(op_key, op_key[stuck & coll])
     return LastLogs(
         rank=ints(ops, "rank")[rows], comm_id=uniq[ccode[last]].astype(str),
-        op_seq=ints(ops, "op_seq")[rows], op=op_names(ops, rows),
-        peer=ints(ops, "peer", -1)[rows], t_enqueue=enq[rows], t_end=t_end,
-        stuck=(t_end == 0) & (now_ns - enq[rows] > stuck_ns),
+        op_seq=ints(ops, "op_seq")[rows], op=names,
+        peer=ints(ops, "peer", -1)[rows], t_enqueue=enq[rows], t_end=t_end, stuck=stuck,
     )
 
 

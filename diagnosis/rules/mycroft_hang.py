@@ -65,7 +65,8 @@ class HangConfig:
     death_gap_ns: int = 10 * SECOND
 
 
-def _stage(grid: Grid, comm: str, op: str) -> str:
+def op_stage(grid: Grid, comm: str, op: str) -> str:
+    """The diagnosis stage of a call: "dp_allreduce" on a dp communicator, else "<kind> <op>"."""
     kind = grid.comm_kind.get(comm, "")
     if kind == "dp":
         return "dp_allreduce"
@@ -115,7 +116,7 @@ def _min_op(x: int, ll: LastLogs, edges: dict[int, set[int]], waiting: int, n_st
     wi = np.flatnonzero(ll.stuck & np.isin(ll.rank, waiters))
     first = wi[np.argmin(ll.t_enqueue[wi])] if wi.size else -1
     comm = str(ll.comm_id[first]) if first >= 0 else ""
-    stage = _stage(grid, comm, str(ll.op[first])) if first >= 0 else None
+    stage = op_stage(grid, comm, str(ll.op[first])) if first >= 0 else None
     mine = np.flatnonzero(ll.rank == x)
     last = mine[np.argmax(ll.t_enqueue[mine])] if mine.size else -1
     # a rank with no record at all in the window did not "stop earlier": its rows are not
@@ -157,14 +158,14 @@ def _min_data(ranks: list[int], ll: LastLogs, now_ns: int, grid: Grid,
         found = state_findings(chunk_states(sub, now_ns, grid, flows))
         if found:
             return [Finding(rule="mycroft.alg2.min_data", culprit_ranks=f.culprit_ranks,
-                            stage=_stage(grid, *_op_of(ll, sel)),
+                            stage=op_stage(grid, *_op_of(ll, sel)),
                             component=f.component or "gpu_compute", score=f.score,
                             labels=("min_data", *f.labels,
                                     *(() if f.component else ("kernel_not_started",))),
                             kind="hang", onset_ns=f.onset_ns, evidence=dict(f.evidence))
                     for f in found]
     return [Finding(rule="mycroft.alg2.min_data", culprit_ranks=(), kind="hang",
-                    stage=_stage(grid, *_op_of(ll, sel)), score=0.1,
+                    stage=op_stage(grid, *_op_of(ll, sel)), score=0.1,
                     labels=("min_data", "no_counter_evidence"),
                     evidence={"stalled_ops": sorted(f"{c}#{s}" for c, s in ops_key)[:20],
                               "ranks_in_op": sorted(ranks)[:64]})]

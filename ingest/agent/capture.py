@@ -72,6 +72,30 @@ class CaptureWriter:
         self._f.close()
 
 
+class Tee:
+    """A `Publisher` that publishes to `pub` and writes each batch `pub` accepted to a capture
+    too (`rankwatch agent --tee FILE`: the live path, plus a file to replay the same job in
+    process later). A refused batch is not written: the outbox retries it."""
+
+    def __init__(self, pub: Any, capture: CaptureWriter) -> None:
+        self.pub, self.capture = pub, capture
+
+    def publish(self, kind: str, data: bytes, key: bytes | str | None = None,
+                topic: str | None = None,
+                on_delivery: Callable[..., None] | None = None) -> bool:
+        if not self.pub.publish(kind, data, key=key, topic=topic, on_delivery=on_delivery):
+            return False
+        self.capture.publish(kind, data, key=key, topic=topic)
+        return True
+
+    def flush(self, timeout: float = 30.0) -> int:
+        self.capture.flush()
+        return int(self.pub.flush(timeout))
+
+    def close(self) -> None:
+        self.capture.close()
+
+
 @dataclass(frozen=True)
 class Frame:
     kind: str

@@ -27,6 +27,9 @@ stage it is inside (or none: between stages) and since when — in its ring's he
 hung inside backward says so while its step never ends. A transition is one store of the
 ``perf_counter_ns`` the span reads anyway into that stage's entry word (or the "left" word); the
 step start also stores the step and the realtime offset. No call, no lock, no allocation.
+Entering a span with asynchronous calls outstanding first harvests their completions
+(`Tracer.harvest`): a rank that stops in its optimizer has its backward's all-reduces recorded
+complete, not left "in flight" while its peers wait in the next step's.
 
 Every context manager is preallocated: entering and leaving allocates nothing but the ints.
 Without an active tracer the spans still time (cheaply) and the position goes to a private
@@ -62,6 +65,9 @@ class _Span:
         return self
 
     def __enter__(self) -> _Span:
+        tracer = self.owner.tracer
+        if tracer is not None and tracer.outstanding:  # e.g. backward's all-reduces, now done
+            tracer.harvest()
         self.t0 = self.pos[self.slot] = _perf()
         return self
 
@@ -75,6 +81,8 @@ class _FwdSpan(_Span):
 
     def __enter__(self) -> _Span:
         o = self.owner
+        if o.tracer is not None and o.tracer.outstanding:
+            o.tracer.harvest()
         if o.sample_every and o.step_index % o.sample_every == 0:
             o.cuda_begin()
         self.t0 = self.pos[self.slot] = _perf()

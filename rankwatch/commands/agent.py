@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.agent.agent import Agent, AgentConfig
-from ingest.agent.capture import CaptureWriter
+from ingest.agent.capture import CaptureWriter, Tee
 from ingest.agent.outbox import Publisher
 from ingest.ring import DEFAULT_PREFIX
 from ingest.torch.session import DEFAULT_RING_DIR
@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="stop once rings existed and none is left for N seconds")
     p.add_argument("--capture", metavar="FILE",
                    help="write the batches to FILE instead of Kafka (replay: rankwatch replay)")
+    p.add_argument("--tee", metavar="FILE",
+                   help="publish to Kafka and also write the published batches to FILE "
+                        "(replay the same job in process later: diagnosis.evaluate)")
     p.add_argument("--capture-mb", type=int, default=1024,
                    help="largest capture file; later batches are dropped and counted")
     p.add_argument("--metrics-port", type=int, default=8126,
@@ -61,6 +64,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                       beat_s=args.beat, inflight_s=args.inflight,
                       spill_bytes=args.spill_mb << 20, remove_dead=not args.keep_dead)
     pub: Publisher
+    if args.capture and args.tee:
+        print("rankwatch agent: --capture and --tee exclude each other (--capture writes "
+              "instead of publishing, --tee besides)", file=sys.stderr)
+        return 2
+    capture: CaptureWriter | None = None
     if args.capture:
         try:
             capture = CaptureWriter(args.capture, max_bytes=args.capture_mb << 20)
@@ -74,6 +82,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         pub = BatchPublisher(settings.bootstrap, settings.topics, block_s=0.0, config={
             "message.timeout.ms": 15000, "queue.buffering.max.kbytes": 32 * 1024})
         target = f"{settings.bootstrap} ({settings.topics.ops}, …)"
+        if args.tee:
+            try:
+                capture = CaptureWriter(args.tee, max_bytes=args.capture_mb << 20)
+            except OSError as e:
+                print(f"rankwatch agent: cannot write the tee file: {e}", file=sys.stderr)
+                return 2
+            pub, target = Tee(pub, capture), f"{target} and {args.tee}"
     agent = Agent(cfg, pub)
     if args.metrics_port:
         from prometheus_client import CollectorRegistry
@@ -110,9 +125,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     print(f"rankwatch agent: {cfg.prefix}.* rings -> {target}", file=sys.stderr, flush=True)
     agent.run(stop)
     stats = agent.stats()
-    if args.capture:
+    if capture is not None:
         capture.close()
-        stats["capture"] = {"file": args.capture, "batches": capture.stats.batches,
+        stats["capture"] = {"file": args.capture or args.tee, "batches": capture.stats.batches,
                             "bytes": capture.stats.bytes, "refused": capture.stats.refused}
     if args.json:
         print(json.dumps(stats))

@@ -69,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cases", default="", help="--real: comma-separated case names or prefix*")
     p.add_argument("--quick", action="store_true", help="--real: the quick subset")
     p.add_argument("--list", action="store_true", help="--real: list the cases and exit")
+    p.add_argument("--rescore", metavar="REPORT", default="",
+                   help="--real: re-score a kept run (its --out report and --workdir) by "
+                        "replaying the captures its agents wrote, in process; no training")
     p.add_argument("--workdir", default="",
                    help="--real: keep the cases' logs, truth and the stack's data here "
                         "(default: a temporary directory, removed)")
@@ -94,6 +97,8 @@ def run_real(args: argparse.Namespace) -> int:
         print(m, file=sys.stderr, flush=True)
 
     t0 = time.time()
+    if args.rescore:
+        return rescore_real(args, say)
     try:
         workdir = Path(args.workdir) if args.workdir else None
         if workdir is not None:
@@ -113,6 +118,34 @@ def run_real(args: argparse.Namespace) -> int:
         print(harness.table(results, summary))
         print(f"\n  {len(results)} cases in {doc['wall_s']:.0f} s; report: {args.out}")
     return 1 if summary["errors"] and len(summary["errors"]) == len(results) else 0
+
+
+def rescore_real(args: argparse.Namespace, say: Any) -> int:
+    """`rankwatch eval --real --rescore REPORT --workdir DIR`."""
+    from bench.real import harness
+
+    if not args.workdir:
+        print("rankwatch eval: --rescore needs the run's --workdir (where its captures are)",
+              file=sys.stderr)
+        return 2
+    try:
+        doc = json.loads(Path(args.rescore).read_text())
+    except (OSError, ValueError) as e:
+        print(f"rankwatch eval: cannot read the report {args.rescore}: {e}", file=sys.stderr)
+        return 2
+    results, summary = harness.rescore(doc, Path(args.workdir), say)
+    if not any(r.traced for r in results):
+        print("rankwatch eval: the report has no traced case to re-score", file=sys.stderr)
+        return 1
+    out = harness.report(results, summary)
+    out["mode"] = "replayed captures of a real run, in process (" + str(args.rescore) + ")"
+    if args.out != args.rescore:
+        Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    if args.json:
+        print(json.dumps(out, default=str))
+    else:
+        print(harness.table(results, summary))
+    return 0
 
 
 def _names(arg: str, real: bool, catalog: str = "standard") -> list[str]:

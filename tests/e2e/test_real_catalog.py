@@ -10,7 +10,7 @@ Asserted: every case ran and wrote its truth; the report scores each case; no in
 two controls (the contended one too); the hung rank named as a hang inside its backward
 (stage bwd, component gpu_compute: the tracer's stage entry in its beats); the slowed rank 3
 named alone, after the onset, for its backward (stage bwd pp=1 counts as compute) on
-gpu_compute.
+gpu_compute. The agents' tees replay in process (`harness.rescore`) to the same hang verdict.
 """
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ def test_quick_subset_scored_end_to_end(kafka, settings_factory, tmp_path: Path)
     assert slow.truth["onset_ns"] > 0 and slow.run is not None
     assert slow.detected and slow.kind_ok and slow.ranks_ok, slow.diagnoses
     assert slow.stage_ok and slow.component_ok, slow.diagnoses
+
+    # the agents teed what they published: the same jobs replay in process (`--rescore`)
+    assert (tmp_path / "cases" / hang.job / harness.CAPTURE).stat().st_size > 0
+    replayed, _ = harness.rescore(harness.report(results, summary), tmp_path, log.append)
+    again = {r.case: r for r in replayed}["ddp4-hang-bwd"]
+    assert again.detected and again.ranks_ok and again.stage_ok, again.diagnoses
 
     assert summary["cases"] == 4 and summary["faults"] == 2 and summary["controls"] == 2
     assert summary["recall"] is not None and summary["false_alarms_per_control_hour"] is not None

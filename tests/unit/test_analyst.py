@@ -45,6 +45,36 @@ def test_a_new_incident_is_rechecked_after_first_recheck_s() -> None:
     assert a.last_check[w.topo.job_id] == now + S  # then every recheck_s
 
 
+def test_a_hang_trigger_analysed_too_early_is_retried_until_it_concludes() -> None:
+    """The trigger's analysis finds nothing (the window ends before the stall is `stuck_ns`
+    old); the trigger stays pending and the next ticks, at the advancing event clock, open the
+    incident under it — once — and stop retrying; a pending trigger expires after pending_s."""
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
+    seen = {"early": True}
+
+    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
+        return Window(w.topo, {}, lo, hi) if seen["early"] else w
+
+    a = Analyst(read, AnalystConfig(pending_s=30), event_clock=lambda job, t: now)
+    t = Trigger(w.topo.job_id, now, "hang", (13,), {"rule": "venustrace.heartbeat"})
+    assert a.on_trigger(t, now) == [] and w.topo.job_id in a.pending
+    assert a.tick(now + S) == []  # still nothing to see
+    seen["early"] = False
+    out = a.tick(now + 2 * S)
+    assert [(d.status, d.kind, d.culprit_ranks) for d in out] == [("open", "hang", [13])]
+    assert w.topo.job_id not in a.pending
+    assert not [d for d in a.tick(now + 3 * S) if d.status == "open"]  # announced once
+
+    b = Analyst(lambda job, lo, hi, kinds=None: Window(w.topo, {}, lo, hi),
+                AnalystConfig(pending_s=5), event_clock=lambda job, t: now)
+    assert b.on_trigger(t, now) == []
+    b.tick(now + 6 * S)
+    assert not b.pending  # expired
+
+
 def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     """The sweep reads the job's window; a job that ended (its event clock no longer moves) is
     not read again every sweep_s."""

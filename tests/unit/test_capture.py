@@ -10,7 +10,7 @@ import pytest
 
 from ingest import ring
 from ingest.agent.agent import Agent, AgentConfig
-from ingest.agent.capture import MAGIC, CaptureError, CaptureWriter, read_capture
+from ingest.agent.capture import MAGIC, CaptureError, CaptureWriter, Tee, read_capture
 from ingest.batch import decode_batch, encode_batch
 
 
@@ -80,3 +80,38 @@ def test_the_agent_captures_a_ring(tmp_path: Path) -> None:
     finally:
         w.unlink()
         w.close()
+
+
+class _Broker:
+    """A publisher that refuses every other batch (a full queue), as the real one can."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.calls = 0
+
+    def publish(self, kind: str, data: bytes, key: bytes | str | None = None,
+                topic: str | None = None, on_delivery: object = None) -> bool:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            return False
+        self.sent.append(data)
+        return True
+
+    def flush(self, timeout: float = 30.0) -> int:
+        return 0
+
+
+def test_tee_writes_what_the_broker_took_once(tmp_path: Path) -> None:
+    """`--tee`: the capture holds exactly the batches the broker accepted; a refused batch
+    (retried by the outbox) is not written twice."""
+    broker = _Broker()
+    tee = Tee(broker, CaptureWriter(tmp_path / "t"))
+    data = [encode_batch("beats", "j", {"rank": [i], "comm_id": ["dp"], "ts": [i + 1],
+                                        "last_op_seq": [i]}, producer="t", seq=i)
+            for i in range(3)]
+    took = [tee.publish("beats", d, key="j") for d in (data[0], data[1], data[1], data[2])]
+    assert took == [True, False, True, False]
+    assert tee.flush() == 0
+    tee.close()
+    frames = [f.data for f in read_capture(tmp_path / "t")]
+    assert frames == broker.sent == [data[0], data[1]]

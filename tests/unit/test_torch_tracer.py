@@ -105,6 +105,27 @@ def test_sync_and_async_collectives_are_recorded(world1: Path, prefix: str) -> N
     assert side["comms"] == [{"comm_id": "world", "kind": "world", "members": [0]}]
 
 
+def test_entering_a_stage_harvests_completed_async_calls(world1: Path, prefix: str) -> None:
+    """A backward's async all-reduce that completed is recorded when the next stage begins
+    (the optimizer), not only at the step's end: a rank that stops inside its optimizer must
+    not leave it "in flight" while its peers wait in the next step's all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(8)
+    step = rwt.stages.step()
+    step.__enter__()
+    with rwt.stages.backward():
+        work = dist.all_reduce(t, async_op=True)
+        assert work is not None
+        work.wait()
+    with rwt.stages.optim():
+        d = Drained(prefix, "t1")  # drained inside the optimizer, before the step ends
+    step.__exit__(None, None, None)
+    assert d.starts["op_seq"].tolist() == [0]
+    assert d.ends["op_seq"].tolist() == [0]
+
+
 def test_new_group_is_a_named_communicator(world1: Path, prefix: str) -> None:
     import torch
     import torch.distributed as dist
