@@ -348,7 +348,10 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
     for length in range(k, n - k + 1):
         before, after = dd[:-length], dd[-length:]
         mb = float(np.median(before))
-        sd = max(_spread(before), 0.01 * float(np.median(rr[:-length])), 1.0)
+        # σ is at least 1 % of the reference and 0.1 % of the step: a quantity that is ~0 on
+        # every peer (a stage made only of waiting) has no noise to measure a rise against
+        sd = max(_spread(before), 0.01 * float(np.median(rr[:-length])), 1e-3 * ctx.step_ns,
+                 1.0)
         if np.mean(after > mb + 2 * sd) < 0.8:
             continue
         rise = float(np.median(after)) - mb
