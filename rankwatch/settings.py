@@ -50,6 +50,10 @@ class Settings(BaseModel):
     kafka_version: str = "3.9.1"
     kafka_partitions: Annotated[int, Field(ge=1, le=1024)] = 6
     kafka_heap: str = "512m"
+    #: Local Kafka nodes `rankwatch up` runs as one KRaft cluster (`--brokers`): node i listens
+    #: on kafka_port + 100·(i-1) (and the controller port likewise). 3 gives topics three
+    #: copies with two in sync, so one broker may be lost.
+    kafka_brokers: Annotated[int, Field(ge=1, le=9)] = 1
     #: The worker's consumer-group session: a worker killed without leaving the group holds its
     #: partitions this long, so its replacement waits this long to consume (Faust's 60 s made a
     #: restart after a crash take a minute).
@@ -106,7 +110,9 @@ class Settings(BaseModel):
 
     @property
     def bootstrap(self) -> str:
-        return self.kafka_bootstrap or f"{self.bind_host}:{self.kafka_port}"
+        """The configured cluster, else every local node (rankwatch.kafka_broker.node_ports)."""
+        return self.kafka_bootstrap or ",".join(
+            f"{self.bind_host}:{self.kafka_port + 100 * i}" for i in range(self.kafka_brokers))
 
     @property
     def clickhouse(self) -> str:
