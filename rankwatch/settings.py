@@ -15,7 +15,15 @@ from datetime import date
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ingest.topics import Topics
 
@@ -61,6 +69,9 @@ class Settings(BaseModel):
     #: ClickHouse: `chdb:///path` (embedded, default <home>/clickhouse) or `http(s)://host:port`.
     clickhouse_url: str = ""
     clickhouse_database: str = "rankwatch"
+    #: A cluster of the server's remote_servers: the schema goes ON CLUSTER as replicated tables
+    #: behind Distributed ones sharded by job (streams/cluster.py). Needs a server URL.
+    clickhouse_cluster: Annotated[str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$")] = ""
     #: The worker's SQL endpoint (read-only unless sql_writable) for `rankwatch sql`.
     sql_port: Port = 8124
     sql_writable: bool = False
@@ -108,6 +119,14 @@ class Settings(BaseModel):
             raise ValueError("must start with chdb://, http:// or https://")
         return v
 
+    @model_validator(mode="after")
+    def _cluster_needs_a_server(self) -> Settings:
+        if self.clickhouse_cluster and not self.clickhouse_url.startswith(("http://", "https://")):
+            raise ValueError("RANKWATCH_CLICKHOUSE_CLUSTER needs a ClickHouse server: set "
+                             "RANKWATCH_CLICKHOUSE_URL=http(s)://host:8123 (the embedded engine "
+                             "is one node)")
+        return self
+
     @property
     def bootstrap(self) -> str:
         """The configured cluster, else every local node (rankwatch.kafka_broker.node_ports)."""
@@ -154,7 +173,10 @@ class Settings(BaseModel):
         except ValidationError as e:
             lines = []
             for err in e.errors():
-                name = str(err["loc"][0]) if err["loc"] else "?"
+                if not err["loc"]:  # a rule across settings: its message names them
+                    lines.append(str(err["msg"]).removeprefix("Value error, "))
+                    continue
+                name = str(err["loc"][0])
                 src = (f"--{name.replace('_', '-')}" if overrides.get(name) is not None
                        else f"RANKWATCH_{name.upper()}")
                 lines.append(f"{src}={values.get(name)!r}: {err['msg']}")
