@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -38,7 +39,7 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0]
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
     return state not in ("Z", "X")
 
 
