@@ -724,12 +724,15 @@ class KafkaCluster:
 
 
 def local_nodes(settings: Settings) -> list[Broker]:
-    """Every local Kafka node of `settings.home` with a pid file, whatever `kafka_brokers` says
-    now: what `rankwatch down` stops and `status` reports when started with ``--brokers``."""
-    found = [Broker(settings)] if Broker(settings).pid() is not None else []
-    pid_files = sorted(settings.run_dir.glob("kafka-*.pid"))
-    ids = sorted(int(m.group(1)) for p in pid_files if (m := re.fullmatch(r"kafka-(\d+)\.pid",
-                                                                          p.name)))
+    """The nodes of the home's local Kafka, running or not: the cluster's when `settings` ask
+    for one (`kafka_brokers` > 1) or one started here with ``--brokers`` still runs (its node
+    directories say how many), else the single broker. What `down` stops and `status` shows."""
+    if settings.kafka_brokers > 1:
+        return KafkaCluster(settings).nodes
+    ids = [int(m.group(1)) for d in cluster_dir(settings).glob("node-*")
+           if (m := re.fullmatch(r"node-(\d+)", d.name))]
     n = max(ids, default=0)
-    found += [Broker(settings, node=i, nodes=n) for i in ids]
-    return [b for b in found if b.pid() is not None]
+    nodes = [Broker(settings, node=i, nodes=n) for i in range(1, n + 1)]
+    if n > 1 and any(b.pid() is not None for b in nodes):
+        return nodes
+    return [Broker(settings)]

@@ -272,7 +272,8 @@ def down(settings: Settings, progress: Progress = print) -> bool:
         progress(f"worker: stopping (pid {pid})…")
         stopped = d.stop(WORKER_STOP_TIMEOUT)
     if not settings.kafka_bootstrap:
-        nodes = local_nodes(settings)  # a cluster started with --brokers N, whatever N is now
+        # a cluster started with --brokers N, whatever N is now
+        nodes = [b for b in local_nodes(settings) if b.pid() is not None]
         if nodes:
             progress(f"kafka: stopping {len(nodes)} broker(s) (pid "
                      f"{', '.join(str(b.pid()) for b in nodes)})…")
@@ -289,18 +290,16 @@ def status(settings: Settings) -> dict[str, Any]:
         kafka: dict[str, Any] = {"managed": False, "running": not why, "healthy": not why,
                                  "pid": None, "detail": why or "ok"}
     else:
-        c = KafkaCluster(settings)
-        nodes = local_nodes(settings)
-        if len(nodes) > 1 and settings.kafka_brokers == 1:  # started with --brokers N
-            c.nodes = nodes
-        hs = c.health()
+        nodes = local_nodes(settings)  # a cluster started with --brokers N, whatever N is now
+        hs = [b.health() for b in nodes]
         kafka = {"managed": True, "running": any(h.running for h in hs),
                  "healthy": all(h.healthy for h in hs), "pid": hs[0].pid,
                  "detail": "; ".join(f"{h.bootstrap}: {h.detail}" for h in hs) if len(hs) > 1
-                 else hs[0].detail, "log": str(c.nodes[0].log_file)}
+                 else hs[0].detail, "log": str(nodes[0].log_file)}
         if len(hs) > 1:
-            kafka["brokers"] = [{"bootstrap": h.bootstrap, "pid": h.pid, "healthy": h.healthy,
-                                 "detail": h.detail} for h in hs]
+            kafka["brokers"] = [{"node": b.node, "bootstrap": h.bootstrap, "pid": h.pid,
+                                 "running": h.running, "healthy": h.healthy, "detail": h.detail}
+                                for b, h in zip(nodes, hs, strict=True)]
     kafka["bootstrap"] = (",".join(b["bootstrap"] for b in kafka["brokers"])
                           if "brokers" in kafka else bootstrap(settings))
     d = worker_daemon(settings)

@@ -112,8 +112,8 @@ def format_status(st: dict[str, Any]) -> str:
     kafka_where = k["bootstrap"] + ("" if k["managed"] else " (external)")
     rows = [("kafka", _state(k), k["pid"], kafka_where, k.get("log", ""))]
     if k.get("brokers"):  # a local cluster: one line per node
-        rows = [(f"kafka-{i}", _state({**b, "running": b["pid"] is not None}), b["pid"],
-                 b["bootstrap"], "") for i, b in enumerate(k["brokers"], 1)]
+        rows = [(f"kafka-{b['node']}", _state(b), b["pid"], b["bootstrap"], "")
+                for b in k["brokers"]]
     rows.append(("worker", _state(w), w["pid"], f"SQL {w['sql_endpoint']}", w["log"]))
     lines = []
     for name, state, pid, where, log in rows:

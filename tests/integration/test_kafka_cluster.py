@@ -116,6 +116,11 @@ def test_three_brokers_lose_one_mid_stream_and_store_every_row_once(
     distinct = int(sql(s, "SELECT uniqExact(src_partition, src_offset, rank, op_seq, comm_id) "
                           "FROM ops WHERE job_id = 'cluster-job'"))
     assert (got, distinct) == (want, want)  # every row, none twice
-    assert not alive(victim_pid) and len(local_nodes(s)) == 2
+    assert not alive(victim_pid)
+    st = stack.status(s)  # the lost node shows as down; the other two answer
+    assert [(b["node"], b["running"], b["healthy"]) for b in st["kafka"]["brokers"]] == [
+        (i, i != victim, i != victim) for i in (1, 2, 3)]
+    assert [b.node for b in local_nodes(s) if b.pid() is not None] == [
+        i for i in (1, 2, 3) if i != victim]
     assert stack.worker_daemon(s).pid() == worker_pid  # the worker kept going
     assert not stack.exits_file(s).exists()
