@@ -48,10 +48,10 @@ def _fail(e: Exception) -> int:
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     if args.brokers is not None:
-        try:
-            settings = Settings.load(env=stack.settings_env(settings), kafka_brokers=args.brokers)
-        except ValueError as e:  # SettingsError: names the flag and the range
-            return _fail(e)
+        if not 1 <= args.brokers <= 9:
+            return _fail(ValueError(f"--brokers {args.brokers}: expected 1 to 9 local nodes "
+                                    "(3 makes a cluster that may lose one)"))
+        settings = Settings.load(env=stack.settings_env(settings), kafka_brokers=args.brokers)
     try:
         st = stack.up(settings, worker=not args.no_worker, timeout=args.timeout)
     except (BrokerError, stack.StackError) as e:
