@@ -698,6 +698,12 @@ class KafkaCluster:
         """Start the nodes not running, all before waiting (a node answers only once a majority
         of the quorum is up), then wait until each answers with every broker registered."""
         if len(self.nodes) > 1:
+            made = sorted(d.name for d in cluster_dir(self.settings).glob("node-*"))
+            if made and len(made) != len(self.nodes):
+                raise BrokerError(
+                    f"{cluster_dir(self.settings)} holds a {len(made)}-node cluster; start it "
+                    f"with --brokers {len(made)}, or stop it and remove that directory for a "
+                    f"new {len(self.nodes)}-node one (its topics and records go with it)")
             single = Broker(self.settings)
             if single.pid() is not None:
                 raise BrokerError(

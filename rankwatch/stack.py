@@ -195,6 +195,10 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
             raise StackError(f"kafka: the cluster at {settings.bootstrap} does not answer: {why}")
         progress(f"kafka: using {settings.bootstrap}")
     else:
+        running = local_nodes(settings)
+        if len(running) > settings.kafka_brokers:  # started with --brokers N: keep using it
+            settings = settings.model_copy(update={"kafka_brokers": len(running)})
+            progress(f"kafka: the {len(running)}-node cluster of {settings.home}")
         c = KafkaCluster(settings)
         pids = c.pids()
         if None not in pids and not probe(c.bootstrap, brokers=len(pids)):

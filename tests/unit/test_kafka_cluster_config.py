@@ -79,3 +79,12 @@ def test_up_refuses_a_bad_broker_count(tmp_path: Path, capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     assert "--brokers 10: expected 1 to 9" in err, err
     assert not (tmp_path / "kafka-cluster").exists()  # nothing started
+
+
+def test_a_cluster_of_another_size_is_refused(tmp_path: Path) -> None:
+    from rankwatch.kafka_broker import BrokerError
+
+    for i in (1, 2, 3):
+        (tmp_path / "kafka-cluster" / f"node-{i}").mkdir(parents=True)
+    with pytest.raises(BrokerError, match="holds a 3-node cluster; start it with --brokers 3"):
+        KafkaCluster(settings(tmp_path, 5)).start(timeout=1, progress=lambda _: None)
