@@ -28,6 +28,9 @@ from pydantic import (
 from ingest.topics import Topics
 
 Port = Annotated[int, Field(ge=1, le=65535)]
+#: Node i (1-based) of a local Kafka cluster listens on kafka_port and kafka_controller_port plus
+#: KAFKA_NODE_PORT_STRIDE·(i-1): 9092/9093, 9192/9193, 9292/9293 by default.
+KAFKA_NODE_PORT_STRIDE = 100
 
 
 def _default_home() -> Path:
@@ -131,7 +134,8 @@ class Settings(BaseModel):
     def bootstrap(self) -> str:
         """The configured cluster, else every local node (rankwatch.kafka_broker.node_ports)."""
         return self.kafka_bootstrap or ",".join(
-            f"{self.bind_host}:{self.kafka_port + 100 * i}" for i in range(self.kafka_brokers))
+            f"{self.bind_host}:{self.kafka_port + KAFKA_NODE_PORT_STRIDE * i}"
+            for i in range(self.kafka_brokers))
 
     @property
     def clickhouse(self) -> str:

@@ -198,7 +198,8 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
         running = local_nodes(settings)
         if len(running) > settings.kafka_brokers:  # started with --brokers N: keep using it
             settings = settings.model_copy(update={"kafka_brokers": len(running)})
-            progress(f"kafka: the {len(running)}-node cluster of {settings.home}")
+            progress(f"kafka: using the {len(running)}-node cluster started here with "
+                     f"--brokers {len(running)}")
         c = KafkaCluster(settings)
         pids = c.pids()
         if None not in pids and not probe(c.bootstrap, brokers=len(pids)):
