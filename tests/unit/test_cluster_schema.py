@@ -10,7 +10,7 @@ import pytest
 
 from rankwatch.settings import Settings, SettingsError
 from streams.cluster import ClusterFormError, create_database, statements
-from streams.db import _MIGRATIONS_TABLE, Database, cluster_settings, load_migrations
+from streams.db import _MIGRATIONS_TABLE, Database, cluster_settings, load_migrations, parse_url
 
 ALL = [_MIGRATIONS_TABLE] + [st for m in load_migrations() for st in m.statements]
 CREATES = [st for st in ALL if re.search(r"^CREATE TABLE", st, re.M)]
@@ -169,3 +169,55 @@ def test_migrate_sends_each_statement_in_its_form_for_the_deployment(cluster: st
     assert db.commands == want
     assert all(("ON CLUSTER rw" in s) == bool(cluster) for s in db.commands)
     assert db.inserted == ["schema_migrations"] * len(applied)  # the Distributed table
+
+
+class _FakeClient:
+    """The clickhouse-connect calls `Database._open` makes, answered from `shards`."""
+
+    def __init__(self, shards: list[tuple[int, int]]) -> None:
+        self.shards, self.settings, self.commands = shards, {}, []  # type: ignore[var-annotated]
+        self.database = ""
+
+    def query(self, sql: str, parameters: dict[str, str]) -> object:
+        assert "system.clusters" in sql and parameters == {"c": "rw"}
+        return type("Result", (), {"result_rows": self.shards})()
+
+    def set_client_setting(self, key: str, value: object) -> None:
+        self.settings[key] = value
+
+    def command(self, sql: str) -> None:
+        self.commands.append(sql)
+
+    def close(self) -> None:
+        pass
+
+
+def _open(shards: list[tuple[int, int]]) -> tuple[Database, _FakeClient]:
+    db = object.__new__(Database)
+    db.target, db.database, db.cluster = parse_url("http://ch:8123"), "rankwatch", "rw"
+    db._cluster_settings = {}
+    client = _FakeClient(shards)
+    db._connect = lambda settings=None: client  # type: ignore[method-assign,assignment,misc]
+    db._open(True)
+    return db, client
+
+
+def test_opening_on_a_cluster_sets_quorum_from_its_replicas_and_creates_on_cluster() -> None:
+    db, client = _open([(1, 2), (2, 2)])
+    assert client.settings == {"distributed_foreground_insert": 1, "insert_quorum": 2}
+    assert db._cluster_settings == client.settings  # and on the endpoint's own clients
+    assert client.commands == ["CREATE DATABASE IF NOT EXISTS `rankwatch` ON CLUSTER rw",
+                               "SELECT 1"]
+    assert client.database == "rankwatch"
+
+
+@pytest.mark.parametrize(("shards", "why"), [
+    ([], "not in the remote_servers"),
+    ([(1, 2), (2, 3)], r"shards with \[2, 3\] replicas"),
+])
+def test_a_cluster_the_server_lacks_or_uneven_shards_are_refused(
+        shards: list[tuple[int, int]], why: str) -> None:
+    from streams.db import ClickHouseError
+
+    with pytest.raises(ClickHouseError, match=why):
+        _open(shards)
