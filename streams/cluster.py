@@ -40,6 +40,7 @@ from collections.abc import Sequence
 class ClusterFormError(ValueError):
     """A statement with no cluster form, or one this module cannot read."""
 
+
 #: The suffix of the replicated table behind each Distributed table.
 LOCAL = "_local"
 ZK_ROOT = "/clickhouse/tables/{shard}"
@@ -51,6 +52,8 @@ _CREATE_VIEW = re.compile(r"^(CREATE\s+VIEW\s+IF\s+NOT\s+EXISTS\s+`?\w+`?)\s+AS\
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ALTER = re.compile(r"^ALTER\s+TABLE\s+`?(\w+)`?\s+", re.I)
 _COLUMN_ALTER = re.compile(r"^(ADD|DROP|MODIFY|RENAME|COMMENT|CLEAR)\s+COLUMN\b", re.I)
+#: What, besides columns, an ALTER may change (upper case, as sql/ writes keywords).
+_OTHER_ALTER = re.compile(r"\b(INDEX|PROJECTION|TTL|SETTING|CONSTRAINT|ORDER BY|STATISTICS)\b")
 _ENGINE = re.compile(r"^\s*ENGINE\s*=\s*(\w*)MergeTree\b", re.I)
 _ORDER_BY = re.compile(r"\bORDER\s+BY\s+", re.I)
 
@@ -113,8 +116,9 @@ def _create_table(sql: str, table: str, cluster: str, database: str) -> list[str
     columns, rest = sql[open_at:close + 1], sql[close + 1:]
     engine = _ENGINE.match(rest)
     if not engine:
-        raise ClusterFormError(f"table {table}: only MergeTree-family tables have a cluster form "
-                             f"(replicated, behind a Distributed table): {rest.strip()[:120]}")
+        raise ClusterFormError(f"table {table}: only MergeTree-family tables have a cluster "
+                               f"form (replicated, behind a Distributed table): "
+                               f"{rest.strip()[:120]}")
     after = rest[engine.end():]
     args = ""
     if after.lstrip().startswith("("):
@@ -151,10 +155,14 @@ def statements(sql: str, cluster: str | None = None, database: str = "") -> list
         table, action = m.group(1), bare[m.end():]
         local = f"ALTER TABLE {table}{LOCAL} ON CLUSTER {cluster} {action}"
         if _COLUMN_ALTER.match(action):
+            if _OTHER_ALTER.search(_COMMENT.sub(" ", action)):
+                raise ClusterFormError(f"ALTER TABLE {table}: a column change mixed with other "
+                                       "changes runs on different tables on a cluster; make "
+                                       "them separate statements")
             return [local, f"ALTER TABLE {table} ON CLUSTER {cluster} {action}"]
         return [local]
-    raise ClusterFormError(f"no cluster form for this statement (CREATE TABLE|VIEW IF NOT EXISTS "
-                         f"and ALTER TABLE have one): {' '.join(bare.split())[:160]}")
+    raise ClusterFormError(f"no cluster form for this statement (CREATE TABLE|VIEW IF NOT "
+                           f"EXISTS and ALTER TABLE have one): {' '.join(bare.split())[:160]}")
 
 
 def create_database(database: str, cluster: str | None = None) -> str:

@@ -102,6 +102,7 @@ def test_alters_and_views() -> None:
     "CREATE TABLE m (a Int8) ENGINE = MergeTree ORDER BY a",  # not idempotent
     "CREATE TABLE IF NOT EXISTS m (a Int8) ENGINE = MergeTree PRIMARY KEY a",
     "DROP TABLE ops",
+    "ALTER TABLE beats ADD COLUMN IF NOT EXISTS s Int8, ADD INDEX IF NOT EXISTS i s TYPE minmax",
 ])
 def test_a_statement_with_no_cluster_form_is_refused(sql: str) -> None:
     with pytest.raises(ClusterFormError):
