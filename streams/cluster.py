@@ -17,7 +17,7 @@ server, and with a cluster name (`RANKWATCH_CLICKHOUSE_CLUSTER`, a cluster of th
 - ``CREATE VIEW IF NOT EXISTS v AS ...`` gets ``ON CLUSTER c`` and reads the Distributed tables.
 - ``ALTER TABLE t ADD|DROP|MODIFY|RENAME|COMMENT COLUMN ...`` is run on ``t_local`` and on ``t``
   (a Distributed table has columns too); every other ``ALTER TABLE t`` (indexes, TTL, settings)
-  on ``t_local`` only, where the data is.
+  on ``t_local`` only, where the data is; one statement mixing the two is refused.
 - Anything else has no cluster form: ClusterFormError names the statement, so a new kind of
   statement is thought through before it reaches a cluster.
 
