@@ -82,12 +82,18 @@ def test_three_brokers_lose_one_mid_stream_and_store_every_row_once(
 
     pub = BatchPublisher(s.bootstrap, s.topics, block_s=30.0)
     sent = threading.Event()
+    delivered: list[float] = []  # when each batch was acknowledged (for the printed stall)
+
+    def on_delivery(err: object, msg: object) -> None:
+        pub._on_delivery(err, msg)  # type: ignore[arg-type]
+        if err is None:
+            delivered.append(time.monotonic())
 
     def stream() -> None:
         for i in range(BATCHES):
             cols = ops_columns(8, i * ROWS_PER_BATCH, ROWS_PER_BATCH, T0)
             pub.publish("ops", encode_batch("ops", "cluster-job", cols, producer="test", seq=i),
-                        key=f"cluster-job/{i % 8}")
+                        key=f"cluster-job/{i % 8}", on_delivery=on_delivery)
             time.sleep(0.2)
         sent.set()
 
@@ -103,11 +109,16 @@ def test_three_brokers_lose_one_mid_stream_and_store_every_row_once(
     victim_pid = node.pid()
     assert victim_pid is not None
     os.killpg(victim_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
     producer.join(60)
     assert sent.is_set()
     assert pub.flush(60) == 0
     assert pub.stats.failed == 0 and pub.stats.dropped == 0, pub.stats.errors
     want = BATCHES * ROWS_PER_BATCH
+    after = sorted(t for t in delivered if t > killed_at)
+    gaps = [b - a for a, b in zip([killed_at, *after], after, strict=False)]
+    print(f"broker {victim} killed; longest wait for an acknowledgement after it: "
+          f"{max(gaps, default=0):.1f} s ({len(after)} of {BATCHES} batches acknowledged after)")
 
     deadline, got = time.monotonic() + 60, -1
     while time.monotonic() < deadline and got < want:
