@@ -67,7 +67,8 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
     "stages": ("t_start", ("rank", "step", "t_start", "data_next_wait", "model_fwd_loss",
                            "model_backward", "callbacks", "optim_step", "step_other")),
     "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
-    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq", "step", "stage", "stage_ts")),
+    "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq", "step", "stage", "stage_ts",
+                     "sched_run_ns", "sched_wait_ns")),
     "kernel_summaries": ("window_start", ("rank", "stream", "kernel", "cluster", "count",
                                           "p50_ns", "p99_ns", "window_start")),
 }

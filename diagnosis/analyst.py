@@ -250,6 +250,14 @@ class Analyst:
                 # slowdown read off the stalled step would open a second, wrong incident
                 if w is not None and not hang_rca.stuck_ranks(w, at).size:
                     c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
+                    if c is not None and "beats" not in w.tables:
+                        # the sweep reads no beats; a conclusion is judged again with them
+                        # (its culprit may be starved of CPU: slow.cpu)
+                        b = self.read(job, w.start_ns, at, ("beats",))
+                        if b is not None and b.get("beats"):
+                            w = Window(w.topo, {**w.tables, "beats": b.tables["beats"]},
+                                       w.start_ns, w.now_ns)
+                            c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
                     if c is not None:
                         out += self._publish(c, w, t, now_ns, ms)
                 self.sweep_cost[job] = time.perf_counter() - t0

@@ -147,6 +147,10 @@ StageName = Literal["", "data.next_wait", "model.fwd_loss", "model.backward", "c
 class Beat(Record):
     """A liveness heartbeat: one row per rank and communicator (comm_id "" for a rank with none).
 
+    `sched_run_ns` / `sched_wait_ns`: how long the rank's training thread has run on a CPU and
+    waited runnable for one (Linux schedstat, cumulative): a rank starved of CPU by its
+    neighbours waits where its peers run.
+
     `step`, `stage` and `stage_ts` are the rank's position when the beat was taken, from its stage
     clock (ingest/torch/stages.py): the step it is in, the stage it is inside ("" between stages
     or unknown) and when it entered that stage — or left its last one, when "" (0: unknown). A
@@ -161,6 +165,11 @@ class Beat(Record):
     step: Step = -1
     stage: StageName = ""
     stage_ts: Ns = 0
+    # the rank's main thread's scheduler counters (/proc/<pid>/schedstat): time on a CPU and
+    # time runnable but waiting for one, cumulative ns; -1 unknown (another host's pid
+    # namespace, the NCCL plugin's beats)
+    sched_run_ns: Annotated[int, Field(ge=-1)] = -1
+    sched_wait_ns: Annotated[int, Field(ge=-1)] = -1
 
 
 class Communicator(BaseModel):

@@ -11,7 +11,9 @@ Loop (one thread; `run` until stopped):
 3. every `beat_s`, for each Python-tracer ring one `beats` row per communicator — only while
    its producer is alive (a hung rank still beats, a dead one stops: the difference hang
    diagnosis needs) — with the last op_seq, the ring's drop counter and the rank's position
-   (step, stage, stage entry time) from the ring header (the NCCL plugin writes its own beats);
+   (step, stage, stage entry time) from the ring header and its training thread's scheduler
+   counters (/proc/<pid>/schedstat: one small read per rank per beat; the NCCL plugin writes
+   its own beats);
    publish the job topology when a rank's sidecar changed;
 4. hand the columns to the outbox (outbox.py): one encoded batch per (job, kind) when it holds
    `max_rows` rows or is `linger_s` old, published through `BatchPublisher` (idempotent, zstd,
@@ -242,7 +244,7 @@ class Agent:
     # -- beats and topology --------------------------------------------------------------------
 
     def beat(self, now_ns: int) -> None:
-        by_job: dict[str, list[tuple[int, str, int, int, int, str, int]]] = {}
+        by_job: dict[str, list[tuple[int, str, int, int, int, str, int, int, int]]] = {}
         for r in list(self.rings.values()):
             st = r.reader.stat()
             if st.producer == "dead":
@@ -252,21 +254,24 @@ class Agent:
                 continue  # the NCCL plugin beats itself
             rows = by_job.setdefault(r.job, [])
             step, stage, stage_ts = decode.position(*st.position)
+            run, wait = decode.schedstat(st.producer_pid) if st.producer_pid > 0 else (-1, -1)
             seqs = r.join.last_seq
             if not seqs:
-                rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts))
+                rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts, run, wait))
                 continue
             hashes = np.array(list(seqs), dtype=np.int64)
             for comm, seq in zip(r.names.lookup(hashes).tolist(), seqs.values(), strict=True):
-                rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts))
+                rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts, run, wait))
         for job, rows in by_job.items():
             if rows:
-                rk, c, sq, d, step_, stage_, sts = zip(*rows, strict=True)
+                rk, c, sq, d, step_, stage_, sts, run_, wait_ = zip(*rows, strict=True)
                 self._append(job, "beats", {
                     "rank": np.array(rk, np.int64), "ts": np.full(len(rk), now_ns, np.int64),
                     "comm_id": np.array(c, object), "last_op_seq": np.array(sq, np.int64),
                     "dropped": np.array(d, np.int64), "step": np.array(step_, np.int64),
-                    "stage": np.array(stage_, object), "stage_ts": np.array(sts, np.int64)})
+                    "stage": np.array(stage_, object), "stage_ts": np.array(sts, np.int64),
+                    "sched_run_ns": np.array(run_, np.int64),
+                    "sched_wait_ns": np.array(wait_, np.int64)})
         self._topologies(now_ns)
 
     def _topologies(self, now_ns: int) -> None:

@@ -189,7 +189,22 @@ def beat_columns(recs: Any, rank: int, names: Names) -> Cols:
     out["step"] = np.full(n, -1, np.int64)
     out["stage"] = np.full(n, "", object)
     out["stage_ts"] = np.zeros(n, np.int64)
+    out["sched_run_ns"] = np.full(n, -1, np.int64)
+    out["sched_wait_ns"] = np.full(n, -1, np.int64)
     return out
+
+
+def schedstat(pid: int) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable waiting for one) of `pid`'s main thread from
+    /proc/<pid>/schedstat; (-1, -1) when unreadable (another pid namespace, gone, no
+    CONFIG_SCHEDSTATS) or malformed."""
+    try:
+        with open(f"/proc/{int(pid)}/schedstat", "rb") as f:
+            parts = f.read(128).split()
+        run, wait = int(parts[0]), int(parts[1])
+    except (OSError, ValueError, IndexError):
+        return -1, -1
+    return (run, wait) if run >= 0 and wait >= 0 else (-1, -1)
 
 
 #: ring position stage (ingest.ring.RingStat.position: 0 between stages, i = STAGES[i - 1])

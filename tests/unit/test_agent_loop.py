@@ -275,6 +275,35 @@ def test_beats_without_a_stage_clock_say_unknown(tmp_path: Path, prefix: str) ->
     s.close()
 
 
+def test_beats_carry_the_producers_scheduler_counters(tmp_path: Path, prefix: str) -> None:
+    """The producer here is this process: its beats carry its main thread's schedstat, and
+    the counters grow between beats while it burns CPU."""
+    import os
+
+    from ingest.agent.decode import schedstat
+
+    s = sink(tmp_path, prefix, 0)
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix, beat_s=0.0), pub)
+
+    def last_beat() -> dict[str, Any]:
+        agent.step()
+        agent.out.flush(force=True)
+        pub.flush()
+        return kinds(pub, "beats")[-1]
+
+    first = last_beat()
+    run0 = int(first["sched_run_ns"][0])
+    assert run0 > 0 and int(first["sched_wait_ns"][0]) >= 0
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:  # 50 ms on a CPU
+        pass
+    assert int(last_beat()["sched_run_ns"][0]) >= run0 + 10_000_000
+    assert schedstat(os.getpid())[0] > 0
+    assert schedstat(2**22 + 12345) == (-1, -1)  # no such process: unknown, not an error
+    s.close()
+
+
 def test_idle_passes_look_at_nothing_until_the_shm_directory_changes(
         tmp_path: Path, prefix: str) -> None:
     """A pass attaches no ring while /dev/shm is unchanged; a ring created (or re-created by a

@@ -338,6 +338,7 @@ def test_beat_stage_names_are_the_tracers_stages() -> None:
     assert get_args(StageName) == ("", *STAGES)
     assert Beat(rank=0, ts=1).model_dump() | {} == {
         "rank": 0, "ts": 1, "comm_id": "", "last_op_seq": -1, "dropped": 0, "step": -1,
-        "stage": "", "stage_ts": 0}  # an old producer's beat stays valid
+        "stage": "", "stage_ts": 0, "sched_run_ns": -1,
+        "sched_wait_ns": -1}  # an old producer's beat stays valid
     with pytest.raises(ValueError):
         Beat(rank=0, ts=1, stage="backward")

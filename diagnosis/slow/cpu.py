@@ -1,0 +1,83 @@
+"""A culprit rank starved of CPU: the scheduler's own account, from the counters in its beats.
+
+The host agent copies each rank's training-thread schedstat into every beat
+(`ingest.records.Beat`: `sched_run_ns`, `sched_wait_ns`, cumulative). The share of wall time a
+rank spent runnable but waiting for a CPU is Δwait / Δts between two of its beats. A rank whose
+work got slower because other processes took its CPU (a busy neighbour, data-loader workers,
+another job on the host) waits where it used to run; a rank whose device or code got slower
+does not. Nothing else in the records separates the two on a host whose "device" work is CPU
+work, and on a GPU host it separates a starved launcher from a slower GPU.
+
+`refine` re-labels a slowdown suspect "host cpu" / host_software when, over the steps since its
+onset, its wait share is at least `min_share`, at least `rise` × its own share before the onset
+plus `margin`, and at least `rise` × its peers' median share since the onset plus `margin`
+(peers under the same contention — more runnable processes than cores everywhere — are not
+starved *relative* to each other: no re-label). Needs beats with counters on both sides of the
+onset; otherwise the suspect is returned as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from diagnosis.columns import Columns, ints
+from diagnosis.conclusion import Suspicion
+
+RULE = "rankwatch.cpu_starved"
+MIN_SHARE = 0.2
+RISE = 2.0
+MARGIN = 0.05
+
+
+def wait_shares(beats: Columns, since_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ranks, wait share before `since_ns`, wait share from it) per rank with counters on
+    both sides (nan where a side has fewer than two beats). One beat row per communicator
+    repeats the same counters: rows are reduced to one per (rank, ts)."""
+    wait = ints(beats, "sched_wait_ns", -1)
+    ok = wait >= 0
+    if not ok.any():
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+    rank, ts, wait = ints(beats, "rank")[ok], ints(beats, "ts")[ok], wait[ok]
+    order = np.lexsort((ts, rank))
+    rank, ts, wait = rank[order], ts[order], wait[order]
+    ranks, first = np.unique(rank, return_index=True)
+    before, after = np.full(ranks.size, np.nan), np.full(ranks.size, np.nan)
+    bounds = [*first.tolist(), rank.size]
+    for i in range(ranks.size):  # per rank (not per record): a few thousand at most
+        t, wt = ts[bounds[i]:bounds[i + 1]], wait[bounds[i]:bounds[i + 1]]
+        for out, sel in ((before, t < since_ns), (after, t >= since_ns)):
+            if sel.sum() >= 2:
+                tt, ww = t[sel], wt[sel]
+                span = int(tt[-1] - tt[0])
+                if span > 0:
+                    out[i] = max(float(ww[-1] - ww[0]), 0.0) / span
+    return ranks, before, after
+
+
+def refine(beats: Columns, top: Suspicion, since_ns: int | None) -> Suspicion:
+    """`top`, re-labelled as its host's CPU when its one rank was starved since `since_ns`
+    (module docstring); unchanged otherwise."""
+    if not beats or since_ns is None or len(top.ranks) != 1 or top.stage == "host cpu" \
+            or "sched_wait_ns" not in beats:
+        return top
+    ranks, before, after = wait_shares(beats, since_ns)
+    x = top.ranks[0]
+    hit = np.flatnonzero(ranks == x)
+    if not hit.size:
+        return top
+    i = int(hit[0])
+    peers = np.delete(after, i)
+    peers = peers[~np.isnan(peers)]
+    mine, base = after[i], before[i]
+    if np.isnan(mine) or np.isnan(base) or not peers.size:
+        return top
+    peer = float(np.median(peers))
+    if mine < MIN_SHARE or mine < RISE * base + MARGIN or mine < RISE * peer + MARGIN:
+        return top
+    return replace(top, stage="host cpu", component="host_software",
+                   rules=(*top.rules, RULE),
+                   summary=f"{top.summary}; rank {x} waited for a CPU {mine:.0%} of the time "
+                           f"since (before: {base:.0%}, its peers: {peer:.0%}): starved of CPU, "
+                           "not slower work")

@@ -1,0 +1,54 @@
+"""diagnosis.slow.cpu: a culprit re-labelled as its host's CPU only when the scheduler's
+counters in its beats say it waited for a CPU since the onset — more than before, more than
+its peers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diagnosis.conclusion import Suspicion
+from diagnosis.slow import cpu
+
+S = 1_000_000_000
+
+
+def beats(share: dict[int, tuple[float, float]], comms: int = 2) -> dict[str, np.ndarray]:
+    """4 ranks, a beat every 0.5 s for 20 s (one row per communicator, same counters); rank r
+    waits share[r] = (before 10 s, after) of the wall time (default 5 %)."""
+    ts = np.arange(0, 20 * S + 1, S // 2)
+    rows: list[tuple[int, int, int]] = []
+    for r in range(4):
+        b, a = share.get(r, (0.05, 0.05))
+        wait = np.where(ts < 10 * S, ts * b, 10 * S * b + (ts - 10 * S) * a).astype(np.int64)
+        rows += [(r, int(t), int(w)) for t, w in zip(ts, wait, strict=True) for _ in range(comms)]
+    rank, t, w = (np.array(x) for x in zip(*rows, strict=True))
+    return {"rank": rank, "ts": t, "sched_wait_ns": w, "sched_run_ns": t - w}
+
+
+TOP = Suspicion((1,), "data", "data_loader", 30e6, ("rankwatch.excess.data_next_wait",),
+                "rank 1: data_next_wait 3x its peers", 9.0, "change", 40)
+
+
+def test_a_rank_waiting_for_a_cpu_since_the_onset_is_its_hosts_cpu() -> None:
+    out = cpu.refine(beats({1: (0.05, 0.6)}), TOP, 10 * S)
+    assert (out.stage, out.component) == ("host cpu", "host_software")
+    assert out.rules == (*TOP.rules, cpu.RULE) and "60%" in out.summary
+    ranks, before, after = cpu.wait_shares(beats({1: (0.05, 0.6)}), 10 * S)
+    assert ranks.tolist() == [0, 1, 2, 3]
+    assert np.allclose(before, 0.05) and np.allclose(after, [0.05, 0.6, 0.05, 0.05])
+
+
+def test_no_relabel_without_a_rise_against_peers_and_itself() -> None:
+    # every rank starved alike (more runnable processes than cores): its work, not its CPU
+    assert cpu.refine(beats({r: (0.05, 0.6) for r in range(4)}), TOP, 10 * S) == TOP
+    # starved before the onset already: not what changed
+    assert cpu.refine(beats({1: (0.6, 0.6)}), TOP, 10 * S) == TOP
+    # a small rise
+    assert cpu.refine(beats({1: (0.05, 0.15)}), TOP, 10 * S) == TOP
+    # no counters (another pid namespace, an old agent), no onset, a host-level suspect
+    unknown = beats({1: (0.05, 0.6)})
+    unknown["sched_wait_ns"] = np.full(unknown["rank"].size, -1)
+    assert cpu.refine(unknown, TOP, 10 * S) == TOP
+    assert cpu.refine(beats({1: (0.05, 0.6)}), TOP, None) == TOP
+    host = Suspicion((0, 1), "data", "data_loader", 30e6)
+    assert cpu.refine(beats({1: (0.05, 0.6)}), host, 10 * S) == host
