@@ -30,8 +30,11 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   incidents of jobs they lost and load from the `diagnoses` table the open incidents of the jobs
   they own and did not hold (on start: all of them), before the next trigger is analysed: a
   trigger the old owner had not committed is absorbed by the incident it opened, and re-checks
-  continue the same incident (its next version) instead of announcing a new one. Messages of a
-  job owned elsewhere (read during a rebalance) are skipped; the analyst sweeps owned jobs only.
+  continue the same incident (its next version) instead of announcing a new one. A version is
+  stored before it is announced, and a worker that takes an incident over announces its newest
+  version again (the same `id`: rw.diagnoses consumers deduplicate by it), so a version stored
+  by a worker killed before announcing it is not lost. Messages of a job owned elsewhere (read
+  during a rebalance) are skipped; the analyst sweeps owned jobs only.
 """
 
 from __future__ import annotations
@@ -240,13 +243,19 @@ class DiagnosisAgents:
             self.trigger_counts[t.kind] = self.trigger_counts.get(t.kind, 0) + 1
 
     async def _publish(self, diags: list[Diagnosis]) -> None:
+        """Store each version, then announce it: a version on rw.diagnoses is always in the
+        `diagnoses` table, where a worker that takes the job over finds its incident (a worker
+        stopped between the two has its version announced by that worker: `_restore`)."""
         for d in diags:
             log.info("diagnosis %s", d.summary)
-            fut = await self.t_diagnoses.send(key=d.job_id.encode(), value=d.to_json())
-            await fut
             await self.db.acommand("INSERT INTO diagnoses FORMAT JSONEachRow\n"
                                    + diagnosis_row(d).decode())
+            await self._announce(d)
             self.published.append(d)
+
+    async def _announce(self, d: Diagnosis) -> None:
+        fut = await self.t_diagnoses.send(key=d.job_id.encode(), value=d.to_json())
+        await fut
 
     @property
     def restored(self) -> bool:
@@ -279,6 +288,14 @@ class DiagnosisAgents:
             if gained:
                 log.info("took over %d open incident(s) of %d job(s)", len(gained),
                          len({d.job_id for d in gained}))
+            # the previous owner may have stopped between storing a version and announcing it:
+            # announce the newest version again, under its own `id` (consumers deduplicate)
+            for d in gained:
+                try:
+                    await self._announce(d)
+                except Exception as e:  # the broker is out: the incident goes on regardless
+                    log.warning("announcing taken-over incident %s again failed: %s",
+                                d.incident_id, e)
             self.restored_generation = generation
 
     def _held(self) -> set[str]:

@@ -240,11 +240,28 @@ class StreamsApp:
             sink.forget_partitions()
         ops = self.cfg.topics.ops
         mine = [tp.partition for tp in self.app.consumer.assignment() if tp.topic == ops]
-        count = self.app.consumer.topic_partitions(ops) or 0
-        if count:
-            self.ownership.assign(mine, count)
+        count = self._partition_count(ops)
+        if not count:
+            log.error("no partition count known for %s after an assignment: this worker owns "
+                      "no job until the next one", ops)
+            self.ownership.assign([], 1)
+            return
+        self.ownership.assign(mine, count)
         log.info("assigned partitions %s of %d of %s: owner of the jobs whose home partition "
                  "is among them", sorted(mine), count, ops)
+
+    def _partition_count(self, topic: str) -> int:
+        """The topic's partition count: Faust's (known to the group leader), else the consumer
+        client's cluster metadata (every member has it for the topics it subscribed to)."""
+        n = self.app.consumer.topic_partitions(topic)
+        if n:
+            return int(n)
+        try:  # aiokafka's consumer inside Faust's consumer thread
+            client = self.app.consumer._thread._ensure_consumer()._client  # type: ignore[attr-defined]
+            return len(client.cluster.partitions_for_topic(topic) or ())
+        except Exception as e:  # another driver, or the consumer is gone
+            log.warning("cannot read %s's partition count: %s", topic, e)
+            return 0
 
     def owned_jobs(self, jobs: Iterable[str]) -> frozenset[str]:
         """The jobs among `jobs` this worker owns (streams/ownership.py)."""

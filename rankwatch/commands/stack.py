@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--timeout", type=float, default=180.0,
                    help="seconds to wait for each part (a worker rejoining its consumer group "
                         "after an unclean stop can take a minute)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="worker processes sharing the jobs (each job owned by one); with N > 1 "
+                        "a store process owns the embedded ClickHouse and serves it to them")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the local worker, then the broker")
@@ -43,8 +46,11 @@ def _fail(e: Exception) -> int:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    if not 1 <= args.workers <= 64:
+        return _fail(ValueError(f"--workers {args.workers}: expected 1 to 64"))
     try:
-        st = stack.up(settings, worker=not args.no_worker, timeout=args.timeout)
+        st = stack.up(settings, worker=not args.no_worker, timeout=args.timeout,
+                      workers=args.workers)
     except (BrokerError, stack.StackError) as e:
         return _fail(e)
     print()
