@@ -231,7 +231,7 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
        timeout: float = 180.0, workers: int = 1) -> dict[str, Any]:
     """Start whatever is not running (idempotent) and return `status`. Raises StackError or
     BrokerError with the end of the failing part's log. With `workers` > 1 a store process owns
-    the embedded database and serves it to the workers (`_start_workers`)."""
+    the embedded database and serves it to the workers (`start_workers`)."""
     if settings.kafka_bootstrap:
         why = probe(settings.bootstrap)
         if why:
@@ -250,7 +250,7 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
     progress(f"topics: created {len(created)} of {len(specs)}" if created
              else f"topics: all {len(specs)} present")
     if worker and workers > 1:
-        _start_workers(settings, workers, progress, timeout)
+        start_workers(settings, workers, progress, timeout)
     elif worker:
         _start_worker(settings, progress, timeout)
     if worker:
@@ -280,7 +280,7 @@ def _store_token(settings: Settings) -> Settings:
     return settings.model_copy(update={"store_token": SecretStr(token)})
 
 
-def _start_workers(settings: Settings, n: int, progress: Progress, timeout: float) -> None:
+def start_workers(settings: Settings, n: int, progress: Progress, timeout: float) -> None:
     """The store (it owns the embedded database, serves it to the workers on loopback and SQL on
     `sql_port`), then `n` workers that reach ClickHouse through it."""
     from streams.db import parse_url  # the worker's dependencies: only where workers start
