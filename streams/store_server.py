@@ -12,6 +12,7 @@ interface clickhouse-connect uses:
                                                         zstd, gzip, deflate, br as the client
                                                         compressed it)
     POST /                 body: "INSERT INTO t (a,b) FORMAT Native\\n" then the data
+    POST /  multipart/form-data or urlencoded fields: query, param_<p>, settings
 
 A statement's rows come back in its FORMAT (clickhouse-connect asks for Native), else in
 `default_format`, else TabSeparated. An error is HTTP 500 with ClickHouse's own message and the
@@ -200,8 +201,19 @@ async def _request(request: web.Request) -> web.Response:
         return _error(StoreError("Code: 516. DB::Exception: rankwatch store: authentication "
                                  "failed (the stack's store token is required). "
                                  "(AUTHENTICATION_FAILED)", 516, 401))
-    q = request.query
-    body = await request.read() if request.can_read_body else b""
+    q: dict[str, str] = dict(request.query)
+    body = b""
+    if request.content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        # the query and its parameters as form fields (clickhouse-connect's choice when they
+        # would make the URL too long)
+        for name, value in (await request.post()).items():
+            if not isinstance(value, str):
+                return _error(StoreError("Code: 48. DB::Exception: rankwatch store: external "
+                                         "data files are not supported. (NOT_IMPLEMENTED)", 48,
+                                         400))
+            q[name] = value
+    elif request.can_read_body:
+        body = await request.read()
     encoding = request.headers.get("Content-Encoding", "")
     if body and encoding and encoding != "identity":
         try:
@@ -223,6 +235,7 @@ async def _request(request: web.Request) -> web.Response:
                                           data_format, settings, params, out_format,
                                           store.limits)
         except StoreError as e:
+            log.info("store: refused %r: %s", statement[:300], e.message[:300])
             return _error(e)
         except Exception as e:  # never a traceback to the caller; the log has it
             log.exception("store: request failed")

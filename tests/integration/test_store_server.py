@@ -67,6 +67,12 @@ def test_a_worker_writes_and_reads_through_the_store(clickhouse_db: Database, st
                   "FORMAT JSONEachRow\n{\"job_id\": \"j\", \"incident_id\": \"i\", "
                   f"\"version\": 1, \"detected_ns\": {time.time_ns()}, \"json\": \"{{}}\"}}")
         assert w.query("SELECT incident_id FROM diagnoses").result_rows == [("i",)]
+        # parameters too long for a URL: clickhouse-connect sends a multipart form instead
+        ids = [f"comm-{i:06d}-" + "x" * 40 for i in range(4000)]
+        got = w.query_columns("SELECT length({ids:Array(String)}) AS n, "
+                              "indexOf({ids:Array(String)}, {last:String}) AS at",
+                              {"ids": ids, "last": ids[-1]})
+        assert (int(got["n"][0]), int(got["at"][0])) == (4000, 4000)
         with pytest.raises(ClickHouseError) as e:
             w.query("SELECT * FROM no_such_table")
         assert e.value.code == 60 and "no_such_table" in e.value.message
