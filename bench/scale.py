@@ -8,20 +8,23 @@ Kafka broker, the store process that owns the embedded ClickHouse and serves it 
 HTTP interface, N workers reaching it as a server (also for N = 1, so every N pays the same
 per-record path) — waits until the workers have split the partitions, and then:
 
-1. **one big job**: a simulated 1,024-rank job (TP 8 × PP 4 × DP 32, `--big-steps` steps,
-   published as fast as the simulator makes them);
-2. **many small jobs**: `--small-jobs` simulated 8-rank jobs (`--small-steps` steps each);
+1. **one big job**: a simulated 1,024-rank job (TP 8 × PP 4 × DP 32, `--big-steps` steps;
+   3 steps: 0.77 M records);
+2. **many small jobs**: `--small-jobs` simulated 8-rank jobs (`--small-steps` steps each;
+   16 x 30 steps: 0.85 M records);
 3. **kill** (N ≥ 2, unless `--no-kill`): an 8-rank job in real time hangs 4 s in; once its
    incident is announced, the worker that owns it is SIGKILLed; reported: the seconds from the
    kill to the next diagnosis of that job on rw.diagnoses (the survivor's, after it took the job
    over), against the consumer group's session timeout that bounds it from below.
 
-For 1 and 2 it measures, from the first record published until every raw row is stored and the
-workers have been idle for `QUIET_S` (derived windows and diagnosis included), the CPU seconds
-of each worker and of the store (/proc), and reports records per worker CPU-second (all raw
-records / the workers' CPU seconds; per-record cost that does not grow with N keeps it flat),
-the store's CPU per million records and the wall time. Raw rows stored are counted against the
-simulator's own counts (a difference is reported, not hidden).
+For 1 and 2 the jobs are simulated first; then every batch is published at once (keyed by job)
+and it measures, from the first batch published until every raw row is stored and the workers
+have been idle for `QUIET_S` (derived windows and diagnosis included), the CPU seconds of each
+worker and of the store (/proc), and reports records per worker CPU-second (all raw records /
+the workers' CPU seconds; per-record cost that does not grow with N keeps it flat), the same net
+of the workers' idle CPU rate (sampled for `IDLE_S` before: timers, heartbeats, which grow with
+N whatever the load), the store's CPU per million records and the wall time. Raw rows stored
+are counted against the simulator's own counts (a difference is reported, not hidden).
 
 A job is owned by one worker: the big job's records all go to its home partition, so with N
 workers one of them does its work and the others idle; the 16 small jobs spread over them.
@@ -46,10 +49,10 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from diagnosis.model import Diagnosis
+from ingest.publish import BatchPublisher
 from ingest.records import MODELS
 from ingest.sim.config import JobConfig
 from ingest.sim.runner import KafkaSink
-from ingest.sim.runner import run as run_sim
 from ingest.sim.simulation import Simulation
 from rankwatch import stack
 from rankwatch.kafka_broker import Broker, Daemon, ensure_jars, ensure_topics
@@ -62,6 +65,8 @@ SESSION_S = 6.0
 #: Idle this long after the last row is stored: past the windows' idle close (streams/windows.py,
 #: `idle_ns`, 10 s), so the job's last derived windows are in the measured CPU.
 QUIET_S = 12.0
+#: How long the idle workers' CPU rate is sampled before each workload.
+IDLE_S = 5.0
 _ASSIGNED = re.compile(r"assigned partitions \[([0-9, ]*)\] of (\d+) of (\S+?):")
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -77,6 +82,10 @@ class Run:
     store_cpu_s: float
     records_per_worker_cpu_s: float
     store_cpu_s_per_m_records: float
+    #: the workers' CPU seconds per second before the records came (timers, heartbeats)
+    idle_cpu_per_s: float
+    #: records per worker CPU-second above that idle rate: the per-record cost alone
+    records_per_net_worker_cpu_s: float
 
 
 @dataclass
@@ -136,20 +145,36 @@ def stored_rows(db: Database, jobs: list[str]) -> int:
     return total
 
 
+def idle_rate(pids: list[int | None], seconds: float = IDLE_S) -> float:
+    """The workers' CPU seconds per wall second, all together, while no record arrives."""
+    c0, t0 = sum(cpu_s(p) for p in pids), time.monotonic()
+    time.sleep(seconds)
+    return (sum(cpu_s(p) for p in pids) - c0) / (time.monotonic() - t0)
+
+
 def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
             progress: Any) -> Run:
+    """Simulate the jobs first (outside the measurement), then publish every batch at once,
+    keyed by job as the simulator's own sink does, and measure until stored and idle."""
+    batches: list[tuple[str, str, bytes]] = []
+    published = 0
+    epoch = time.time_ns()
+    for cfg in cfgs:
+        sim = Simulation(cfg.with_(epoch_ns=epoch))
+        batches += [(cfg.job_id, kind, data)
+                    for _, kind, data in sim.batches(framing=KafkaSink.framing)]
+        published += int(sim.rows)
     workers = [d.pid() for d in stack.worker_daemons(settings)[:n]]
     store_pid = stack.store_daemon(settings).pid()
+    idle = idle_rate(workers)
     cpu0 = [cpu_s(p) for p in workers]
     store0 = cpu_s(store_pid)
     t0 = time.monotonic()
-    published = 0
-    for cfg in cfgs:
-        sink = KafkaSink(settings.bootstrap, settings.topics, cfg.job_id)
-        sim = Simulation(cfg.with_(epoch_ns=time.time_ns()))
-        run_sim(sim, sink, "max", None)
-        sink.close()
-        published += int(sim.rows)
+    pub = BatchPublisher(settings.bootstrap, settings.topics)
+    for job, kind, data in batches:
+        pub.publish(kind, data, key=job)
+    if pub.flush(120):
+        raise RuntimeError(f"{workload}: batches not delivered: {pub.stats.errors[:3]}")
     progress(f"  {workload}: published {published:,} records in {time.monotonic() - t0:.1f} s")
     jobs = [c.job_id for c in cfgs]
     stored = 0
@@ -171,9 +196,11 @@ def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
     used = [cpu_s(p) - c for p, c in zip(workers, cpu0, strict=True)]
     store = cpu_s(store_pid) - store0
     total = sum(used)
+    net = total - idle * wall
     run = Run(n, workload, published, stored, round(wall, 1), [round(u, 2) for u in used],
               round(store, 2), round(published / total) if total else 0.0,
-              round(store / published * 1e6, 2) if published else 0.0)
+              round(store / published * 1e6, 2) if published else 0.0,
+              round(idle, 3), round(published / net) if net > 0 else 0.0)
     progress(f"  {workload}: {run.records_per_worker_cpu_s:,.0f} records per worker CPU-s "
              f"(workers {run.worker_cpu_s} CPU-s, store {run.store_cpu_s} CPU-s), stored "
              f"{stored:,}/{published:,}")
@@ -293,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asdict(report), indent=2))
     else:
         print(f"{'workers':>7}  {'workload':<22}{'records':>11}{'stored':>11}{'wall s':>8}"
-              f"{'rec/worker CPU-s':>18}{'store CPU-s/M':>15}  worker CPU-s")
+              f"{'rec/worker CPU-s':>18}{'net of idle':>13}{'store CPU-s/M':>15}"
+              f"  worker CPU-s")
         for r in report.runs:
             print(f"{r.workers:>7}  {r.workload:<22}{r.records:>11,}{r.stored:>11,}"
                   f"{r.wall_s:>8}{r.records_per_worker_cpu_s:>18,.0f}"
+                  f"{r.records_per_net_worker_cpu_s:>13,.0f}"
                   f"{r.store_cpu_s_per_m_records:>15}  {r.worker_cpu_s}")
         for k in report.kills:
             print(f"{k.workers} workers, owner killed mid-incident: next diagnosis after "

@@ -140,12 +140,13 @@ def execute(path: str, database: str, statement: str, data: bytes | None, data_f
                 raise StoreError(f"Code: 81. DB::Exception: Database {database!r} does not "
                                  "exist. (UNKNOWN_DATABASE)", 81, 404)
             run(f"USE `{database}`")
-        for name, value in {**settings, **{k: str(v) for k, v in limits.settings().items()}
-                            }.items():
-            if not _NAME.match(name):
-                raise StoreError(f"Code: 115. DB::Exception: Unknown setting {name!r}. "
-                                 "(UNKNOWN_SETTING)", 115, 400)
-            run(f"SET {name} = {_quote(value)}")
+        merged = {**settings, **{k: str(v) for k, v in limits.settings().items()}}
+        bad = [name for name in merged if not _NAME.match(name)]
+        if bad:
+            raise StoreError(f"Code: 115. DB::Exception: Unknown setting {bad[0]!r}. "
+                             "(UNKNOWN_SETTING)", 115, 400)
+        # one statement: the store's limits come last, so they win over the caller's
+        run("SET " + ", ".join(f"{name} = {_quote(value)}" for name, value in merged.items()))
         if data is None:
             return run(statement, out_format, params)
         fd, tmp = tempfile.mkstemp(prefix="rankwatch-insert-", suffix=".bin")
