@@ -224,8 +224,10 @@ def kill_owner(settings: Settings, n: int, split: list[set[int]], progress: Any)
     after: float | None = None
     incidents: set[str] = set()
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and sim.poll() is None and after is None:
+        # the hang's incident stays open after the job's records end: wait for it whatever
+        # the simulator's state (on a loaded machine it may come after the last record)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and after is None:
             m = c.poll(0.2)
             if m is None or m.error():
                 continue

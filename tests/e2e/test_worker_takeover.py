@@ -97,7 +97,8 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
     db = Database(stack.store_url(settings), settings.clickhouse_database, create=False)
     try:
         deadline = time.monotonic() + 80
-        while time.monotonic() < deadline and sim.poll() is None:
+        # until the job ends, or later while no incident was announced yet (a loaded machine)
+        while time.monotonic() < deadline and (sim.poll() is None or killed_at is None):
             m = c.poll(0.5)
             if m is not None and not m.error():
                 d = Diagnosis.model_validate_json(m.value() or b"{}")
