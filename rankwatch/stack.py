@@ -316,39 +316,56 @@ def start_workers(settings: Settings, n: int, progress: Progress, timeout: float
             "worker_id": f"worker-{i}", **({} if i == 1 else {"metrics_port": 0,
                                                           "page_port": 0})})
             for i in range(1, n + 1)]
-    for i, ws in enumerate(settings_of, 1):
-        _start_worker(ws, progress, timeout, index=i)
+    # started together, then awaited: each spends most of its start joining the group
+    pids = [_launch_worker(ws, progress, i, several=True) for i, ws in enumerate(settings_of, 1)]
+    for i, (ws, pid) in enumerate(zip(settings_of, pids, strict=True), 1):
+        if pid is not None:
+            _await_worker(ws, progress, timeout, i, pid)
 
 
-def _start_worker(settings: Settings, progress: Progress, timeout: float,
-                  index: int = 1) -> None:
+def _start_worker(settings: Settings, progress: Progress, timeout: float) -> None:
+    pid = _launch_worker(settings, progress)
+    if pid is not None:
+        _await_worker(settings, progress, timeout, 1, pid)
+
+
+def _launch_worker(settings: Settings, progress: Progress, index: int = 1,
+                   several: bool = False) -> int | None:
+    """Start worker `index` unless it runs; its pid to wait for, None when it was running."""
     d = worker_daemon(settings, index)
     pid = d.pid()
-    if pid is not None and not ping_worker(settings):
-        progress(f"worker: already running (pid {pid}); SQL at {sql_endpoint(settings)}")
-        return
+    if pid is not None and (several or not ping_worker(settings)):
+        where = "" if several else f"; SQL at {sql_endpoint(settings)}"
+        progress(f"{d.name}: already running (pid {pid}){where}")
+        return None
     if pid is None:
         if port_open(settings.bind_host, settings.sql_port):
             raise StackError(f"worker: port {settings.sql_port} is in use by another program; "
                              f"stop it or choose another (RANKWATCH_SQL_PORT)")
         pid = d.start(worker_command(settings), env=child_env(settings), cwd=settings.home)
-        progress(f"worker: starting (pid {pid}), log {d.log_file}…")
+        progress(f"{d.name}: starting (pid {pid}), log {d.log_file}…")
+    return pid
+
+
+def _await_worker(settings: Settings, progress: Progress, timeout: float, index: int,
+                  pid: int) -> None:
+    d = worker_daemon(settings, index)
     t0 = time.monotonic()
     why = ""
     while time.monotonic() - t0 < timeout:
         if d.exited() is not None or d.pid() != pid:
             d.stop(5)
-            raise StackError(f"worker: exited while starting; the end of {d.log_file}:\n"
+            raise StackError(f"{d.name}: exited while starting; the end of {d.log_file}:\n"
                              f"{tail(d.log_file)}")
         why = ping_worker(settings)
         if not why and _stays_up(d, pid, settings):
-            progress(f"worker: ready in {time.monotonic() - t0:.1f} s; SQL at "
+            progress(f"{d.name}: ready in {time.monotonic() - t0:.1f} s; SQL at "
                      f"{sql_endpoint(settings)}, ClickHouse {display_url(settings.clickhouse)}")
             return
         time.sleep(0.25)
     # a worker still starting (rejoining its consumer group after an unclean stop takes up to
     # the group's session timeout) is left to finish: killing it would only start that over
-    raise StackError(f"worker: not ready within {timeout:.0f} s ({why}); it is still running "
+    raise StackError(f"{d.name}: not ready within {timeout:.0f} s ({why}); it is still running "
                      f"(pid {pid}) and was not stopped: `rankwatch status` tells when it is "
                      f"ready, `rankwatch down` stops everything. The end of {d.log_file}:\n"
                      f"{tail(d.log_file)}")
