@@ -344,7 +344,38 @@ def _launch_worker(settings: Settings, progress: Progress, index: int = 1,
                              f"stop it or choose another (RANKWATCH_SQL_PORT)")
         pid = d.start(worker_command(settings), env=child_env(settings), cwd=settings.home)
         progress(f"{d.name}: starting (pid {pid}), log {d.log_file}…")
+        if several:  # where `status` finds its health (/ping on its own SQL port)
+            _port_file(settings, index).write_text(f"{settings.sql_port}\n")
     return pid
+
+
+def _port_file(settings: Settings, index: int) -> Path:
+    return settings.run_dir / f"{worker_daemon(settings, index).name}.port"
+
+
+def several_status(settings: Settings) -> dict[str, Any] | None:
+    """The store and every worker of `up --workers N` (None when no store runs): each worker's
+    health from /ping on its own SQL port."""
+    store = store_daemon(settings)
+    spid = store.pid()
+    if spid is None:
+        return None
+    why = ping_store(settings)
+    workers = []
+    for i, d in enumerate(worker_daemons(settings), 1):
+        pid = d.pid()
+        try:
+            port = int(_port_file(settings, i).read_text().strip())
+        except (OSError, ValueError):
+            port = 0
+        wwhy = "not running" if pid is None else (
+            ping_worker(settings.model_copy(update={"sql_port": port})) if port
+            else "its SQL port is unknown")
+        workers.append({"name": d.name, "running": pid is not None, "healthy": not wwhy,
+                        "pid": pid, "detail": wwhy or "ok", "log": str(d.log_file)})
+    return {"store": {"running": True, "healthy": not why, "pid": spid, "detail": why or "ok",
+                      "log": str(store.log_file)},
+            "workers": workers}
 
 
 def _await_worker(settings: Settings, progress: Progress, timeout: float, index: int,
@@ -433,8 +464,17 @@ def status(settings: Settings) -> dict[str, Any]:
         why = f"{why}; {loop}" if why else loop
     worker = {"running": pid is not None, "healthy": not why, "pid": pid, "detail": why or "ok",
               "sql_endpoint": sql_endpoint(settings), "log": str(d.log_file)}
+    several = several_status(settings)
+    if several is not None:  # `up --workers N`: the SQL endpoint is the store's
+        first = several["workers"][0]
+        worker.update({k: first[k] for k in ("running", "healthy", "pid", "detail")})
+        healthy = bool(kafka["healthy"] and several["store"]["healthy"]
+                       and all(w["healthy"] for w in several["workers"]))
+    else:
+        healthy = bool(kafka["healthy"] and worker["healthy"])
     return {
-        "healthy": bool(kafka["healthy"] and worker["healthy"]),
+        "healthy": healthy,
+        **(several or {}),
         "home": str(settings.home),
         "kafka": kafka,
         "worker": worker,

@@ -115,7 +115,16 @@ def format_status(st: dict[str, Any]) -> str:
     for name, state, pid, where, log in rows:
         pid_text = f"pid {pid}" if pid else ""
         lines.append(f"{name:<8}{state:<10}{pid_text:<12}{where:<36}{log}".rstrip())
-    for name, part in (("kafka", k), ("worker", w)):
+    parts = [("kafka", k), ("worker", w)]
+    if "store" in st:  # up --workers N: the store and the other workers
+        more = [("store", st["store"], "ClickHouse for the workers")]
+        more += [(x["name"], x, "") for x in st["workers"][1:]]
+        for name, part, where in more:
+            pid_text = f"pid {part['pid']}" if part["pid"] else ""
+            lines.append(f"{name:<8}{_state(part):<10}{pid_text:<12}{where:<36}"
+                         f"{part['log']}".rstrip())
+            parts.append((name, part))
+    for name, part in parts:
         if part["running"] and not part["healthy"]:
             lines.append(f"  {name}: {part['detail']}")
     n = st.get("notify") or {}

@@ -24,6 +24,7 @@ from confluent_kafka import Consumer
 from diagnosis.model import Diagnosis
 from ingest.records import MODELS
 from rankwatch import stack
+from rankwatch.commands.stack import format_status
 from rankwatch.kafka_broker import Daemon, delete_topics, ensure_topics
 from rankwatch.settings import Settings
 from streams.db import Database
@@ -79,6 +80,10 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
     daemons = stack.worker_daemons(settings)
     assert len(daemons) == 2 and all(d.pid() for d in daemons)
     split = wait_split(settings, 60)
+    st = stack.status(settings)
+    assert st["healthy"] and st["store"]["healthy"], st
+    assert [w["healthy"] for w in st["workers"]] == [True, True]
+    assert "store" in format_status(st) and "worker-2" in format_status(st)
     job = "takeover-1"
     home = job_partition(job, PARTITIONS)
     owner = next(i for i, parts in enumerate(split) if home in parts)
@@ -144,6 +149,8 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
         c.close()
         db.close()
     assert killed_at is not None, "no diagnosis arrived before the job ended"
+    st = stack.status(settings)
+    assert not st["healthy"] and not st["workers"][owner]["running"]
     assert got[0].status == "open" and got[0].kind == "hang" and got[0].culprit_ranks == [5]
     opened = {d.incident_id for d in got if d.status == "open" and d.version == 1}
     assert len(opened) == 1, f"announced more than once: {[d.summary for d in got]}"
