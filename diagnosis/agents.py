@@ -24,7 +24,17 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   in a worker thread;
   every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
   (sql/003_diagnoses.sql). A timer re-checks open incidents and sweeps jobs (`Analyst.tick`).
-  On start the incident book is restored from the `diagnoses` table.
+- ownership (streams/ownership.py): with several workers each runs the agents of the jobs it
+  owns (the derived and trigger topics are keyed by job, so a job's messages reach its owner).
+  After every assignment (`Ownership.generation`) the agents drop the watches, topologies and
+  incidents of jobs they lost and load from the `diagnoses` table the open incidents of the jobs
+  they own and did not hold (on start: all of them), before the next trigger is analysed: a
+  trigger the old owner had not committed is absorbed by the incident it opened, and re-checks
+  continue the same incident (its next version) instead of announcing a new one. A version is
+  stored before it is announced, and a worker that takes an incident over announces its newest
+  version again (the same `id`: rw.diagnoses consumers deduplicate by it), so a version stored
+  by a worker killed before announcing it is not lost. Messages of a job owned elsewhere (read
+  during a rebalance) are skipped; the analyst sweeps owned jobs only.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
 from streams.db import ClickHouseError, Database
+from streams.ownership import Ownership
 from streams.windows import WatermarkParams
 
 log = logging.getLogger(__name__)
@@ -79,6 +90,12 @@ KERNEL_WINDOW_S = 40.0
 #: How long the feed agents wait to fill a buffer: the feeds carry a few messages a second, so
 #: a long wait is pure latency (Faust's take_events waits this long unless the buffer fills).
 FEED_WITHIN_S = 0.05
+#: The newest version of every incident of the last day whose newest version is not resolved.
+OPEN_INCIDENTS_SQL = """
+SELECT argMax(json, version) FROM diagnoses FINAL
+WHERE detected_ns > toUnixTimestamp64Nano(now64(9)) - 86400000000000
+GROUP BY job_id, incident_id HAVING argMax(status, version) != 'resolved'
+"""
 
 
 def progress_as_ops(p: Columns) -> tuple[Columns, Columns]:
@@ -159,15 +176,19 @@ class DiagnosisAgents:
 
     def __init__(self, app: faust.App, db: Database, topics: Topics, *,
                  clock: Callable[[], int] = time.time_ns, tick_s: float = 1.0,
-                 config: AnalystConfig | None = None) -> None:
+                 config: AnalystConfig | None = None,
+                 ownership: Ownership | None = None) -> None:
         self.app, self.db, self.clock = app, db, clock
+        self.ownership = ownership or Ownership()
+        self._restoring = asyncio.Lock()
+        #: the ownership generation the held state is for (-1: nothing restored yet)
+        self.restored_generation = -1
         self.watches: dict[str, JobWatch] = {}
         self.watermark: dict[str, int] = {}  # per job: newest progress window_end (event time)
         self.topos: dict[str, JobTopology] = {}
         self.analyst = Analyst(self._read, config or AnalystConfig(),
                                event_clock=self._event_time)
         self.lock = asyncio.Lock()
-        self.restored = False
         self.published: list[Diagnosis] = []
         #: triggers published per trigger kind (the worker's /metrics)
         self.trigger_counts: dict[str, int] = {}
@@ -223,26 +244,82 @@ class DiagnosisAgents:
             self.trigger_counts[t.kind] = self.trigger_counts.get(t.kind, 0) + 1
 
     async def _publish(self, diags: list[Diagnosis]) -> None:
+        """Store each version, then announce it: a version on rw.diagnoses is always in the
+        `diagnoses` table, where a worker that takes the job over finds its incident (a worker
+        stopped between the two has its version announced by that worker: `_restore`)."""
         for d in diags:
             log.info("diagnosis %s", d.summary)
-            fut = await self.t_diagnoses.send(key=d.job_id.encode(), value=d.to_json())
-            await fut
             await self.db.acommand("INSERT INTO diagnoses FORMAT JSONEachRow\n"
                                    + diagnosis_row(d).decode())
+            await self._announce(d)
             self.published.append(d)
 
+    async def _announce(self, d: Diagnosis) -> None:
+        fut = await self.t_diagnoses.send(key=d.job_id.encode(), value=d.to_json())
+        await fut
+
+    @property
+    def restored(self) -> bool:
+        return self.restored_generation >= 0
+
     async def _restore(self) -> None:
-        if self.restored:
+        """Hand jobs over after an assignment (module docstring, "ownership"); nothing to do
+        while the ownership is unchanged. A failed read is retried at the next call."""
+        if self.restored_generation == self.ownership.generation:
             return
-        self.restored = True
-        try:
-            r = await self.db.aquery("SELECT json FROM diagnoses FINAL WHERE status != 'resolved'"
-                                     " AND detected_ns > toUnixTimestamp64Nano(now64(9)) - "
-                                     "86400000000000")
-            self.analyst.book.restore(Diagnosis.model_validate_json(row[0])
-                                      for row in r.result_rows)
-        except ClickHouseError as e:  # the table may not exist in an old database
-            log.warning("cannot restore incidents: %s", e.message)
+        async with self._restoring:
+            generation = self.ownership.generation
+            if self.restored_generation == generation:
+                return
+            try:
+                r = await self.db.aquery(OPEN_INCIDENTS_SQL)
+            except ClickHouseError as e:  # the table may not exist in an old database
+                log.warning("cannot restore incidents: %s", e.message)
+                if e.code != 60:  # UNKNOWN_TABLE: nothing to restore; otherwise retry
+                    return
+                r = None
+            found = [Diagnosis.model_validate_json(row[0]) for row in r.result_rows] if r else []
+            async with self.lock:  # the analyst's thread does not run meanwhile
+                self._forget([j for j in self._held() if not self.ownership.owns(j)])
+                held = {job for job, _ in self.analyst.book.open}
+                gained = [d for d in found
+                          if d.job_id not in held and self.ownership.owns(d.job_id)]
+                self.analyst.book.restore(gained)
+                self.analyst.jobs |= {d.job_id for d in gained}
+            if gained:
+                log.info("took over %d open incident(s) of %d job(s)", len(gained),
+                         len({d.job_id for d in gained}))
+            # the previous owner may have stopped between storing a version and announcing it:
+            # announce the newest version again, under its own `id` (consumers deduplicate)
+            for d in gained:
+                try:
+                    await self._announce(d)
+                except Exception as e:  # the broker is out: the incident goes on regardless
+                    log.warning("announcing taken-over incident %s again failed: %s",
+                                d.incident_id, e)
+            self.restored_generation = generation
+
+    def _held(self) -> set[str]:
+        a = self.analyst
+        return set(self.watches) | set(self.topos) | set(self.watermark) | a.jobs \
+            | {job for job, _ in a.book.open}
+
+    def _forget(self, jobs: Collection[str]) -> None:
+        """Drop everything held of `jobs` (another worker owns them now)."""
+        if not jobs:
+            return
+        gone = set(jobs)
+        a = self.analyst
+        for per_job in (self.watches, self.topos, self.watermark, a.last_check, a.last_sweep,
+                        a.swept_at, a.resolved_hangs):
+            for job in [j for j in per_job if j in gone]:
+                del per_job[job]
+        a.jobs -= gone
+        for key in [k for k in a.book.open if k[0] in gone]:
+            del a.book.open[key]
+        for key in [k for k in a.triggers if k[0] in gone]:
+            del a.triggers[key]
+        log.info("handed over %d job(s) to other workers", len(gone))
 
     # -- agents ------------------------------------------------------------------------------
 
@@ -256,6 +333,8 @@ class DiagnosisAgents:
                     b = decode_batch(e.message.value or b"")
                 except BatchError as err:
                     log.warning("bad %s batch: %s", what, err)
+                    continue
+                if not self.ownership.owns(b.job_id):  # read during a rebalance
                     continue
                 w = await self._watch(b.job_id)
                 if w is not None:
@@ -284,6 +363,8 @@ class DiagnosisAgents:
                 except ValueError as err:
                     log.warning("bad trigger: %s", err)
                     continue
+                if not self.ownership.owns(rec.job_id):  # read during a rebalance
+                    continue
                 t = Trigger(rec.job_id, rec.ts, rec.kind, tuple(rec.ranks), rec.evidence)
                 try:
                     async with self.lock:
@@ -298,6 +379,7 @@ class DiagnosisAgents:
             now = self.clock()
             await self._restore()
             self.analyst.jobs |= set(self.watches)
+            self.analyst.jobs = {j for j in self.analyst.jobs if self.ownership.owns(j)}
             if self.lock.locked():
                 return
             async with self.lock:
@@ -307,6 +389,8 @@ class DiagnosisAgents:
             log.exception("diagnosis tick failed")
 
 
-def attach(app: faust.App, db: Database, topics: Topics) -> DiagnosisAgents:
-    """Add the diagnosis agents to the worker's app (the hook rankwatch worker calls)."""
-    return DiagnosisAgents(app, db, topics)
+def attach(app: faust.App, db: Database, topics: Topics,
+           ownership: Ownership | None = None) -> DiagnosisAgents:
+    """Add the diagnosis agents to the worker's app (the hook rankwatch worker calls) for the
+    jobs `ownership` says this worker owns (all by default)."""
+    return DiagnosisAgents(app, db, topics, ownership=ownership)

@@ -49,13 +49,17 @@ class Topics:
 
     def specs(self, partitions: int = 6) -> list[TopicSpec]:
         """What `rankwatch up` creates: raw topics spread over `partitions`, jobs compacted,
-        diagnoses kept a year, derived low-volume topics on fewer partitions."""
+        diagnoses kept a year, job-keyed derived topics on as many partitions as the raw ones
+        (one owner per job, streams.ownership), the dead-letter topic on fewer."""
         year = 365 * 24 * 3600 * 1000
         few = max(1, partitions // 2)
         out = [TopicSpec(self.jobs, 1, compacted=True, retention_ms=-1)]
         out += [TopicSpec(getattr(self, k), partitions)
                 for k in ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")]
-        out += [TopicSpec(getattr(self, k), few)
-                for k in ("progress", "iterations", "kernel_summaries", "triggers", "dlq")]
+        # job-keyed derived topics have the raw topics' count: a job's home partition of each
+        # is assigned to the job's owner (streams.ownership)
+        out += [TopicSpec(getattr(self, k), partitions)
+                for k in ("progress", "iterations", "kernel_summaries", "triggers")]
+        out += [TopicSpec(self.dlq, few)]
         out += [TopicSpec(self.diagnoses, 1, retention_ms=year), TopicSpec(self.truth, 1)]
         return out

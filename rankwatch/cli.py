@@ -14,8 +14,8 @@ from rankwatch import __version__
 from rankwatch.settings import Settings, SettingsError
 
 #: Command modules under rankwatch/commands/, in the order `--help` lists them.
-COMMANDS = ("stack", "db", "sql", "worker", "publish", "simulate", "bench", "agent", "replay",
-            "import_", "eval", "tail", "notify", "report", "export")
+COMMANDS = ("stack", "db", "sql", "worker", "store", "publish", "simulate", "bench", "agent",
+            "replay", "import_", "eval", "tail", "notify", "report", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

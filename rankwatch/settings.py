@@ -82,6 +82,11 @@ class Settings(BaseModel):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8125
     #: The worker's incident pages at http://bind_host:page_port/ (0: off).
     page_port: Annotated[int, Field(ge=0, le=65535)] = 8128
+    #: With several local workers (`rankwatch up --workers N`): the loopback port where the
+    #: store process serves the embedded ClickHouse to the workers (streams/store_server.py),
+    #: and the token they present (`up` makes a random one when empty).
+    store_port: Port = 8127
+    store_token: SecretStr = SecretStr("")
     #: The token the SQL endpoint requires of every query (required to bind beyond loopback).
     sql_token: SecretStr = SecretStr("")
     #: Limits of one query through the endpoint (set before readonly=1: a query cannot raise

@@ -12,9 +12,11 @@ SIGTERM) → broker.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import random
+import secrets
 import socket
 import sys
 import time
@@ -111,9 +113,51 @@ def bootstrap(settings: Settings) -> str:
     return settings.kafka_bootstrap or KafkaCluster(settings).bootstrap
 
 
-def worker_daemon(settings: Settings) -> Daemon:
-    return Daemon("worker", settings.run_dir / "worker.pid",
-                  settings.home / "logs" / "worker.log", marker="rankwatch.cli")
+def worker_daemon(settings: Settings, index: int = 1) -> Daemon:
+    """The worker's daemon; with several workers (`up --workers N`), worker `index` (1..N)."""
+    name = "worker" if index == 1 else f"worker-{index}"
+    return Daemon(name, settings.run_dir / f"{name}.pid",
+                  settings.home / "logs" / f"{name}.log", marker="rankwatch.cli")
+
+
+# -- several workers: one store process owns the embedded database ------------------------------
+
+def store_daemon(settings: Settings) -> Daemon:
+    return Daemon("store", settings.run_dir / "store.pid", settings.home / "logs" / "store.log",
+                  marker="rankwatch.cli")
+
+
+def store_command(settings: Settings) -> list[str]:
+    return [sys.executable, "-m", "rankwatch.cli", "--home", str(settings.home),
+            "--kafka-port", str(settings.kafka_port), "store"]
+
+
+def store_url(settings: Settings) -> str:
+    """Where the workers reach the store (streams/store_server.py), token included."""
+    token = urllib.parse.quote(settings.store_token.get_secret_value(), safe="")
+    return f"http://rankwatch:{token}@127.0.0.1:{settings.store_port}"
+
+
+def ping_store(settings: Settings, timeout: float = 1.0) -> str:
+    """"" when the store's endpoint answers ``/ping``, else why not."""
+    url = f"http://127.0.0.1:{settings.store_port}/ping"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            body = r.read(64).decode(errors="replace").strip()
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        return f"{url}: {getattr(e, 'reason', e)}"
+    return "" if body == "Ok." else f"{url} answered {body!r}"
+
+
+def worker_settings(settings: Settings, index: int, sql_port: int) -> Settings:
+    """Worker `index`'s settings among several: ClickHouse through the store, its own SQL port
+    (the store serves `sql_port` to `rankwatch sql`), its own id; pages and metrics on worker 1
+    only (the ports are the stack's)."""
+    update: dict[str, Any] = {"clickhouse_url": store_url(settings), "sql_port": sql_port,
+                              "worker_id": f"worker-{index}"}
+    if index > 1:
+        update.update(metrics_port=0, page_port=0)
+    return settings.model_copy(update=update)
 
 
 def worker_command(settings: Settings) -> list[str]:
@@ -186,9 +230,10 @@ def crash_loop(settings: Settings, now: float | None = None) -> str:
 
 
 def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
-       timeout: float = 180.0) -> dict[str, Any]:
+       timeout: float = 180.0, workers: int = 1) -> dict[str, Any]:
     """Start whatever is not running (idempotent) and return `status`. Raises StackError or
-    BrokerError with the end of the failing part's log."""
+    BrokerError with the end of the failing part's log. With `workers` > 1 a store process owns
+    the embedded database and serves it to the workers (`start_workers`)."""
     if settings.kafka_bootstrap:
         why = probe(settings.bootstrap)
         if why:
@@ -212,8 +257,11 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
     created = ensure_topics(bootstrap(settings), specs)
     progress(f"topics: created {len(created)} of {len(specs)}" if created
              else f"topics: all {len(specs)} present")
-    if worker:
+    if worker and workers > 1:
+        start_workers(settings, workers, progress, timeout)
+    elif worker:
         _start_worker(settings, progress, timeout)
+    if worker:
         try:
             notify_service.start(settings, child_env(settings), progress)
         except RuntimeError as e:
@@ -221,34 +269,142 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
     return status(settings)
 
 
+def _store_token(settings: Settings) -> Settings:
+    """`settings` with the stack's store token: the configured one, else the one this stack
+    made (kept in the run directory, readable by its owner only), else a new random one."""
+    if settings.store_token.get_secret_value():
+        return settings
+    path = settings.run_dir / "store.token"
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        token = ""
+    if not token:
+        token = secrets.token_urlsafe(24)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    return settings.model_copy(update={"store_token": SecretStr(token)})
+
+
+def start_workers(settings: Settings, n: int, progress: Progress, timeout: float) -> None:
+    """The store (it owns the embedded database, serves it to the workers on loopback and SQL on
+    `sql_port`), then `n` workers that reach ClickHouse through it."""
+    from streams.db import parse_url  # the worker's dependencies: only where workers start
+
+    if parse_url(settings.clickhouse).embedded:
+        settings = _store_token(settings)
+        d = store_daemon(settings)
+        pid = d.pid()
+        if pid is None:
+            for port in (settings.store_port, settings.sql_port):
+                if port_open(settings.bind_host, port) or port_open("127.0.0.1", port):
+                    raise StackError(f"store: port {port} is in use by another program; stop "
+                                     "it or choose another (RANKWATCH_STORE_PORT, "
+                                     "RANKWATCH_SQL_PORT)")
+            pid = d.start(store_command(settings), env=child_env(settings), cwd=settings.home)
+            progress(f"store: starting (pid {pid}), log {d.log_file}…")
+        t0 = time.monotonic()
+        while ping_store(settings) or ping_worker(settings):
+            if d.exited() is not None or d.pid() != pid:
+                d.stop(5)
+                raise StackError(f"store: exited while starting; the end of {d.log_file}:\n"
+                                 f"{tail(d.log_file)}")
+            if time.monotonic() - t0 > timeout:
+                raise StackError(f"store: not ready within {timeout:.0f} s; the end of "
+                                 f"{d.log_file}:\n{tail(d.log_file)}")
+            time.sleep(0.25)
+        progress(f"store: ready; SQL at {sql_endpoint(settings)}")
+        base = settings
+        settings_of = [worker_settings(base, i, free_port()) for i in range(1, n + 1)]
+    else:  # a ClickHouse server: every worker connects to it directly
+        settings_of = [settings.model_copy(update={
+            "sql_port": settings.sql_port if i == 1 else free_port(),
+            "worker_id": f"worker-{i}", **({} if i == 1 else {"metrics_port": 0,
+                                                          "page_port": 0})})
+            for i in range(1, n + 1)]
+    # started together, then awaited: each spends most of its start joining the group
+    pids = [_launch_worker(ws, progress, i, several=True) for i, ws in enumerate(settings_of, 1)]
+    for i, (ws, pid) in enumerate(zip(settings_of, pids, strict=True), 1):
+        if pid is not None:
+            _await_worker(ws, progress, timeout, i, pid)
+
+
 def _start_worker(settings: Settings, progress: Progress, timeout: float) -> None:
-    d = worker_daemon(settings)
+    pid = _launch_worker(settings, progress)
+    if pid is not None:
+        _await_worker(settings, progress, timeout, 1, pid)
+
+
+def _launch_worker(settings: Settings, progress: Progress, index: int = 1,
+                   several: bool = False) -> int | None:
+    """Start worker `index` unless it runs; its pid to wait for, None when it was running."""
+    d = worker_daemon(settings, index)
     pid = d.pid()
-    if pid is not None and not ping_worker(settings):
-        progress(f"worker: already running (pid {pid}); SQL at {sql_endpoint(settings)}")
-        return
+    if pid is not None and (several or not ping_worker(settings)):
+        where = "" if several else f"; SQL at {sql_endpoint(settings)}"
+        progress(f"{d.name}: already running (pid {pid}){where}")
+        return None
     if pid is None:
         if port_open(settings.bind_host, settings.sql_port):
             raise StackError(f"worker: port {settings.sql_port} is in use by another program; "
                              f"stop it or choose another (RANKWATCH_SQL_PORT)")
         pid = d.start(worker_command(settings), env=child_env(settings), cwd=settings.home)
-        progress(f"worker: starting (pid {pid}), log {d.log_file}…")
+        progress(f"{d.name}: starting (pid {pid}), log {d.log_file}…")
+        if several:  # where `status` finds its health (/ping on its own SQL port)
+            _port_file(settings, index).write_text(f"{settings.sql_port}\n")
+    return pid
+
+
+def _port_file(settings: Settings, index: int) -> Path:
+    return settings.run_dir / f"{worker_daemon(settings, index).name}.port"
+
+
+def several_status(settings: Settings) -> dict[str, Any] | None:
+    """The store and every worker of `up --workers N` (None when no store runs): each worker's
+    health from /ping on its own SQL port."""
+    store = store_daemon(settings)
+    spid = store.pid()
+    if spid is None:
+        return None
+    why = ping_store(settings)
+    workers = []
+    for i, d in enumerate(worker_daemons(settings), 1):
+        pid = d.pid()
+        try:
+            port = int(_port_file(settings, i).read_text().strip())
+        except (OSError, ValueError):
+            port = 0
+        wwhy = "not running" if pid is None else (
+            ping_worker(settings.model_copy(update={"sql_port": port})) if port
+            else "its SQL port is unknown")
+        workers.append({"name": d.name, "running": pid is not None, "healthy": not wwhy,
+                        "pid": pid, "detail": wwhy or "ok", "log": str(d.log_file)})
+    return {"store": {"running": True, "healthy": not why, "pid": spid, "detail": why or "ok",
+                      "log": str(store.log_file)},
+            "workers": workers}
+
+
+def _await_worker(settings: Settings, progress: Progress, timeout: float, index: int,
+                  pid: int) -> None:
+    d = worker_daemon(settings, index)
     t0 = time.monotonic()
     why = ""
     while time.monotonic() - t0 < timeout:
         if d.exited() is not None or d.pid() != pid:
             d.stop(5)
-            raise StackError(f"worker: exited while starting; the end of {d.log_file}:\n"
+            raise StackError(f"{d.name}: exited while starting; the end of {d.log_file}:\n"
                              f"{tail(d.log_file)}")
         why = ping_worker(settings)
         if not why and _stays_up(d, pid, settings):
-            progress(f"worker: ready in {time.monotonic() - t0:.1f} s; SQL at "
+            progress(f"{d.name}: ready in {time.monotonic() - t0:.1f} s; SQL at "
                      f"{sql_endpoint(settings)}, ClickHouse {display_url(settings.clickhouse)}")
             return
         time.sleep(0.25)
     # a worker still starting (rejoining its consumer group after an unclean stop takes up to
     # the group's session timeout) is left to finish: killing it would only start that over
-    raise StackError(f"worker: not ready within {timeout:.0f} s ({why}); it is still running "
+    raise StackError(f"{d.name}: not ready within {timeout:.0f} s ({why}); it is still running "
                      f"(pid {pid}) and was not stopped: `rankwatch status` tells when it is "
                      f"ready, `rankwatch down` stops everything. The end of {d.log_file}:\n"
                      f"{tail(d.log_file)}")
@@ -268,14 +424,24 @@ def _stays_up(d: Daemon, pid: int, settings: Settings) -> bool:
     return not ping_worker(settings)
 
 
+def worker_daemons(settings: Settings) -> list[Daemon]:
+    """Every worker's daemon: the first, and those of `up --workers N`."""
+    found = {1}
+    for p in settings.run_dir.glob("worker-*.pid"):
+        with contextlib.suppress(ValueError):
+            found.add(int(p.stem.removeprefix("worker-")))
+    return [worker_daemon(settings, i) for i in sorted(found)]
+
+
 def down(settings: Settings, progress: Progress = print) -> bool:
-    """Stop the worker, then the broker. Returns whether anything was running."""
+    """Stop the workers, then the store, then the broker. Returns whether anything was
+    running."""
     stopped = notify_service.stop(settings, progress)
-    d = worker_daemon(settings)
-    pid = d.pid()
-    if pid is not None:
-        progress(f"worker: stopping (pid {pid})…")
-        stopped = d.stop(WORKER_STOP_TIMEOUT)
+    for d in [*worker_daemons(settings), store_daemon(settings)]:
+        pid = d.pid()
+        if pid is not None:
+            progress(f"{d.name}: stopping (pid {pid})…")
+            stopped = d.stop(WORKER_STOP_TIMEOUT) or stopped
     if not settings.kafka_bootstrap:
         # a cluster started with --brokers N, whatever N is now
         nodes = [b for b in local_nodes(settings) if b.pid() is not None]
@@ -315,8 +481,17 @@ def status(settings: Settings) -> dict[str, Any]:
         why = f"{why}; {loop}" if why else loop
     worker = {"running": pid is not None, "healthy": not why, "pid": pid, "detail": why or "ok",
               "sql_endpoint": sql_endpoint(settings), "log": str(d.log_file)}
+    several = several_status(settings)
+    if several is not None:  # `up --workers N`: the SQL endpoint is the store's
+        first = several["workers"][0]
+        worker.update({k: first[k] for k in ("running", "healthy", "pid", "detail")})
+        healthy = bool(kafka["healthy"] and several["store"]["healthy"]
+                       and all(w["healthy"] for w in several["workers"]))
+    else:
+        healthy = bool(kafka["healthy"] and worker["healthy"])
     return {
-        "healthy": bool(kafka["healthy"] and worker["healthy"]),
+        "healthy": healthy,
+        **(several or {}),
         "home": str(settings.home),
         "kafka": kafka,
         "worker": worker,

@@ -29,7 +29,7 @@ from faust.types import StreamT
 from ingest.batch import BatchError, decode_batch
 from ingest.records import MODELS
 from ingest.topics import MAX_MESSAGE_BYTES, Topics
-from streams.ownership import owned_jobs
+from streams.ownership import Ownership
 from streams.raw_sink import DeadLetter, Message, RawSink, TimeBounds, refused_by_store
 from streams.store import ClickHouseStore
 
@@ -72,8 +72,12 @@ def _timestamp_ns(message: Any) -> int:
 class StreamsApp:
     """Holds the Faust app, the sinks and their stats; `app` is what a faust.Worker runs."""
 
-    def __init__(self, cfg: AppConfig, store: ClickHouseStore) -> None:
+    def __init__(self, cfg: AppConfig, store: ClickHouseStore,
+                 ownership: Ownership | None = None) -> None:
         self.cfg = cfg
+        #: The jobs this worker owns (streams/ownership.py), from each assignment of the ops
+        #: topic's partitions; shared with the derived runner and the diagnosis agents.
+        self.ownership = ownership or Ownership(standalone=False)
         self.store = store
         self.stopping = False
         self.app = faust.App(
@@ -98,10 +102,6 @@ class StreamsApp:
         #: Called with (exit code, reason) before the worker exits uncommitted.
         self.on_exit: Callable[[int, str], None] | None = None
         self._commits: dict[Any, tuple[int | None, float]] = {}  # tp -> (committed, since)
-        #: This worker's partitions of the ops topic, and the topic's partition count (from the
-        #: last assignment): what `owned_jobs` decides by.
-        self.ops_partitions: frozenset[int] = frozenset()
-        self.ops_partition_count = 0
         #: The derived runner (streams.derived.DerivedRunner) when the composition root adds one.
         self.derived: Any = None
         for kind in MODELS:
@@ -239,18 +239,33 @@ class StreamsApp:
         for sink in self.sinks.values():
             sink.forget_partitions()
         ops = self.cfg.topics.ops
-        self.ops_partitions = frozenset(tp.partition for tp in self.app.consumer.assignment()
-                                        if tp.topic == ops)
-        self.ops_partition_count = self.app.consumer.topic_partitions(ops) or 0
+        mine = [tp.partition for tp in self.app.consumer.assignment() if tp.topic == ops]
+        count = self._partition_count(ops)
+        if not count:
+            log.error("no partition count known for %s after an assignment: this worker owns "
+                      "no job until the next one", ops)
+            self.ownership.assign([], 1)
+            return
+        self.ownership.assign(mine, count)
+        log.info("assigned partitions %s of %d of %s: owner of the jobs whose home partition "
+                 "is among them", sorted(mine), count, ops)
+
+    def _partition_count(self, topic: str) -> int:
+        """The topic's partition count: Faust's (known to the group leader), else the consumer
+        client's cluster metadata (every member has it for the topics it subscribed to)."""
+        n = self.app.consumer.topic_partitions(topic)
+        if n:
+            return int(n)
+        try:  # aiokafka's consumer inside Faust's consumer thread
+            client = self.app.consumer._thread._ensure_consumer()._client  # type: ignore[attr-defined]
+            return len(client.cluster.partitions_for_topic(topic) or ())
+        except Exception as e:  # another driver, or the consumer is gone
+            log.warning("cannot read %s's partition count: %s", topic, e)
+            return 0
 
     def owned_jobs(self, jobs: Iterable[str]) -> frozenset[str]:
-        """The jobs among `jobs` whose derived windows this worker would compute when several
-        workers share one ClickHouse (streams.ownership: a job's home partition of the ops
-        topic is assigned here). Not called by the derived runner yet; empty before the first
-        assignment."""
-        if not self.ops_partition_count:
-            return frozenset()
-        return owned_jobs(jobs, self.ops_partitions, self.ops_partition_count)
+        """The jobs among `jobs` this worker owns (streams/ownership.py)."""
+        return frozenset(j for j in jobs if self.ownership.owns(j))
 
     def exit_unstored(self, reason: str) -> None:
         """Exit now, uncommitted (EXIT_UNSTORED), after telling `on_exit` why."""

@@ -54,6 +54,7 @@ from ingest.inflight import superseded
 from streams.db import Database
 from streams.iterations import KIND_CODES, OTHER_KIND, Bounds, OpFrame, iteration_rows
 from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarizer
+from streams.ownership import Ownership
 from streams.progress import ProgressFeed, ProgressParams
 from streams.store import ClickHouseStore
 from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec
@@ -106,19 +107,23 @@ class ObservingStore(ClickHouseStore):
     observed (`restore_windows`)."""
 
     def __init__(self, writer: ClickHouseWriter, windows: Windows,
-                 kernels: KernelBuffer | None = None) -> None:
+                 kernels: KernelBuffer | None = None, *,
+                 ownership: Ownership | None = None) -> None:
         super().__init__(writer)
         self.windows, self.kernels = windows, kernels
+        self.ownership = ownership or Ownership()
 
     async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
                     sources: Sequence[tuple[int, int]]) -> int:
         # a failure here fails the write (nothing stored yet): the raw sink retries it
-        await restore_windows(self.writer.db, self.windows)
+        await restore_windows(self.writer.db, self.windows, self.ownership)
         n = await super().write(kind, batches, token, sources=sources)
         marked: set[str] = set()
         try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
             column = TIME_COLUMN[kind]
             for b in batches:
+                if not self.ownership.owns(b.job_id):  # stored; its owner closes its windows
+                    continue
                 t = b.cols[column]
                 known = t[t > 0]
                 if not len(known):
@@ -204,17 +209,30 @@ SELECT comm_ids, comm_kinds FROM jobs FINAL WHERE job_id = {job:String} LIMIT 1
 STATE_SQL = "SELECT job_id, kind, next_start, max_ns FROM stream_state FINAL"
 
 
-async def restore_windows(db: Database, windows: Windows) -> None:
-    """Load the stored checkpoints into `windows`, once, before anything is observed or closed:
-    called by the raw sinks' store before its first write and by the runner before its first
-    tick, whichever comes first (module docstring, "Restart")."""
-    if windows.restored:
+async def restore_windows(db: Database, windows: Windows,
+                          ownership: Ownership | None = None) -> None:
+    """Load the stored checkpoints of the jobs this worker owns into `windows` before anything
+    of them is observed or closed: called by the raw sinks' store before each write and by the
+    runner before each tick, it reads only when the ownership changed (once for a standalone
+    worker). A rebalance (`ownership.generation`) drops the jobs this worker lost and loads the
+    checkpoints of those it gained; jobs it kept keep their live state (module docstring,
+    "Restart"; streams/ownership.py, "Handover")."""
+    own = ownership or Ownership()
+    generation = own.generation
+    if windows.restored and windows.owner_generation == generation:
         return
     rows = await db.aquery_columns(STATE_SQL)
-    if windows.restored:  # another caller restored them while this one read
+    if windows.restored and windows.owner_generation == generation:
+        return  # another caller restored them while this one read
+    if own.generation != generation:  # reassigned while this one read: the next call loads
         return
+    for job in [j for j in windows.jobs if not own.owns(j)]:
+        windows.forget(job)
+    held = set(windows.jobs)
     windows.restore([Checkpoint(str(j), str(k), int(s), int(m)) for j, k, s, m in zip(
-        rows["job_id"], rows["kind"], rows["next_start"], rows["max_ns"], strict=True)])
+        rows["job_id"], rows["kind"], rows["next_start"], rows["max_ns"], strict=True)
+        if str(j) not in held and own.owns(str(j))])
+    windows.owner_generation = generation
 
 
 @dataclass
@@ -254,9 +272,12 @@ class DerivedRunner:
     """See the module docstring. `publish` sends one encoded batch to rw.<kind> keyed by job."""
 
     def __init__(self, db: Database, publish: Publish, cfg: DerivedConfig | None = None, *,
-                 clock: Callable[[], int] = time.time_ns) -> None:
+                 clock: Callable[[], int] = time.time_ns,
+                 ownership: Ownership | None = None) -> None:
         cfg = cfg or DerivedConfig()
         self.db, self.publish, self.cfg, self.clock = db, publish, cfg, clock
+        #: Which jobs this worker closes windows of (streams/ownership.py); all standalone.
+        self.ownership = ownership or Ownership()
         self.windows = Windows([
             WindowSpec("progress", cfg.progress.window_ns, inputs=("ops",), reads=("beats",)),
             WindowSpec("iterations", cfg.iteration_window_ns, reach_ns=cfg.max_step_ns,
@@ -281,9 +302,14 @@ class DerivedRunner:
         self._backoff: dict[str, tuple[float, float]] = {}
 
     async def restore(self) -> None:
-        """Resume from the stored checkpoints (once; later calls, and the first tick, find them
-        loaded)."""
-        await restore_windows(self.db, self.windows)
+        """Resume from the stored checkpoints of the jobs owned (again after each rebalance;
+        otherwise later calls, and the first tick, find them loaded)."""
+        await restore_windows(self.db, self.windows, self.ownership)
+        held = self.windows.jobs
+        for per_job in (self._previews, self._pace, self._bounds, self._recent_step,
+                        self._backoff, self.kernels.buffer.jobs):
+            for job in [j for j in per_job if j not in held]:
+                del per_job[job]
 
     async def tick(self) -> int:
         """Close every due window of every job; returns the windows closed."""

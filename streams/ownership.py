@@ -1,59 +1,46 @@
-"""Which worker owns a job's derived windows when several workers share one ClickHouse server.
-
-Proposed design (docs/architecture.md, "Limits", notes that today every worker would compute
-every job; nothing calls this module yet — the wiring is described below):
+"""Which worker owns a job's derived windows, triggers, incidents and diagnoses when several
+workers share one ClickHouse.
 
 - **A job has a home partition**: ``job_partition(job_id, P)``, Kafka's default partitioner
-  (murmur2 of the UTF-8 job id, sign bit cleared, modulo P), P the raw topics' partition count.
-  It is where a message keyed by the bare job id lands from the Java client, aiokafka (Faust)
-  and librdkafka with ``partitioner=murmur2_random``.
+  (murmur2 of the UTF-8 job id, sign bit cleared, modulo P; the hash is aiokafka's, the one
+  Faust's producer places messages with). It is where a message keyed by the bare job id lands
+  from the Java client, aiokafka and librdkafka with ``partitioner=murmur2_random``.
+- **Every producer keys a job's batches by the bare job id** (ingest.publish, the simulator,
+  the importers, the host agent), and the derived and diagnosis topics are keyed by job too, so
+  all of a job's messages of every job-keyed topic sit on its home partition.
 - **The owner is the worker assigned that partition of the ops topic.** Faust's assignor gives
-  the same-numbered partitions of co-subscribed topics with equal partition counts (all raw
-  topics) to one worker, so that worker holds the job's home partition of every raw topic.
-  Ownership changes only with a rebalance, never by a message; `owned_jobs` is a pure function
-  of (jobs, this worker's assigned partitions, P).
-- **Watermarks must cover every partition holding the job's rows.** The derived runner closes a
-  window from the event times its own sinks stored. That is complete only if all of the job's
-  raw rows pass through the owner, so producers key raw batches by the bare job id (one
-  partition per topic per job; a job's ingest is then bounded by one worker). A job too big for
-  one worker needs instead a low watermark read from ClickHouse (min over the job's source
-  partitions of the max event time stored from each), not a local observation.
+  the same-numbered partitions of co-subscribed topics with equal partition counts (every
+  job-keyed topic: ingest.topics.Topics.specs) to one worker, so that worker stores the job's raw
+  rows, closes its windows (its raw sinks observe every batch of the job: the watermark is
+  complete), runs its triggers and root cause, and keeps its incidents. Raw storage is spread
+  over the workers job by job; a single job's ingest is bounded by one worker.
+- **Ownership changes only with a rebalance**, never by a message: `Ownership.assign` is called
+  with the worker's new partitions; `owns` is a pure function of (job, partitions, P).
+  The derived runner and the diagnosis agents drop what they held of jobs they lost and load
+  the checkpoints (`stream_state`) and open incidents (`diagnoses`) of jobs they gained from
+  ClickHouse before those jobs' messages are read (streams/derived.py, diagnosis/agents.py).
 
 Handover: a window computed twice around a rebalance (old owner's tick in flight, new owner
 restored from `stream_state`) is harmless: derived inserts carry `<kind>:<job>:<window>` tokens
-and the feed is at-least-once.
+and the feed is at-least-once. An incident opened by the old owner is in the `diagnoses` table
+before its trigger's offset is committed, so the new owner restores it and a redelivered trigger
+is absorbed rather than announced again.
 
-Assumptions: every raw topic has the same partition count P (``Topics.specs``) and it does not
-change while jobs run (changing P moves home partitions, as for any keyed Kafka topic).
+Assumptions: every job-keyed topic has the same partition count P and it does not change while
+jobs run (changing P moves home partitions, as for any keyed Kafka topic).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-_SEED = 0x9747B28C
-_M = 0x5BD1E995
-_MASK = 0xFFFFFFFF
+from aiokafka.partitioner import murmur2 as _murmur2
 
 
 def murmur2(data: bytes) -> int:
-    """MurmurHash2 as Kafka's clients compute it (seed 0x9747b28c), as a signed 32-bit int."""
-    n = len(data)
-    h = (_SEED ^ n) & _MASK
-    whole = n - n % 4
-    for i in range(0, whole, 4):
-        k = int.from_bytes(data[i:i + 4], "little")
-        k = (k * _M) & _MASK
-        k ^= k >> 24
-        k = (k * _M) & _MASK
-        h = ((h * _M) & _MASK) ^ k
-    tail = data[whole:]
-    if tail:
-        h ^= int.from_bytes(tail, "little")  # the 1..3 trailing bytes, low byte first
-        h = (h * _M) & _MASK
-    h ^= h >> 13
-    h = (h * _M) & _MASK
-    h ^= h >> 15
+    """MurmurHash2 as Kafka's clients compute it (seed 0x9747b28c), as a signed 32-bit int (Java's
+    value). aiokafka's implementation, which returns it unsigned."""
+    h = int(_murmur2(data))
     return h - (1 << 32) if h & 0x80000000 else h
 
 
@@ -75,3 +62,41 @@ def owned_jobs(jobs: Iterable[str], assigned: Collection[int], partitions: int) 
     if bad:
         raise ValueError(f"assigned partitions {sorted(bad)} outside 0..{partitions - 1}")
     return frozenset(j for j in jobs if job_partition(j, partitions) in assigned)
+
+
+class Ownership:
+    """One worker's current share of the jobs (module docstring).
+
+    Standalone (`Ownership()`, the default of every component used on its own) it owns every
+    job. A worker in a consumer group makes it with `standalone=False`: it owns nothing until
+    its first assignment, then the jobs whose home partition it was assigned. `generation`
+    counts assignments, so a component can tell that it must hand jobs over."""
+
+    def __init__(self, *, standalone: bool = True) -> None:
+        self.standalone = standalone
+        self.partitions: frozenset[int] = frozenset()
+        self.count = 0
+        self.generation = 0
+        self._cache: dict[str, bool] = {}
+
+    def assign(self, partitions: Collection[int], count: int) -> None:
+        """This worker now holds `partitions` of the ops topic's `count`."""
+        bad = [p for p in partitions if not 0 <= p < count]
+        if bad:
+            raise ValueError(f"assigned partitions {sorted(bad)} outside 0..{count - 1}")
+        self.standalone = False
+        self.partitions, self.count = frozenset(partitions), count
+        self.generation += 1
+        self._cache.clear()
+
+    def owns(self, job_id: str) -> bool:
+        if self.standalone:
+            return True
+        if not self.count or not job_id:
+            return False
+        got = self._cache.get(job_id)
+        if got is None:
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            got = self._cache[job_id] = job_partition(job_id, self.count) in self.partitions
+        return got

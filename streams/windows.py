@@ -175,6 +175,9 @@ class Windows:
         self.dropped_late = 0
         #: Whether `restore()` ran (streams/derived.py restores once, before the first batch).
         self.restored = False
+        #: The `streams.ownership.Ownership.generation` the jobs held here were restored for
+        #: (streams/derived.py, `restore_windows`: a new assignment hands jobs over).
+        self.owner_generation = -1
 
     def observe(self, job: str, t_min: int, t_max: int, *, source: str = "",
                 kind: str = "") -> bool:
@@ -315,9 +318,13 @@ class Windows:
                 rows.append(Checkpoint(job, k + LATE_SUFFIX, lo, hi))
         return rows
 
+    def forget(self, job: str) -> None:
+        """Drop everything held of `job` (another worker owns it now)."""
+        self.jobs.pop(job, None)
+
     def restore(self, rows: list[Checkpoint]) -> None:
-        """Resume from stored checkpoints (before any batch is observed). A stored span of late
-        marks is marked again whole (recomputing a window twice is harmless)."""
+        """Resume from stored checkpoints (before any batch of their jobs is observed). A stored
+        span of late marks is marked again whole (recomputing a window twice is harmless)."""
         self.restored = True
         spans = [r for r in rows if r.kind.endswith(LATE_SUFFIX)]
         for r in rows:

@@ -86,7 +86,8 @@ class Outbox:
         self.seq += 1
         data = encode_batch(kind, job, cols, producer=self.producer, seq=self.seq,
                             validate=False, framing="binary")  # docs/records.md
-        self.send(Pending(kind, f"{job}:{self.producer}:{self.seq}".encode(), data, rows, t0))
+        # keyed by the bare job id: the job's home partition (streams.ownership)
+        self.send(Pending(kind, job.encode(), data, rows, t0))
 
     def send(self, item: Pending) -> None:
         """Publish `item`, or spill it behind the batches already waiting."""

@@ -156,8 +156,8 @@ def encode_all(collected: Collected, job: str, producer: str,
 
 def publish_all(batches: list[tuple[str, bytes]], job: str, pub: Publisher) -> int:
     """Publish encoded batches and wait; returns how many were not delivered."""
-    for i, (kind, data) in enumerate(batches):
-        pub.publish(kind, data, key=f"{job}:import:{i}")
+    for kind, data in batches:
+        pub.publish(kind, data, key=job)  # the job's home partition (streams.ownership)
     return pub.flush(60)
 
 

@@ -81,19 +81,18 @@ class DirSink:
 class KafkaSink:
     framing = "binary"  # framed batches (docs/records.md): 5x cheaper for the worker to decode
 
-    def __init__(self, bootstrap: str, topics: Topics, job_id: str, shards: int = 16) -> None:
+    def __init__(self, bootstrap: str, topics: Topics, job_id: str) -> None:
         from ingest.publish import BatchPublisher  # only this sink needs a Kafka client
 
         self.publisher = BatchPublisher(bootstrap, topics)
-        self.topics, self.job_id, self.shards = topics, job_id, shards
-        self._n = 0
+        self.topics, self.job_id = topics, job_id
 
     def batch(self, kind: str, data: bytes) -> None:
         if kind == "jobs":
             self.publisher.publish("jobs", data, key=self.job_id)
             return
-        self._n += 1
-        self.publisher.publish(kind, data, key=f"{self.job_id}/{self._n % self.shards}")
+        # keyed by the bare job id: the job's home partition (streams.ownership)
+        self.publisher.publish(kind, data, key=self.job_id)
 
     def truth(self, records: list[TruthRecord]) -> None:
         for r in records:

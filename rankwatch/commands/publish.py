@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     start = time.perf_counter()
     for seq, cols in enumerate(ops_batches(args.ranks, args.records, args.batch_rows, t0)):
         data = encode_batch("ops", args.job, cols, producer="rankwatch-publish", seq=seq)
-        pub.publish("ops", data, key=f"{args.job}:{seq}")
+        pub.publish("ops", data, key=args.job)
     left = pub.flush(30)
     elapsed = time.perf_counter() - start
     summary = {"job_id": args.job, "records": args.records, "messages": pub.stats.sent,

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--timeout", type=float, default=180.0,
                    help="seconds to wait for each part (a worker rejoining its consumer group "
                         "after an unclean stop can take a minute)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="worker processes sharing the jobs (each job owned by one); with N > 1 "
+                        "a store process owns the embedded ClickHouse and serves it to them")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the local worker, then the broker")
@@ -52,8 +55,11 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
             return _fail(ValueError(f"--brokers {args.brokers}: expected 1 to 9 local nodes "
                                     "(3 makes a cluster that may lose one)"))
         settings = Settings.load(env=stack.settings_env(settings), kafka_brokers=args.brokers)
+    if not 1 <= args.workers <= 64:
+        return _fail(ValueError(f"--workers {args.workers}: expected 1 to 64"))
     try:
-        st = stack.up(settings, worker=not args.no_worker, timeout=args.timeout)
+        st = stack.up(settings, worker=not args.no_worker, timeout=args.timeout,
+                      workers=args.workers)
     except (BrokerError, stack.StackError) as e:
         return _fail(e)
     print()
@@ -119,7 +125,16 @@ def format_status(st: dict[str, Any]) -> str:
     for name, state, pid, where, log in rows:
         pid_text = f"pid {pid}" if pid else ""
         lines.append(f"{name:<8}{state:<10}{pid_text:<12}{where:<36}{log}".rstrip())
-    for name, part in (("kafka", k), ("worker", w)):
+    parts = [("kafka", k), ("worker", w)]
+    if "store" in st:  # up --workers N: the store and the other workers
+        more = [("store", st["store"], "ClickHouse for the workers")]
+        more += [(x["name"], x, "") for x in st["workers"][1:]]
+        for name, part, where in more:
+            pid_text = f"pid {part['pid']}" if part["pid"] else ""
+            lines.append(f"{name:<8}{_state(part):<10}{pid_text:<12}{where:<36}"
+                         f"{part['log']}".rstrip())
+            parts.append((name, part))
+    for name, part in parts:
         if part["running"] and not part["healthy"]:
             lines.append(f"  {name}: {part['detail']}")
     n = st.get("notify") or {}

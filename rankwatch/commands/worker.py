@@ -29,6 +29,7 @@ from streams.app import AppConfig, StreamsApp
 from streams.db import ClickHouseError, Database, SqlLimits, migrate
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
 from streams.kernel_summaries import KernelParams
+from streams.ownership import Ownership
 from streams.progress import ProgressParams
 from streams.raw_sink import TimeBounds
 from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
@@ -94,11 +95,14 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
         await fut  # delivered before the window is checkpointed
 
     derived = derived or derived_config(settings)
-    deriver = DerivedRunner(db, publish, derived)
-    sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows, deriver.kernels.buffer))
+    ownership = Ownership(standalone=False)  # the jobs whose home partition is assigned here
+    deriver = DerivedRunner(db, publish, derived, ownership=ownership)
+    sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows, deriver.kernels.buffer,
+                                          ownership=ownership), ownership)
     sapp.derived = deriver
     sapp.on_exit = lambda code, reason: record_exit(settings, code, reason)
-    sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics)  # type: ignore[attr-defined]
+    sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics,  # type: ignore[attr-defined]
+                                      ownership=ownership)
     sapp.metrics = worker_metrics(settings, sapp, writer)  # type: ignore[attr-defined]
     for kind in DERIVED:
         topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",

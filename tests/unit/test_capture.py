@@ -76,7 +76,7 @@ def test_the_agent_captures_a_ring(tmp_path: Path) -> None:
         cap.close()
         frames = [f for f in read_capture(tmp_path / "c") if f.kind == "stages"]
         assert frames and decode_batch(frames[0].data).cols["step"].tolist() == [0, 1]
-        assert frames[0].key.startswith(b"cap-job:")
+        assert frames[0].key == b"cap-job"  # keyed by job: its home partition (streams.ownership)
     finally:
         w.unlink()
         w.close()

@@ -66,7 +66,8 @@ def test_a_job_whose_windows_keep_failing_is_retried_with_backoff(monkeypatch) -
     monkeypatch.setattr("streams.derived.time.monotonic", lambda: now[0])
     runner = DerivedRunner(cast(Database, None), lambda *a: None,  # type: ignore[arg-type,return-value]
                            DerivedConfig(tick_s=0.25, max_retry_s=2.0))
-    runner.windows.restored = True
+    runner.windows.restored = True  # nothing stored to restore (no database here)
+    runner.windows.owner_generation = runner.ownership.generation
     runner.windows.observe("bad", 10**9, 2 * 10**9)
     runner.windows.observe("good", 10**9, 2 * 10**9)
     calls: list[tuple[float, str]] = []

@@ -7,7 +7,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams.ownership import job_partition, murmur2, owned_jobs
+from streams.ownership import Ownership, job_partition, murmur2, owned_jobs
 
 
 @pytest.mark.parametrize(("data", "expected"), [
@@ -48,3 +48,19 @@ def test_refusals() -> None:
         job_partition("", 6)
     with pytest.raises(ValueError, match="outside"):
         owned_jobs(["j"], {6}, 6)
+
+
+def test_ownership_follows_assignments() -> None:
+    jobs = [f"job-{i}" for i in range(50)]
+    standalone = Ownership()
+    assert all(standalone.owns(j) for j in jobs) and standalone.generation == 0
+    w = Ownership(standalone=False)
+    assert not any(w.owns(j) for j in jobs)  # nothing before the first assignment
+    w.assign([0, 2], 4)
+    assert w.generation == 1
+    assert frozenset(j for j in jobs if w.owns(j)) == owned_jobs(jobs, {0, 2}, 4)
+    w.assign([1], 4)  # a rebalance: the cached answers are dropped
+    assert w.generation == 2
+    assert frozenset(j for j in jobs if w.owns(j)) == owned_jobs(jobs, {1}, 4)
+    with pytest.raises(ValueError, match="outside"):
+        w.assign([4], 4)

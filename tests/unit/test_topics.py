@@ -12,7 +12,7 @@ from rankwatch.settings import Settings
 
 YEAR_MS = 365 * 24 * 3600 * 1000
 RAW = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")
-DERIVED = ("progress", "iterations", "kernel_summaries", "triggers", "dlq")
+JOB_KEYED = ("progress", "iterations", "kernel_summaries", "triggers")
 
 
 def test_default_names_follow_the_design():
@@ -46,8 +46,9 @@ def test_specs_cover_each_topic_once_with_its_shape(partitions):
     for k in RAW:
         assert specs[f"x.{k}"].partitions == partitions
         assert not specs[f"x.{k}"].compacted
-    for k in DERIVED:
-        assert specs[f"x.{k}"].partitions == max(1, partitions // 2)
+    for k in JOB_KEYED:  # job-keyed: one owner per job (streams.ownership)
+        assert specs[f"x.{k}"].partitions == partitions
+    assert specs["x.dlq"].partitions == max(1, partitions // 2)
     assert specs["x.diagnoses"].retention_ms == YEAR_MS
     assert all(s.partitions >= 1 for s in specs.values())
 
