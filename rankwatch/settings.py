@@ -72,6 +72,11 @@ class Settings(BaseModel):
     sql_max_memory_mb: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
     sql_max_result_mb: Annotated[int, Field(ge=1, le=1 << 20)] = 512
     sql_concurrency: Annotated[int, Field(ge=1, le=64)] = 2
+    #: A query still running this long past its time limit is reported stuck (/ping, status).
+    sql_stuck_grace_s: Annotated[float, Field(ge=0, le=86400)] = 30.0
+    #: A batch not stored, or a partition with messages waiting and no commit, for this long
+    #: is a stalled consumer (/ping answers 503, `rankwatch status` says unhealthy).
+    worker_stall_s: Annotated[float, Field(ge=1, le=86400)] = 120.0
     topic_prefix: str = "rw"
     #: Writer batching: one insert per partition for at most this many Kafka messages (each a
     #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.

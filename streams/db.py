@@ -203,6 +203,8 @@ class SqlLimits:
     max_threads: int = 2
     concurrency: int = 2
     queue: int = 8
+    #: A query in flight this long past `max_execution_time_s` is stuck (the endpoint's /ping).
+    stuck_grace_s: float = 30.0
 
     def settings(self, embedded: bool) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -36,8 +36,6 @@ from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
 METRICS_INTERVAL_S = 10.0
-#: A batch not stored, or a lagging partition not committed, for this long is a stall (/ping).
-STALL_S = 120.0
 #: Exit code when the worker cannot start as configured (port taken, no token beyond loopback):
 #: not a crash to restart into.
 EXIT_CONFIG = 78
@@ -66,7 +64,8 @@ def sql_limits(settings: Settings) -> SqlLimits:
     return SqlLimits(max_execution_time_s=settings.sql_max_execution_time_s,
                      max_memory_bytes=settings.sql_max_memory_mb << 20,
                      max_result_bytes=settings.sql_max_result_mb << 20,
-                     concurrency=settings.sql_concurrency)
+                     concurrency=settings.sql_concurrency,
+                     stuck_grace_s=settings.sql_stuck_grace_s)
 
 
 def time_bounds(settings: Settings) -> TimeBounds:
@@ -115,7 +114,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
             log.exception("derived streams tick failed; retrying at the next tick")
 
     def health() -> list[str]:
-        return sapp.health(STALL_S)
+        return sapp.health(settings.worker_stall_s)
 
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}
