@@ -25,6 +25,7 @@ Statements use unqualified table names and land in the database the `Database` w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -157,6 +158,15 @@ def parse_url(url: str) -> Target:
                   unquote(parts.password or ""), tuple(parse_qsl(parts.query)))
 
 
+def endpoint_target(target: Target, user: str, password: str) -> Target:
+    """Where the SQL endpoint's queries go: on a server, as `user` when one is given (a user
+    with SELECT alone and a constrained settings profile); else `target` itself (the embedded
+    engine has one user, and its session settings do the restricting)."""
+    if target.embedded or not user:
+        return target
+    return dataclasses.replace(target, username=user, password=password)
+
+
 def client_args(target: Target, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for `clickhouse_connect.get_client` (no database: it may not exist yet).
     HTTP clients get no session id, so every request is its own session, as on chdb."""
@@ -264,10 +274,13 @@ class _TableShape:
 class Database:
     """One ClickHouse database (`database`) at `url`, accessed from one thread. See module doc."""
 
-    def __init__(self, url: str, database: str, *, create: bool = True) -> None:
+    def __init__(self, url: str, database: str, *, create: bool = True, sql_user: str = "",
+                 sql_password: str = "") -> None:
         if not _IDENT.match(database):
             raise ValueError(f"database {database!r}: expected letters, digits and underscores")
         self.target = parse_url(url)
+        #: where `execute_sql` runs on a server (`endpoint_target`)
+        self.sql_target = endpoint_target(self.target, sql_user, sql_password)
         self.database = database
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
         self._thread: int | None = None
@@ -593,14 +606,16 @@ class Database:
     def _execute_sql_http(self, sql: str, fmt: str, readonly: bool,
                           settings: dict[str, Any]) -> bytes:
         """A server: a client of its own per call (no session id: every request is its own
-        session); the server refuses INTO OUTFILE and several statements over HTTP itself, and
-        enforces its user's grants and profile. readonly=2 here, not 1: readonly=1 in a request
-        would refuse the request's own limits. So on a server the limits are defaults a query's
-        SETTINGS could raise: give rankwatch's user a profile with readonly=1 and constraints
-        (ClickHouse's settings profiles) to make them binding; not tested here (no server)."""
+        session), as `sql_target`'s user; the server refuses INTO OUTFILE and several
+        statements over HTTP itself, and enforces that user's grants and profile. readonly=2
+        here, not 1: readonly=1 in a request would refuse the request's own limits. readonly=2
+        alone lets a query's SETTINGS raise the limits, and (chdb shows it) leaves file() and
+        temporary tables allowed: what binds on a server is the endpoint's own user with
+        SELECT alone and the `rankwatch_sql` profile's constraints (docs/architecture.md). Not
+        run against a server here (none in the test environment)."""
         if readonly:
             settings = {**settings, "readonly": 2}
-        client = self._connect(settings)
+        client = clickhouse_connect.get_client(**client_args(self.sql_target, settings))
         try:
             client.database = self.database
             canonical = str(client.command("SELECT formatQuery({q:String})",
@@ -729,7 +744,7 @@ def record_migration(db: Database, mig: Migration) -> None:
 
 __all__: Sequence[str] = (
     "BUSY_HINT", "ClickHouseError", "Database", "EmbeddedDatabaseBusy", "Migration",
-    "MigrationError", "SqlLimits", "Target", "applied_migrations", "client_args",
+    "MigrationError", "SqlLimits", "Target", "applied_migrations", "client_args", "endpoint_target",
     "load_migrations", "migrate", "migrations_dir", "parse_url", "refusal", "split_statements",
     "strip_sql", "wants_format",
 )

@@ -23,6 +23,7 @@ BENCHES = {
     "notify": "bench.notify",
     "export": "bench.export",
     "soak": "bench.soak",
+    "storm": "bench.storm",
 }
 
 

@@ -233,12 +233,19 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     no_numpy_hugepages()
     try:
-        db = Database(settings.clickhouse, settings.clickhouse_database)
+        db = Database(settings.clickhouse, settings.clickhouse_database,
+                      sql_user=settings.sql_clickhouse_user,
+                      sql_password=settings.sql_clickhouse_password.get_secret_value())
     except ClickHouseError as e:
         print(f"rankwatch worker: cannot open ClickHouse at {display_url(settings.clickhouse)}: "
               f"{e.message}",
               file=sys.stderr)
         return 1
+    if not db.target.embedded and not settings.sql_clickhouse_user:
+        log.warning("the SQL endpoint's queries run as the writer's ClickHouse user: on a server "
+                    "its limits bind only through a user of its own; set "
+                    "RANKWATCH_SQL_CLICKHOUSE_USER to a user with SELECT alone and the "
+                    "rankwatch_sql settings profile (docs/architecture.md)")
     try:
         applied = migrate(db)
         if applied:
