@@ -1,7 +1,7 @@
 """Ingest pace and trigger latency with and without a storm of heavy and stuck SQL queries.
 
-    rankwatch bench storm [--storm 12] [--limit-s 5] [--burst-dp 8] [--burst-steps 120]
-                          [--hang-at 6] [--wait-s 60] [--repeat 3] [--json]
+    rankwatch bench storm [--storm 12] [--limit-s 5] [--burst-dp 8] [--burst-steps 60]
+                          [--hang-at 6] [--wait-s 60] [--repeat 3] [--nice 10] [--json]
 
 Starts a private local stack (same code as `rankwatch up`; the SQL endpoint's time limit is
 `--limit-s`, its concurrency and queue the defaults: 2 running, 8 waiting) and runs the same
@@ -12,7 +12,9 @@ refused with 503 and sent again):
 - ingest pace: a simulated job's records (tp2 pp2 dp`--burst-dp`, `--burst-steps` steps) are
   published as fast as the broker takes them; records/s is their count over the time from the
   first publish to the worker's `rankwatch_records_stored` counters (its /metrics, served off
-  the event loop, not through the SQL endpoint the storm holds) covering them;
+  the event loop, not through the SQL endpoint the storm holds) covering them; then the time
+  until the derived windows (progress, iterations, kernel summaries) of those records closed
+  (`rankwatch_derived_windows` still for `--settle-s`);
 - trigger latency: an 8-rank job (tp2 pp2 dp2) published in real time, whose rank 5 hangs in
   its backward pass `--hang-at` s in; the time from the hang's onset (wall clock: the job's
   epoch is now) to the first trigger for the job on rw.triggers and to its first diagnosis on
@@ -59,6 +61,7 @@ SEC = 1_000_000_000
 #: One block of one row: runs for seconds past a time limit of a few seconds.
 STUCK_SQL = "SELECT length(arraySort(arrayMap(x -> sipHash64(x), range(20000000))))"
 _STORED = re.compile(r'^rankwatch_records_stored_total\{kind="\w+"\} (\S+)$', re.M)
+_WINDOWS = re.compile(r'^rankwatch_derived_windows_total\{kind="\w+"\} (\S+)$', re.M)
 
 
 @dataclass
@@ -69,6 +72,8 @@ class Run:
     burst_records: int = 0
     burst_s: float | None = None
     records_per_s: float | None = None
+    #: from the burst's first publish to the last derived window its records made closed
+    derived_s: float | None = None
     trigger_s: float | None = None
     trigger_kind: str = ""
     diagnosis_s: float | None = None
@@ -82,7 +87,7 @@ class Run:
 
     def add(self, other: Run) -> None:
         """Keep `other`'s figures as samples; set this run's to their medians."""
-        for key in ("records_per_s", "trigger_s", "diagnosis_s"):
+        for key in ("records_per_s", "derived_s", "trigger_s", "diagnosis_s"):
             self.samples.setdefault(key, []).append(getattr(other, key))
             got = sorted(v for v in self.samples[key] if v is not None)
             setattr(self, key, got[len(got) // 2] if got else None)
@@ -103,12 +108,17 @@ class Storm:
     longest_s: dict[str, float] = field(default_factory=dict)
 
 
-def stored(settings: Settings) -> int:
-    """Records the worker has stored, every raw kind, from its /metrics."""
+def counter(settings: Settings, pattern: re.Pattern[str]) -> int:
+    """The sum over kinds of one of the worker's /metrics counters."""
     url = f"http://{settings.bind_host}:{settings.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=30) as r:
         text = r.read().decode()
-    return int(sum(float(v) for v in _STORED.findall(text)))
+    return int(sum(float(v) for v in pattern.findall(text)))
+
+
+def stored(settings: Settings) -> int:
+    """Records the worker has stored, every raw kind."""
+    return counter(settings, _STORED)
 
 
 def producer(settings: Settings) -> Producer:
@@ -127,8 +137,11 @@ def publish(p: Producer, settings: Settings, kind: str, data: bytes, key: str) -
     p.poll(0)
 
 
-def burst(settings: Settings, run: Run, dp: int, steps: int, wait_s: float) -> None:
-    """Publish a job's records as fast as the broker takes them; time until all are stored."""
+def burst(settings: Settings, run: Run, dp: int, steps: int, wait_s: float,
+          settle_s: float) -> None:
+    """Publish a job's records as fast as the broker takes them; time until all are stored,
+    then until the derived windows they made have closed (no window closed for `settle_s`: the
+    hanging job that follows is measured on a worker with nothing left to do)."""
     job = f"burst-{run.name}-{uuid.uuid4().hex[:6]}"
     sim = Simulation(JobConfig(job_id=job, tp=2, pp=2, dp=dp, steps=steps, microbatches=4,
                                epoch_ns=time.time_ns()))
@@ -148,6 +161,14 @@ def burst(settings: Settings, run: Run, dp: int, steps: int, wait_s: float) -> N
             break
         time.sleep(0.1)
     run.burst_records = n
+    last, changed = counter(settings, _WINDOWS), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - changed < settle_s:
+        time.sleep(0.2)
+        now = counter(settings, _WINDOWS)
+        if now != last:
+            last, changed = now, time.monotonic()
+    if time.monotonic() - changed >= settle_s:
+        run.derived_s = round(changed - t0, 2)
 
 
 def fault_job(settings: Settings, run: Run, hang_at: float, wait_s: float) -> None:
@@ -262,9 +283,10 @@ def measure(settings: Settings, run: Run, args: argparse.Namespace, say: Any) ->
             one = Run(run.name)
             say(f"{run.name} {i + 1}/{args.repeat}: publishing a burst (tp2 pp2 "
                 f"dp{args.burst_dp}, {args.burst_steps} steps)")
-            burst(settings, one, args.burst_dp, args.burst_steps, args.wait_s)
+            burst(settings, one, args.burst_dp, args.burst_steps, args.wait_s, args.settle_s)
             say(f"{run.name} {i + 1}/{args.repeat}: {one.burst_records} records stored in "
-                f"{one.burst_s} s; now a job hanging {args.hang_at} s in, in real time")
+                f"{one.burst_s} s, their windows closed after {one.derived_s} s; now a job "
+                f"hanging {args.hang_at} s in, in real time")
             fault_job(settings, one, args.hang_at, args.wait_s)
             say(f"{run.name} {i + 1}/{args.repeat}: trigger {one.trigger_s} s, diagnosis "
                 f"{one.diagnosis_s} s after the hang")
@@ -281,7 +303,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
     settings = stack.private_settings(home, topic_prefix="storm", kafka_partitions=3,
                                       metrics_port=stack.free_port(), page_port=0,
-                                      sql_max_execution_time_s=args.limit_s)
+                                      sql_max_execution_time_s=args.limit_s,
+                                      sql_nice=args.nice)
     quiet, loud = Run("quiet"), Run("storm")
     storm = Storm(args.storm)
     healthy_after: bool | None = None
@@ -319,9 +342,10 @@ def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
     finally:
         stack.down(settings, progress=say)
     return {
-        "limit_s": args.limit_s, "concurrency": settings.sql_concurrency,
+        "limit_s": args.limit_s, "concurrency": settings.sql_concurrency, "nice": args.nice,
         "quiet": asdict(quiet), "storm": asdict(loud), "queries": asdict(storm),
         "ratios": {"records_per_s": ratio(loud.records_per_s, quiet.records_per_s),
+                   "derived_s": ratio(loud.derived_s, quiet.derived_s),
                    "trigger_s": ratio(loud.trigger_s, quiet.trigger_s),
                    "diagnosis_s": ratio(loud.diagnosis_s, quiet.diagnosis_s)},
         "healthy_after": healthy_after, "detail_after": detail,
@@ -333,6 +357,7 @@ def _print(out: dict[str, Any]) -> None:
     q, s, r = out["quiet"], out["storm"], out["ratios"]
     print(f"\n{'':<28}{'quiet':>12}{'storm':>12}{'storm/quiet':>14}")
     for label, key, rk in (("records/s stored (burst)", "records_per_s", "records_per_s"),
+                           ("burst's windows closed (s)", "derived_s", "derived_s"),
                            ("hang -> trigger (s)", "trigger_s", "trigger_s"),
                            ("hang -> diagnosis (s)", "diagnosis_s", "diagnosis_s"),
                            ("/ping p50 (ms)", "ping_ms_p50", None),
@@ -344,10 +369,12 @@ def _print(out: dict[str, Any]) -> None:
           f"{q['burst_records']} records; diagnosis quiet: {q['diagnosis']}; "
           f"storm: {s['diagnosis']}")
     print(f"storm: {qs['threads']} threads, {qs['answered']} queries answered (time limit "
-          f"{out['limit_s']} s, {out['concurrency']} at once), {qs['refused']} refused (503), "
-          f"{qs['failed']} failed; longest answered {qs['longest_s']} s; /ping unhealthy "
-          f"{s['pings_unhealthy']}, failed {s['pings_failed']}; worker healthy after: "
-          f"{out['healthy_after']} ({out['detail_after']})")
+          f"{out['limit_s']} s, {out['concurrency']} at once, nice {out['nice']}), "
+          f"{qs['refused']} refused (503), {qs['failed']} failed; longest answered "
+          f"{qs['longest_s']} s")
+    print(f"/ping during the storm: unhealthy {s['pings_unhealthy']}, failed "
+          f"{s['pings_failed']}; worker healthy after: {out['healthy_after']} "
+          f"({out['detail_after']})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,11 +385,17 @@ def main(argv: list[str] | None = None) -> int:
                         "2 refused)")
     p.add_argument("--limit-s", type=int, default=5, help="the SQL endpoint's time limit")
     p.add_argument("--burst-dp", type=int, default=8)
-    p.add_argument("--burst-steps", type=int, default=120)
+    p.add_argument("--burst-steps", type=int, default=60)
+    p.add_argument("--settle-s", type=float, default=12.0, metavar="S",
+                   help="a burst's windows are done when none closed for this long (the "
+                        "last ones close once its sources were idle for 10 s)")
     p.add_argument("--hang-at", type=float, default=6.0, metavar="S")
     p.add_argument("--wait-s", type=float, default=60.0, metavar="S",
                    help="longest wait for a burst to be stored, and for a trigger and "
                         "diagnosis after the hang")
+    p.add_argument("--nice", type=int, default=10, choices=range(20), metavar="0-19",
+                   help="RANKWATCH_SQL_NICE: the endpoint's queries' CPU priority below the "
+                        "worker's (0: the same)")
     p.add_argument("--repeat", type=int, default=3,
                    help="bursts and hanging jobs per run (figures are medians)")
     p.add_argument("--json", action="store_true")
@@ -377,5 +410,5 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print(out)
     measured = all(out[r][k] is not None for r in ("quiet", "storm")
-                   for k in ("records_per_s", "trigger_s", "diagnosis_s"))
+                   for k in ("records_per_s", "derived_s", "trigger_s", "diagnosis_s"))
     return 0 if measured and out["healthy_after"] else 1

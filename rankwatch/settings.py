@@ -78,6 +78,9 @@ class Settings(BaseModel):
     #: file/url/remote/s3 and limits above the profile's, whatever a query asks.
     sql_clickhouse_user: str = ""
     sql_clickhouse_password: SecretStr = SecretStr("")
+    #: How much lower the CPU priority (Linux nice) of the endpoint's queries is than the
+    #: worker's own threads: ingest, windows and diagnosis get the CPU first under a storm.
+    sql_nice: Annotated[int, Field(ge=0, le=19)] = 10
     #: A query still running this long past its time limit is reported stuck (/ping, status).
     sql_stuck_grace_s: Annotated[float, Field(ge=0, le=86400)] = 30.0
     #: A batch not stored, or a partition with messages waiting and no commit, for this long

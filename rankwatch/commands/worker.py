@@ -65,7 +65,7 @@ def sql_limits(settings: Settings) -> SqlLimits:
                      max_memory_bytes=settings.sql_max_memory_mb << 20,
                      max_result_bytes=settings.sql_max_result_mb << 20,
                      concurrency=settings.sql_concurrency,
-                     stuck_grace_s=settings.sql_stuck_grace_s)
+                     stuck_grace_s=settings.sql_stuck_grace_s, nice=settings.sql_nice)
 
 
 def time_bounds(settings: Settings) -> TimeBounds:

@@ -12,12 +12,14 @@ import sys
 def test_bench_storm_gives_figures_for_both_runs_and_the_worker_stays_healthy() -> None:
     r = subprocess.run([sys.executable, "-m", "rankwatch.cli", "bench", "storm", "--storm", "12",
                         "--limit-s", "2", "--burst-dp", "2", "--burst-steps", "20",
-                        "--hang-at", "4", "--wait-s", "45", "--repeat", "1", "--json"],
+                        "--hang-at", "4", "--wait-s", "45", "--repeat", "1", "--settle-s", "3",
+                        "--json"],
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
     for run in (out["quiet"], out["storm"]):
         assert run["burst_records"] > 10_000 and run["records_per_s"] > 0
+        assert run["derived_s"] is not None and run["derived_s"] >= run["burst_s"]
         assert run["trigger_s"] is not None and run["diagnosis_s"] is not None
         assert run["diagnosis"].startswith("hang ranks [5]"), run
         assert run["pings_failed"] == 0  # /ping answered throughout
