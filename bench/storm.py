@@ -5,9 +5,9 @@
 
 Starts a private local stack (same code as `rankwatch up`; the SQL endpoint's time limit is
 `--limit-s`, its concurrency and queue the defaults: 2 running, 8 waiting) and runs the same
-two measurements twice, first on a quiet worker, then while `--storm` threads keep the SQL
-endpoint at its concurrency limit and beyond (every slot taken, the queue full, the rest
-refused with 503 and sent again):
+two measurements on a quiet worker and while `--storm` threads keep the SQL endpoint at its
+concurrency limit and beyond (every slot taken, the queue full, the rest refused with 503 and
+sent again), `--repeat` times each, interleaved (quiet, storm, quiet, storm, ...):
 
 - ingest pace: a simulated job's records (tp2 pp2 dp`--burst-dp`, `--burst-steps` steps) are
   published as fast as the broker takes them; records/s is their count over the time from the
@@ -58,8 +58,8 @@ from rankwatch import stack
 from rankwatch.settings import Settings
 
 SEC = 1_000_000_000
-#: One block of one row: runs for seconds past a time limit of a few seconds.
-STUCK_SQL = "SELECT length(arraySort(arrayMap(x -> sipHash64(x), range(20000000))))"
+#: One block of one row: runs for seconds past a time limit of a few seconds (`{n}` elements).
+STUCK_SQL = "SELECT length(arraySort(arrayMap(x -> sipHash64(x), range({n}))))"
 _STORED = re.compile(r'^rankwatch_records_stored_total\{kind="\w+"\} (\S+)$', re.M)
 _WINDOWS = re.compile(r'^rankwatch_derived_windows_total\{kind="\w+"\} (\S+)$', re.M)
 
@@ -226,9 +226,10 @@ def fault_job(settings: Settings, run: Run, hang_at: float, wait_s: float) -> No
         c.close()
 
 
-def pinger(settings: Settings, stop: threading.Event, run: Run) -> None:
+def pinger(settings: Settings, stop: threading.Event, run: Run, times: list[float]) -> None:
+    """/ping every 0.5 s until `stop`: answer times into `times`, 503s and failures into
+    `run`."""
     url = f"{stack.sql_endpoint(settings)}/ping"
-    times: list[float] = []
     while not stop.is_set():
         t0 = time.monotonic()
         try:
@@ -241,10 +242,6 @@ def pinger(settings: Settings, stop: threading.Event, run: Run) -> None:
         except OSError:
             run.pings_failed += 1
         stop.wait(0.5)
-    if times:
-        times.sort()
-        run.ping_ms_p50 = round(1e3 * times[len(times) // 2], 1)
-        run.ping_ms_max = round(1e3 * times[-1], 1)
 
 
 def storm_thread(settings: Settings, name: str, sql: str, stop: threading.Event, storm: Storm,
@@ -274,39 +271,55 @@ def storm_thread(settings: Settings, name: str, sql: str, stop: threading.Event,
             stop.wait(0.2)
 
 
-def measure(settings: Settings, run: Run, args: argparse.Namespace, say: Any) -> None:
+def measure(settings: Settings, run: Run, i: int, args: argparse.Namespace, say: Any,
+            times: list[float]) -> None:
+    """One repetition: a burst, then a hanging job; its figures added to `run`."""
     stop = threading.Event()
-    ping = threading.Thread(target=pinger, args=(settings, stop, run), daemon=True)
+    ping = threading.Thread(target=pinger, args=(settings, stop, run, times), daemon=True)
     ping.start()
+    one = Run(run.name)
     try:
-        for i in range(args.repeat):
-            one = Run(run.name)
-            say(f"{run.name} {i + 1}/{args.repeat}: publishing a burst (tp2 pp2 "
-                f"dp{args.burst_dp}, {args.burst_steps} steps)")
-            burst(settings, one, args.burst_dp, args.burst_steps, args.wait_s, args.settle_s)
-            say(f"{run.name} {i + 1}/{args.repeat}: {one.burst_records} records stored in "
-                f"{one.burst_s} s, their windows closed after {one.derived_s} s; now a job "
-                f"hanging {args.hang_at} s in, in real time")
-            fault_job(settings, one, args.hang_at, args.wait_s)
-            say(f"{run.name} {i + 1}/{args.repeat}: trigger {one.trigger_s} s, diagnosis "
-                f"{one.diagnosis_s} s after the hang")
-            run.add(one)
+        say(f"{run.name} {i + 1}/{args.repeat}: publishing a burst (tp2 pp2 dp{args.burst_dp}, "
+            f"{args.burst_steps} steps)")
+        burst(settings, one, args.burst_dp, args.burst_steps, args.wait_s, args.settle_s)
+        say(f"{run.name} {i + 1}/{args.repeat}: {one.burst_records} records stored in "
+            f"{one.burst_s} s, their windows closed after {one.derived_s} s; now a job "
+            f"hanging {args.hang_at} s in, in real time")
+        fault_job(settings, one, args.hang_at, args.wait_s)
+        say(f"{run.name} {i + 1}/{args.repeat}: trigger {one.trigger_s} s, diagnosis "
+            f"{one.diagnosis_s} s after the hang")
     finally:
         stop.set()
         ping.join(30)
+        run.add(one)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
 
+def stormy(settings: Settings, args: argparse.Namespace, storm: Storm, lock: threading.Lock,
+           stop: threading.Event) -> list[threading.Thread]:
+    """Start the storm's threads: half heavy queries, half stuck ones."""
+    threads = [threading.Thread(target=storm_thread, daemon=True, args=(
+        settings, *(("heavy", HEAVY_SQL) if i % 2 == 0 else
+                    ("stuck", STUCK_SQL.format(n=args.stuck_elements))), stop,
+        storm, lock)) for i in range(args.storm)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
+    """Quiet and storm repetitions interleaved (quiet, storm, quiet, ...), so that a change in
+    the machine's load during the run falls on both alike."""
     settings = stack.private_settings(home, topic_prefix="storm", kafka_partitions=3,
                                       metrics_port=stack.free_port(), page_port=0,
                                       sql_max_execution_time_s=args.limit_s,
                                       sql_nice=args.nice)
     quiet, loud = Run("quiet"), Run("storm")
-    storm = Storm(args.storm)
+    pings: dict[str, list[float]] = {"quiet": [], "storm": []}
+    storm, lock = Storm(args.storm), threading.Lock()
     healthy_after: bool | None = None
     detail = ""
     load: list[float] = []
@@ -314,24 +327,21 @@ def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
     try:
         say("warm-up: a first burst, not measured (the first inserts of each table, the "
             "broker's new partitions)")
-        burst(settings, Run("warmup"), 2, 10, args.wait_s)
+        burst(settings, Run("warmup"), 2, 10, args.wait_s, 1.0)
         load = [round(x, 2) for x in os.getloadavg()]
-        measure(settings, quiet, args, say)
-        stop, lock = threading.Event(), threading.Lock()
-        threads = [threading.Thread(target=storm_thread, daemon=True, args=(
-            settings, *(("heavy", HEAVY_SQL) if i % 2 == 0 else ("stuck", STUCK_SQL)), stop,
-            storm, lock)) for i in range(args.storm)]
-        for t in threads:
-            t.start()
-        time.sleep(2)  # every slot taken, the queue full
-        say(f"storm: {args.storm} threads of heavy and stuck queries")
-        try:
-            measure(settings, loud, args, say)
-        finally:
-            stop.set()
-            say("storm: stopping; waiting for the queries in flight to end")
-            for t in threads:
-                t.join(args.limit_s + 120)
+        for i in range(args.repeat):
+            measure(settings, quiet, i, args, say, pings["quiet"])
+            stop = threading.Event()
+            threads = stormy(settings, args, storm, lock, stop)
+            time.sleep(2)  # every slot taken, the queue full
+            say(f"storm: {args.storm} threads of heavy and stuck queries")
+            try:
+                measure(settings, loud, i, args, say, pings["storm"])
+            finally:
+                stop.set()
+                say("storm: stopping; waiting for the queries in flight to end")
+                for t in threads:
+                    t.join(args.limit_s + 120)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             st = stack.status(settings)
@@ -341,6 +351,11 @@ def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
             time.sleep(1)
     finally:
         stack.down(settings, progress=say)
+    for r in (quiet, loud):
+        times = sorted(pings[r.name])
+        if times:
+            r.ping_ms_p50 = round(1e3 * times[len(times) // 2], 1)
+            r.ping_ms_max = round(1e3 * times[-1], 1)
     return {
         "limit_s": args.limit_s, "concurrency": settings.sql_concurrency, "nice": args.nice,
         "quiet": asdict(quiet), "storm": asdict(loud), "queries": asdict(storm),
@@ -349,7 +364,8 @@ def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
                    "trigger_s": ratio(loud.trigger_s, quiet.trigger_s),
                    "diagnosis_s": ratio(loud.diagnosis_s, quiet.diagnosis_s)},
         "healthy_after": healthy_after, "detail_after": detail,
-        "cpus": os.cpu_count(), "loadavg_before": load,
+        "cpus": os.cpu_count(), "loadavg_before": load, "loadavg_after": [
+            round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -365,7 +381,8 @@ def _print(out: dict[str, Any]) -> None:
         ratio_text = str(r[rk]) if rk else ""
         print(f"{label:<28}{q[key]!s:>12}{s[key]!s:>12}{ratio_text:>14}")
     qs = out["queries"]
-    print(f"{out['cpus']} CPUs, load average {out['loadavg_before']} before; burst "
+    print(f"{out['cpus']} CPUs, load average {out['loadavg_before']} before, "
+          f"{out['loadavg_after']} after; burst "
           f"{q['burst_records']} records; diagnosis quiet: {q['diagnosis']}; "
           f"storm: {s['diagnosis']}")
     print(f"storm: {qs['threads']} threads, {qs['answered']} queries answered (time limit "
@@ -384,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="query threads (half heavy, half stuck; default 12: 2 run, 8 wait, "
                         "2 refused)")
     p.add_argument("--limit-s", type=int, default=5, help="the SQL endpoint's time limit")
+    p.add_argument("--stuck-elements", type=int, default=20_000_000, metavar="N",
+                   help="array length of the stuck queries (20 M: ~10 s on a loaded 2-core "
+                        "machine)")
     p.add_argument("--burst-dp", type=int, default=8)
     p.add_argument("--burst-steps", type=int, default=60)
     p.add_argument("--settle-s", type=float, default=12.0, metavar="S",

@@ -168,18 +168,16 @@ def endpoint_target(target: Target, user: str, password: str) -> Target:
     return dataclasses.replace(target, username=user, password=password)
 
 
-def lower_priority(increment: int) -> int:
-    """Lower the calling thread's CPU priority by `increment` (Linux: a thread's nice value is
-    its own); returns the new nice value, or -1 where it could not be changed."""
-    if increment <= 0:
-        return -1
+def set_thread_nice(nice: int) -> bool:
+    """Give the calling thread Linux nice value `nice` (a thread's nice value is its own);
+    False where it could not (not Linux; raising priority needs privilege)."""
     try:
         tid = threading.get_native_id()
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
-        return os.getpriority(os.PRIO_PROCESS, tid)
-    except (OSError, AttributeError):  # not Linux, or not permitted
-        return -1
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def client_args(target: Target, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -232,9 +230,10 @@ class SqlLimits:
     stuck_grace_s: float = 30.0
     #: How much lower the CPU priority of the endpoint's queries is than the worker's own
     #: threads (Linux nice increment, 0-19), so that under a storm of queries ingest, windows
-    #: and diagnosis get the CPU first (`rankwatch bench storm`). Applied to the endpoint's
-    #: threads (`aexecute_sql`; lowering one's own priority needs no privilege) and, embedded,
-    #: to the engine's query threads (`os_thread_priority`, which ClickHouse applies only with
+    #: and diagnosis get the CPU first (`rankwatch bench storm`). Set on the endpoint's thread
+    #: before each query (`aexecute_sql`; lowering one's own priority needs no privilege:
+    #: ClickHouse puts a thread it reniced back to 0 when the query ends) and, embedded, on the
+    #: engine's query threads (`os_thread_priority`, which ClickHouse applies only with
     #: CAP_SYS_NICE and otherwise ignores).
     nice: int = 10
 
@@ -248,7 +247,7 @@ class SqlLimits:
         if embedded:  # chdb's own: python(name) reads objects of this process
             out["allow_python_table_function"] = 0
             if self.nice:
-                out["os_thread_priority"] = min(19, self.nice)
+                out["os_thread_priority"] = min(19, self.nice)  # absolute: the worker runs at 0
         return out
 
 
@@ -312,6 +311,7 @@ class Database:
         #: there: id -> (time.monotonic() at start, the SQL's first 200 characters).
         self._sql_pool: ThreadPoolExecutor | None = None
         self.sql_inflight: dict[int, tuple[float, str]] = {}
+        self._sql_nice = 0  # the endpoint threads' nice value, set with the pool
         self._sql_ids = 0
         self._shapes: dict[str, _TableShape] = {}
         self._generic_sql: set[str] = set()  # queries whose results streams.native cannot read
@@ -470,14 +470,15 @@ class Database:
             raise ClickHouseError(f"database {self.database} at {self.target.display()} is closed")
         limits = limits or SqlLimits()
         if self._sql_pool is None:
-            self._sql_pool = ThreadPoolExecutor(limits.concurrency, thread_name_prefix="sql",
-                                                initializer=lower_priority, initargs=(limits.nice,))
+            self._sql_pool = ThreadPoolExecutor(limits.concurrency, thread_name_prefix="sql")
+            # the worker's own nice value (this, the event loop's thread), plus the increment
+            self._sql_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + limits.nice)
         self._sql_ids += 1
         qid = self._sql_ids
         self.sql_inflight[qid] = (time.monotonic(), " ".join(sql.split())[:200])
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._sql_pool, self._execute_sql, sql, fmt, readonly, limits)
+                self._sql_pool, self._execute_sql_niced, sql, fmt, readonly, limits)
         finally:
             self.sql_inflight.pop(qid, None)
 
@@ -586,6 +587,13 @@ class Database:
             cached = _TableShape(ctx.table, types, names)
             self._shapes[table] = cached
         return cached
+
+    def _execute_sql_niced(self, sql: str, fmt: str, readonly: bool, limits: SqlLimits
+                           ) -> bytes:
+        """`_execute_sql` at the endpoint's lower priority (`SqlLimits.nice`)."""
+        if limits.nice:
+            set_thread_nice(self._sql_nice)
+        return self._execute_sql(sql, fmt, readonly, limits)
 
     def _execute_sql(self, sql: str, fmt: str, readonly: bool, limits: SqlLimits) -> bytes:
         """One caller's statement on a fresh session: the limits, then `readonly=1` (read-only

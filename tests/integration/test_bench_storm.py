@@ -12,7 +12,8 @@ import sys
 def test_bench_storm_gives_figures_for_both_runs_and_the_worker_stays_healthy() -> None:
     r = subprocess.run([sys.executable, "-m", "rankwatch.cli", "bench", "storm", "--storm", "12",
                         "--limit-s", "2", "--burst-dp", "2", "--burst-steps", "20",
-                        "--hang-at", "4", "--wait-s", "45", "--repeat", "1", "--settle-s", "3",
+                        "--hang-at", "4", "--wait-s", "120", "--repeat", "1", "--settle-s", "3",
+                        "--stuck-elements", "4000000",
                         "--json"],
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
