@@ -21,13 +21,13 @@ sent again), `--repeat` times each, interleaved (quiet, storm, quiet, storm, ...
   rw.diagnoses, as the bench's own Kafka consumer receives them.
 
 Half the storm threads send a heavy query (a scan the engine stops at the time limit), half a
-stuck one: one block computing a 20 M-element array, which the engine only checks against its
-limit when the block ends, seconds past it. Meanwhile /ping is polled every 0.5 s (its answer
-time and status are reported). The report gives each figure for both runs and their ratios
-(storm / quiet), the storm's queries (answered, refused, failed), and whether the worker was
-healthy once the storm's queries ended. Exit status 1 when a figure could not be measured or
-the worker was not healthy at the end. Each measurement is repeated `--repeat` times per run;
-the figures are medians, every sample is in the JSON.
+stuck one: one block computing a `--stuck-elements` (40 M) array, which the engine only checks
+against its limit when the block ends, seconds past it. Meanwhile /ping is polled every 0.5 s
+(its answer time and status are reported). The report gives each figure for both runs and
+their ratios (storm / quiet), the storm's queries (answered, refused, failed, by kind and HTTP
+status), and whether the worker was healthy once the storm's queries ended. Exit status 1 when
+a figure could not be measured or the worker was not healthy at the end. Each measurement is
+repeated `--repeat` times per run; the figures are medians, every sample is in the JSON.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ class Storm:
     answered: int = 0  # ran to its end: the time limit's error for a heavy query
     refused: int = 0  # 503: every slot taken and the queue full
     failed: int = 0  # no HTTP answer (connection refused, timed out)
+    #: "<kind> <HTTP status>" -> count (0: no answer); a stuck query that overran its limit
+    #: ends with 400 (TIMEOUT_EXCEEDED), one the machine ran fast enough with 200
     codes: dict[str, int] = field(default_factory=dict)
     #: per query kind (heavy, stuck): the longest an answered one took, waiting included
     longest_s: dict[str, float] = field(default_factory=dict)
@@ -258,7 +260,8 @@ def storm_thread(settings: Settings, name: str, sql: str, stop: threading.Event,
         except OSError:
             code = 0
         with lock:
-            storm.codes[str(code)] = storm.codes.get(str(code), 0) + 1
+            key = f"{name} {code}"
+            storm.codes[key] = storm.codes.get(key, 0) + 1
             if code == 503:
                 storm.refused += 1
             elif code:
@@ -388,7 +391,7 @@ def _print(out: dict[str, Any]) -> None:
     print(f"storm: {qs['threads']} threads, {qs['answered']} queries answered (time limit "
           f"{out['limit_s']} s, {out['concurrency']} at once, nice {out['nice']}), "
           f"{qs['refused']} refused (503), {qs['failed']} failed; longest answered "
-          f"{qs['longest_s']} s")
+          f"{qs['longest_s']} s; {qs['codes']}")
     print(f"/ping during the storm: unhealthy {s['pings_unhealthy']}, failed "
           f"{s['pings_failed']}; worker healthy after: {out['healthy_after']} "
           f"({out['detail_after']})")
@@ -401,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="query threads (half heavy, half stuck; default 12: 2 run, 8 wait, "
                         "2 refused)")
     p.add_argument("--limit-s", type=int, default=5, help="the SQL endpoint's time limit")
-    p.add_argument("--stuck-elements", type=int, default=20_000_000, metavar="N",
-                   help="array length of the stuck queries (20 M: ~10 s on a loaded 2-core "
-                        "machine)")
+    p.add_argument("--stuck-elements", type=int, default=40_000_000, metavar="N",
+                   help="array length of the stuck queries (40 M: ~1 GB, past a 5 s limit on "
+                        "a 2-core machine)")
     p.add_argument("--burst-dp", type=int, default=8)
     p.add_argument("--burst-steps", type=int, default=60)
     p.add_argument("--settle-s", type=float, default=12.0, metavar="S",
