@@ -95,6 +95,20 @@ class Settings(BaseModel):
     sql_max_memory_mb: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
     sql_max_result_mb: Annotated[int, Field(ge=1, le=1 << 20)] = 512
     sql_concurrency: Annotated[int, Field(ge=1, le=64)] = 2
+    #: On a ClickHouse server: the user the SQL endpoint's queries run as (empty: the writer's
+    #: own). Give it SELECT on the database and nothing else, and the `rankwatch_sql` settings
+    #: profile (docs/architecture.md, "On a ClickHouse server"): the server then refuses writes,
+    #: file/url/remote/s3 and limits above the profile's, whatever a query asks.
+    sql_clickhouse_user: str = ""
+    sql_clickhouse_password: SecretStr = SecretStr("")
+    #: How much lower the CPU priority (Linux nice) of the endpoint's queries is than the
+    #: worker's own threads: ingest, windows and diagnosis get the CPU first under a storm.
+    sql_nice: Annotated[int, Field(ge=0, le=19)] = 10
+    #: A query still running this long past its time limit is reported stuck (/ping, status).
+    sql_stuck_grace_s: Annotated[float, Field(ge=0, le=86400)] = 30.0
+    #: A batch not stored, or a partition with messages waiting and no commit, for this long
+    #: is a stalled consumer (/ping answers 503, `rankwatch status` says unhealthy).
+    worker_stall_s: Annotated[float, Field(ge=1, le=86400)] = 120.0
     topic_prefix: str = "rw"
     #: Writer batching: one insert per partition for at most this many Kafka messages (each a
     #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.

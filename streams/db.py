@@ -28,9 +28,11 @@ request carries `cluster_settings`, so the code reads and writes the same tables
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
+import os
 import re
 import threading
 import time
@@ -160,6 +162,27 @@ def parse_url(url: str) -> Target:
                   unquote(parts.password or ""), tuple(parse_qsl(parts.query)))
 
 
+def endpoint_target(target: Target, user: str, password: str) -> Target:
+    """Where the SQL endpoint's queries go: on a server, as `user` when one is given (a user
+    with SELECT alone and a constrained settings profile); else `target` itself (the embedded
+    engine has one user, and its session settings do the restricting)."""
+    if target.embedded or not user:
+        return target
+    return dataclasses.replace(target, username=user, password=password)
+
+
+def set_thread_nice(nice: int) -> bool:
+    """Give the calling thread Linux nice value `nice` (a thread's nice value is its own);
+    False where it could not (not Linux; raising priority needs privilege)."""
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def client_args(target: Target, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for `clickhouse_connect.get_client` (no database: it may not exist yet).
     HTTP clients get no session id, so every request is its own session, as on chdb."""
@@ -206,6 +229,16 @@ class SqlLimits:
     max_threads: int = 2
     concurrency: int = 2
     queue: int = 8
+    #: A query in flight this long past `max_execution_time_s` is stuck (the endpoint's /ping).
+    stuck_grace_s: float = 30.0
+    #: How much lower the CPU priority of the endpoint's queries is than the worker's own
+    #: threads (Linux nice increment, 0-19), so that under a storm of queries ingest, windows
+    #: and diagnosis get the CPU first (`rankwatch bench storm`). Set on the endpoint's thread
+    #: before each query (`aexecute_sql`; lowering one's own priority needs no privilege:
+    #: ClickHouse puts a thread it reniced back to 0 when the query ends) and, embedded, on the
+    #: engine's query threads (`os_thread_priority`, which ClickHouse applies only with
+    #: CAP_SYS_NICE and otherwise ignores).
+    nice: int = 10
 
     def settings(self, embedded: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -216,6 +249,8 @@ class SqlLimits:
         }
         if embedded:  # chdb's own: python(name) reads objects of this process
             out["allow_python_table_function"] = 0
+            if self.nice:
+                out["os_thread_priority"] = min(19, self.nice)  # absolute: the worker runs at 0
         return out
 
 
@@ -266,7 +301,7 @@ class Database:
     """One ClickHouse database (`database`) at `url`, accessed from one thread. See module doc."""
 
     def __init__(self, url: str, database: str, *, create: bool = True,
-                 cluster: str = "") -> None:
+                 cluster: str = "", sql_user: str = "", sql_password: str = "") -> None:
         if not _IDENT.match(database):
             raise ValueError(f"database {database!r}: expected letters, digits and underscores")
         if cluster and not _IDENT.match(cluster):
@@ -276,6 +311,8 @@ class Database:
             raise ValueError(f"cluster {cluster!r} needs a ClickHouse server "
                              "(RANKWATCH_CLICKHOUSE_URL=http://...): the embedded engine is "
                              "one node; unset RANKWATCH_CLICKHOUSE_CLUSTER to use it")
+        #: where `execute_sql` runs on a server (`endpoint_target`)
+        self.sql_target = endpoint_target(self.target, sql_user, sql_password)
         self.database = database
         #: The server's cluster (remote_servers) the schema spans; "" on one node. See
         #: streams.cluster for the tables, `cluster_settings` for how writes are read back.
@@ -287,6 +324,7 @@ class Database:
         #: there: id -> (time.monotonic() at start, the SQL's first 200 characters).
         self._sql_pool: ThreadPoolExecutor | None = None
         self.sql_inflight: dict[int, tuple[float, str]] = {}
+        self._sql_nice = 0  # the endpoint threads' nice value, set with the pool
         self._sql_ids = 0
         self._shapes: dict[str, _TableShape] = {}
         self._generic_sql: set[str] = set()  # queries whose results streams.native cannot read
@@ -467,12 +505,14 @@ class Database:
         limits = limits or SqlLimits()
         if self._sql_pool is None:
             self._sql_pool = ThreadPoolExecutor(limits.concurrency, thread_name_prefix="sql")
+            # the worker's own nice value (this, the event loop's thread), plus the increment
+            self._sql_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + limits.nice)
         self._sql_ids += 1
         qid = self._sql_ids
         self.sql_inflight[qid] = (time.monotonic(), " ".join(sql.split())[:200])
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._sql_pool, self._execute_sql, sql, fmt, readonly, limits)
+                self._sql_pool, self._execute_sql_niced, sql, fmt, readonly, limits)
         finally:
             self.sql_inflight.pop(qid, None)
 
@@ -582,6 +622,13 @@ class Database:
             self._shapes[table] = cached
         return cached
 
+    def _execute_sql_niced(self, sql: str, fmt: str, readonly: bool, limits: SqlLimits
+                           ) -> bytes:
+        """`_execute_sql` at the endpoint's lower priority (`SqlLimits.nice`)."""
+        if limits.nice:
+            set_thread_nice(self._sql_nice)
+        return self._execute_sql(sql, fmt, readonly, limits)
+
     def _execute_sql(self, sql: str, fmt: str, readonly: bool, limits: SqlLimits) -> bytes:
         """One caller's statement on a fresh session: the limits, then `readonly=1` (read-only
         calls), then the engine's parser: `formatQuery` refuses anything but exactly one
@@ -626,14 +673,16 @@ class Database:
     def _execute_sql_http(self, sql: str, fmt: str, readonly: bool,
                           settings: dict[str, Any]) -> bytes:
         """A server: a client of its own per call (no session id: every request is its own
-        session); the server refuses INTO OUTFILE and several statements over HTTP itself, and
-        enforces its user's grants and profile. readonly=2 here, not 1: readonly=1 in a request
-        would refuse the request's own limits. So on a server the limits are defaults a query's
-        SETTINGS could raise: give rankwatch's user a profile with readonly=1 and constraints
-        (ClickHouse's settings profiles) to make them binding; not tested here (no server)."""
+        session), as `sql_target`'s user; the server refuses INTO OUTFILE and several
+        statements over HTTP itself, and enforces that user's grants and profile. readonly=2
+        here, not 1: readonly=1 in a request would refuse the request's own limits. readonly=2
+        alone lets a query's SETTINGS raise the limits, and (chdb shows it) leaves file() and
+        temporary tables allowed: what binds on a server is the endpoint's own user with
+        SELECT alone and the `rankwatch_sql` profile's constraints (docs/architecture.md). Not
+        run against a server here (none in the test environment)."""
         if readonly:
             settings = {**settings, "readonly": 2}
-        client = self._connect(settings)
+        client = clickhouse_connect.get_client(**client_args(self.sql_target, settings))
         try:
             client.database = self.database
             canonical = str(client.command("SELECT formatQuery({q:String})",
@@ -793,6 +842,6 @@ def record_migration(db: Database, mig: Migration) -> None:
 __all__: Sequence[str] = (
     "BUSY_HINT", "ClickHouseError", "Database", "EmbeddedDatabaseBusy", "Migration",
     "MigrationError", "SqlLimits", "Target", "applied_migrations", "applied_statements",
-    "client_args", "cluster_settings", "load_migrations", "migrate", "migrations_dir",
-    "parse_url", "refusal", "split_statements", "strip_sql", "wants_format",
+    "client_args", "cluster_settings", "endpoint_target", "load_migrations", "migrate",
+    "migrations_dir", "parse_url", "refusal", "split_statements", "strip_sql", "wants_format",
 )

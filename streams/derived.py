@@ -36,6 +36,11 @@ mark is made durable before the raw sink returns (`ObservingStore.write` stores 
 checkpoint with the span of marked windows), so a crash before the recomputation does not lose
 it: the raw sink would skip the redelivered batch, and the restored checkpoint marks the span
 again.
+The same holds for where a job's windows start: the batch that opens a kind's windows (or moves
+their start back, before the first closes) stores the checkpoint (`<kind>:open`) before it is
+acked. Else a worker killed after committing a job's first batches but before checkpointing
+any window would restart without the job: its windows would open at the first batch delivered
+again, and those before it were never computed (or, if some were stored, a gap).
 """
 
 from __future__ import annotations
@@ -101,10 +106,10 @@ def checkpoint_columns(rows: Sequence[Checkpoint], now: int) -> dict[str, np.nda
 class ObservingStore(ClickHouseStore):
     """The raw sinks' store; reports each stored batch's event-time range, producer and kind to
     `windows`, and hands stored kernel batches to `kernels` (the runner's `kernels.buffer`:
-    summaries from memory, streams/kernel_summaries.py). A batch that marks closed windows late
-    has the mark stored (the job's checkpoint) before `write` returns, i.e. before the raw sink
-    acks the batch. The stored checkpoints are loaded into `windows` before the first batch is
-    observed (`restore_windows`)."""
+    summaries from memory, streams/kernel_summaries.py). A batch that marks closed windows late,
+    or opens a job's windows or moves their start back, has the job's checkpoint stored before
+    `write` returns, i.e. before the raw sink acks the batch. The stored checkpoints are loaded
+    into `windows` before the first batch is observed (`restore_windows`)."""
 
     def __init__(self, writer: ClickHouseWriter, windows: Windows,
                  kernels: KernelBuffer | None = None, *,
@@ -118,7 +123,7 @@ class ObservingStore(ClickHouseStore):
         # a failure here fails the write (nothing stored yet): the raw sink retries it
         await restore_windows(self.writer.db, self.windows, self.ownership)
         n = await super().write(kind, batches, token, sources=sources)
-        marked: set[str] = set()
+        changed: set[str] = set()
         try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
             column = TIME_COLUMN[kind]
             for b in batches:
@@ -133,14 +138,14 @@ class ObservingStore(ClickHouseStore):
                     hi = max(hi, int(np.asarray(b.cols["t_end"]).max()))
                 if self.windows.observe(b.job_id, int(known.min()), hi, source=b.producer,
                                         kind=kind):
-                    marked.add(b.job_id)
+                    changed.add(b.job_id)
                 if kind == "kernels" and self.kernels is not None:
                     self.kernels.close(b.job_id, self.windows.open_window(
                         b.job_id, "kernel_summaries")[0])
                     self.kernels.add(b)
         except Exception:
             log.exception("derived windows: observing a %s write failed", kind)
-        for job in sorted(marked):  # a failure here fails the write: the batch comes again
+        for job in sorted(changed):  # a failure here fails the write: the batch comes again
             rows = self.windows.checkpoint(job)  # stamped by the runner's clock, as its own are
             await self.writer.db.ainsert("stream_state",
                                          checkpoint_columns(rows, self.windows.clock()),

@@ -62,8 +62,6 @@ _CONTENT_TYPES = {"JSON": "application/json", "JSONCompact": "application/json",
 DB_KEY: web.AppKey[Database] = web.AppKey("db", Database)
 WRITABLE_KEY: web.AppKey[bool] = web.AppKey("writable", bool)
 GATE_KEY: web.AppKey[_Gate] = web.AppKey("gate")
-#: Extra seconds past its time limit after which a query in flight counts as stuck.
-STUCK_GRACE_S = 30.0
 
 Health = Callable[[], list[str]]
 
@@ -103,9 +101,9 @@ def is_loopback(host: str) -> bool:
 
 
 def stuck_queries(db: Database, limits: SqlLimits, now: float | None = None) -> list[str]:
-    """Queries in flight longer than their time limit plus STUCK_GRACE_S."""
+    """Queries in flight longer than their time limit plus `limits.stuck_grace_s`."""
     now = time.monotonic() if now is None else now
-    over = limits.max_execution_time_s + STUCK_GRACE_S
+    over = limits.max_execution_time_s + limits.stuck_grace_s
     return [f"a SQL query has run {now - t0:.0f} s (limit {limits.max_execution_time_s} s): "
             f"{text[:80]}" for t0, text in list(db.sql_inflight.values()) if now - t0 > over]
 

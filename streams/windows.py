@@ -41,7 +41,9 @@ Contract:
   first event of any kind, with the windows of a kind that had no batch yet closed unread: on
   a backlog whose kernel records were read ahead of its ops, that closed most of a job's
   progress windows before their ops arrived; progress takes no late marks, so they were
-  lost.) A restored job's kinds resume at their checkpoints; a kind missing from the
+  lost.) The start is checkpointed as soon as it opens or moves (a `<kind>:open` row,
+  restored as still movable), before the batch that set it is committed. A restored job's
+  kinds resume at their checkpoints; a kind missing from the
   checkpoint starts no later than the earliest window any of them had left open (what the
   previous worker stored before it could checkpoint is unknown).
 - A batch of a raw kind a derived kind uses, whose events fall before that kind's
@@ -72,6 +74,9 @@ from dataclasses import dataclass, field
 SEC = 1_000_000_000
 #: The `kind` of a checkpoint row that stores a derived kind's late marks (as a span).
 LATE_SUFFIX = ":late"
+#: The `kind` of a checkpoint row for a derived kind none of whose windows is closed yet: its
+#: first window may still move back (`KindState.fixed` is False).
+OPEN_SUFFIX = ":open"
 
 
 def window_start(t_ns: int, width_ns: int) -> int:
@@ -182,7 +187,10 @@ class Windows:
     def observe(self, job: str, t_min: int, t_max: int, *, source: str = "",
                 kind: str = "") -> bool:
         """A durable batch of `job` with event times in [t_min, t_max] (ns; 0 = unknown) from
-        `source` (producer) of raw `kind`; True when it marked closed windows as late."""
+        `source` (producer) of raw `kind`. True when it changed what a restart must resume
+        from: it marked closed windows as late, or opened a kind's windows or moved their
+        start back (the caller stores `checkpoint(job)` before the batch's offsets are
+        committed: a redelivery never brings a committed batch back)."""
         if t_max <= 0:
             return False
         t_min = t_min if t_min > 0 else t_max
@@ -192,7 +200,7 @@ class Windows:
         st.first_ns = min(st.first_ns, t_min)
         st.max_ns = max(st.max_ns, t_max)
         self._learn(st, (source, kind), t_min, t_max)
-        marked = False
+        changed = False
         for k, spec in self.specs.items():
             if kind and spec.inputs and kind not in spec.inputs + spec.reads:
                 continue  # e.g. a kernel batch changes no progress or iteration window
@@ -200,11 +208,13 @@ class Windows:
             if ks is None:
                 first = t_min if st.restored_wall_ns is None else min(t_min, st.first_ns)
                 st.kinds[k] = KindState(window_start(first, spec.width_ns))
+                changed = True
             elif t_min < ks.next_start and not ks.fixed:
                 ks.next_start = window_start(t_min, spec.width_ns)
+                changed = True
             elif t_min < ks.next_start and spec.late_marks:
-                marked |= self._mark_late(ks, spec, t_min, t_max)
-        return marked
+                changed |= self._mark_late(ks, spec, t_min, t_max)
+        return changed
 
     def _learn(self, st: JobState, key: tuple[str, str], t_min: int, t_max: int) -> None:
         now = self.clock()
@@ -308,10 +318,12 @@ class Windows:
         self.jobs[job].kinds[kind].late.discard(start)
 
     def checkpoint(self, job: str) -> list[Checkpoint]:
-        """The job's rows for `stream_state`: per kind the next window, and per kind with late
-        marks the span they cover (-1, -1 once none is left)."""
+        """The job's rows for `stream_state`: per kind the next window (`<kind>:open` while
+        none of its windows is closed: a start that may still move back), and per kind with
+        late marks the span they cover (-1, -1 once none is left)."""
         st = self.jobs[job]
-        rows = [Checkpoint(job, k, ks.next_start, st.max_ns) for k, ks in st.kinds.items()]
+        rows = [Checkpoint(job, k if ks.fixed else k + OPEN_SUFFIX, ks.next_start, st.max_ns)
+                for k, ks in st.kinds.items()]
         for k, ks in st.kinds.items():
             if self.specs[k].late_marks:
                 lo, hi = (min(ks.late), max(ks.late)) if ks.late else (-1, -1)
@@ -324,11 +336,16 @@ class Windows:
 
     def restore(self, rows: list[Checkpoint]) -> None:
         """Resume from stored checkpoints (before any batch of their jobs is observed). A stored
-        span of late marks is marked again whole (recomputing a window twice is harmless)."""
+        span of late marks is marked again whole (recomputing a window twice is harmless). A
+        kind stored open (`<kind>:open`, no window closed) resumes open, its start free to move
+        back, unless a row of the kind itself says a window was closed since."""
         self.restored = True
         spans = [r for r in rows if r.kind.endswith(LATE_SUFFIX)]
+        closed = {(r.job_id, r.kind) for r in rows if r.kind in self.specs}
         for r in rows:
-            if r.kind not in self.specs:
+            kind = r.kind.removesuffix(OPEN_SUFFIX)
+            fixed = kind == r.kind
+            if kind not in self.specs or (not fixed and (r.job_id, kind) in closed):
                 continue
             st = self.jobs.get(r.job_id)
             if st is None:
@@ -336,7 +353,7 @@ class Windows:
                                                     restored_wall_ns=self.clock())
             st.max_ns = max(st.max_ns, r.max_ns)
             st.first_ns = min(st.first_ns, r.next_start)
-            st.kinds[r.kind] = KindState(r.next_start, fixed=True)
+            st.kinds[kind] = KindState(r.next_start, fixed=fixed)
         for r in spans:
             kind = r.kind.removesuffix(LATE_SUFFIX)
             st = self.jobs.get(r.job_id)

@@ -24,6 +24,7 @@ BENCHES = {
     "export": "bench.export",
     "soak": "bench.soak",
     "scale": "bench.scale",
+    "storm": "bench.storm",
 }
 
 

@@ -79,7 +79,9 @@ def query_direct(settings: Settings, sql: str, fmt: str) -> bytes:
     from streams.db import Database  # imports the ClickHouse engine: only on this path
 
     with Database(settings.clickhouse, settings.clickhouse_database, create=False,
-                  cluster=settings.clickhouse_cluster) as db:
+                  cluster=settings.clickhouse_cluster,
+                  sql_user=settings.sql_clickhouse_user,
+                  sql_password=settings.sql_clickhouse_password.get_secret_value()) as db:
         return db.execute_sql(sql, fmt, readonly=not settings.sql_writable)
 
 

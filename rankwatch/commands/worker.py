@@ -37,8 +37,6 @@ from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
 METRICS_INTERVAL_S = 10.0
-#: A batch not stored, or a lagging partition not committed, for this long is a stall (/ping).
-STALL_S = 120.0
 #: Exit code when the worker cannot start as configured (port taken, no token beyond loopback):
 #: not a crash to restart into.
 EXIT_CONFIG = 78
@@ -67,7 +65,8 @@ def sql_limits(settings: Settings) -> SqlLimits:
     return SqlLimits(max_execution_time_s=settings.sql_max_execution_time_s,
                      max_memory_bytes=settings.sql_max_memory_mb << 20,
                      max_result_bytes=settings.sql_max_result_mb << 20,
-                     concurrency=settings.sql_concurrency)
+                     concurrency=settings.sql_concurrency,
+                     stuck_grace_s=settings.sql_stuck_grace_s, nice=settings.sql_nice)
 
 
 def time_bounds(settings: Settings) -> TimeBounds:
@@ -119,7 +118,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
             log.exception("derived streams tick failed; retrying at the next tick")
 
     def health() -> list[str]:
-        return sapp.health(STALL_S)
+        return sapp.health(settings.worker_stall_s)
 
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}
@@ -239,12 +238,19 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     no_numpy_hugepages()
     try:
         db = Database(settings.clickhouse, settings.clickhouse_database,
-                      cluster=settings.clickhouse_cluster)
+                      cluster=settings.clickhouse_cluster,
+                      sql_user=settings.sql_clickhouse_user,
+                      sql_password=settings.sql_clickhouse_password.get_secret_value())
     except ClickHouseError as e:
         print(f"rankwatch worker: cannot open ClickHouse at {display_url(settings.clickhouse)}: "
               f"{e.message}",
               file=sys.stderr)
         return 1
+    if not db.target.embedded and not settings.sql_clickhouse_user:
+        log.warning("the SQL endpoint's queries run as the writer's ClickHouse user: on a server "
+                    "its limits bind only through a user of its own; set "
+                    "RANKWATCH_SQL_CLICKHOUSE_USER to a user with SELECT alone and the "
+                    "rankwatch_sql settings profile (docs/architecture.md)")
     try:
         applied = migrate(db)
         if applied:

@@ -205,6 +205,31 @@ def test_kernel_summaries_from_memory_are_those_read_back(clickhouse_db: Databas
         assert fresh.buffer.misses and int(window["events"][0]) == sum(r[5] for r in stored)
 
 
+def test_a_crash_before_the_first_checkpoint_loses_no_window(clickhouse_db: Database) -> None:
+    """The first worker stores (and commits) a job's first batches and dies before it closed
+    and checkpointed any of the job's windows (a busy worker: its derived tick had not run).
+    The restarted worker is not given those batches again; the windows they fall in are
+    computed all the same, from the start checkpointed when the first batch was stored."""
+    job, ref = "nockpt", "nockpt_ref"
+    cfg = JobConfig(job_id=job, tp=2, pp=2, dp=2, steps=30, microbatches=4, seed=4)
+    db = clickhouse_db
+
+    async def store_only(upto: float) -> None:  # the first worker: no derived tick ran
+        runner = DerivedRunner(db, _nothing, config(), clock=CLOCK)
+        store = ObservingStore(ClickHouseWriter(db), runner.windows, runner.kernels.buffer)
+        every = list(Simulation(cfg).batches())
+        for i, (_, kind, data) in enumerate(every[:int(len(every) * upto)]):
+            if kind != "jobs":
+                await store.write(kind, [decode_batch(data)], f"{job}:{i}", sources=[(0, i)])
+            CLOCK.pause(0.05)
+
+    asyncio.run(store_only(0.3))
+    assert db.query(f"SELECT count() FROM progress WHERE job_id = '{job}'").result_rows == [(0,)]
+    asyncio.run(_resume(db, cfg, 0.3))
+    asyncio.run(load(db, JobConfig(**{**cfg.__dict__, "job_id": ref})))
+    assert_same_as_reference(db, job, ref)
+
+
 def test_batches_stored_before_the_restore_do_not_lose_windows(clickhouse_db: Database) -> None:
     """A restarted worker's raw sinks store batches before the derived runner's first tick has
     read the checkpoints (Faust starts the agents and the timers together). Here the first batch

@@ -217,3 +217,27 @@ def test_a_restored_kind_does_not_move_back() -> None:
     w.restore([Checkpoint("j", "p", 100 * S, 105 * S)])
     w.observe("j", 90 * S, 106 * S)
     assert w.due("j", "p", limit=1) == [100 * S]
+
+
+def test_a_start_not_yet_closed_is_checkpointed_open_and_restored_movable() -> None:
+    """The batch that opens a kind's windows or moves their start back reports it (the caller
+    stores the checkpoint before the batch is committed), and the start is restored as it was:
+    still free to move back to a batch of another partition read later."""
+    w = make()
+    assert w.observe("j", 110 * S, 111 * S) is True  # opens "p" and "it"
+    assert w.observe("j", 111 * S, 112 * S) is False  # nothing a restart needs changed
+    assert w.observe("j", 105 * S, 106 * S) is True  # "p" moves back ("it" stays at 100)
+    rows = w.checkpoint("j")
+    assert Checkpoint("j", "p:open", 105 * S, 112 * S) in rows
+    fresh = make()
+    fresh.restore(rows)
+    assert fresh.open_window("j", "p")[0] == 105 * S
+    fresh.observe("j", 102 * S, 103 * S)
+    assert fresh.open_window("j", "p")[0] == 102 * S  # moved back: no window was closed
+    fresh.closed("j", "p", 102 * S)
+    later = fresh.checkpoint("j")
+    assert Checkpoint("j", "p", 103 * S, 112 * S) in later
+    again = make()
+    again.restore(rows + later)  # stream_state keeps both rows: the closed one wins
+    again.observe("j", 90 * S, 91 * S)
+    assert again.open_window("j", "p")[0] == 103 * S
