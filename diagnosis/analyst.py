@@ -42,7 +42,9 @@ finished job would drift to "process died".
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
   whose culprit ranks are among the hang's does not open a second incident for the same episode
-  (a different culprit does, and so does the same one later). Not kept across restarts.
+  (a different culprit does, and so does the same one later) — nor does the recovered stall
+  analysed again once it ended (a hang conclusion labelled "recovered"). Not kept across
+  restarts.
 """
 
 from __future__ import annotations
@@ -196,10 +198,16 @@ class Analyst:
         return self._publish(c, w, t, now_ns, ms)
 
     def _aftermath(self, job_id: str, c: Conclusion, now_ns: int) -> bool:
-        """A new performance incident that is the trace of a stall just resolved (docstring)."""
+        """A new performance incident that is the trace of a stall just resolved (docstring),
+        or a new hang incident that is that stall again: the recovered stall analysed after it
+        ended (`hang_rca.analyze_past_stall`, label "recovered") on the same ranks."""
         hang = self.resolved_hangs.get(job_id)
-        if hang is None or incident_class(c.kind) != "performance" \
-                or self.book.is_open(job_id, "performance"):
+        if hang is None:
+            return False
+        if incident_class(c.kind) == "hang":
+            if "recovered" not in c.labels or self.book.is_open(job_id, "hang"):
+                return False
+        elif self.book.is_open(job_id, "performance"):
             return False
         ranks, at = hang
         recent = now_ns - at <= self.config.aftermath_s * SECOND

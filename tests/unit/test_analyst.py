@@ -27,6 +27,10 @@ def test_the_trace_of_a_resolved_stall_is_not_a_second_incident() -> None:
     assert not a._aftermath("j", slow((3,)), 121 * S)  # later: a new episode
     assert not a._aftermath("k", slow((3,)), 110 * S)  # another job
     assert not a._aftermath("j", Conclusion("hang", (3,), "data", "data_loader", 0.9), 110 * S)
+    # the same stall analysed again once it ended: not a second hang incident
+    again = Conclusion("hang", (3,), "fwd mb=0 pp=0", "gpu_compute", 0.95,
+                       labels=("min_op", "transient", "recovered"))
+    assert a._aftermath("j", again, 110 * S) and not a._aftermath("j", again, 121 * S)
 
 
 def test_a_new_incident_is_rechecked_after_first_recheck_s() -> None:
