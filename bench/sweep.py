@@ -30,7 +30,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-SECOND = 1_000_000_000
+from ingest.units import SECOND
 
 
 def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[str, Any]:

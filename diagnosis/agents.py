@@ -50,11 +50,11 @@ from diagnosis.window import Window, latest_op_rows, without_superseded_in_fligh
 from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
+from ingest.units import SECOND
 from streams.db import ClickHouseError, Database
 from streams.windows import WatermarkParams
 
 log = logging.getLogger(__name__)
-SECOND = 1_000_000_000
 
 #: raw kind -> (time column, columns read for root cause)
 WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -51,6 +51,7 @@ import numpy as np
 
 from ingest.batch import TIME_COLUMN, Coded, RecordBatch, encode_batch
 from ingest.inflight import superseded
+from ingest.units import SECOND as SEC
 from streams.db import Database
 from streams.iterations import KIND_CODES, OTHER_KIND, Bounds, OpFrame, iteration_rows
 from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarizer
@@ -60,7 +61,6 @@ from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec
 from streams.writer import ClickHouseWriter, insert_settings
 
 log = logging.getLogger(__name__)
-SEC = 1_000_000_000
 Publish = Callable[[str, str, bytes], Awaitable[None]]  # (kind, job_id, batch bytes)
 
 

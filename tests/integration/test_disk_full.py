@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 
 from ingest.batch import encode_batch
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_columns
-
-SEC = 1_000_000_000
 
 
 @pytest.fixture

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 
 from ingest.batch import TIME_COLUMN, BatchError, decode_batch, encode_batch, encode_topology
 from ingest.records import COLUMNS, MODELS, Communicator, JobTopology
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from streams.raw_sink import TimeBounds
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_batches, valid_columns
 
-SEC = 1_000_000_000
 KINDS = sorted(MODELS)
 
 

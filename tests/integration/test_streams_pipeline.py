@@ -13,6 +13,7 @@ import pytest
 from ingest.batch import TIME_COLUMN
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from streams.windows import WatermarkParams
@@ -21,7 +22,6 @@ from tests.integration.test_ingest_pipeline import Pipeline
 STAGES = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
           "step_other")
 LATENESS_S = 1.0
-SEC = 1_000_000_000
 
 
 @pytest.fixture

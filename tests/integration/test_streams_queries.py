@@ -14,12 +14,12 @@ import pytest
 from ingest.batch import TIME_COLUMN, RecordBatch, decode_batch
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation
+from ingest.units import SECOND as SEC
 from streams.db import Database
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
 from streams.kernel_summaries import KernelParams, KernelSummarizer
 from streams.writer import ClickHouseWriter
 
-SEC = 1_000_000_000
 QUERIES = Path(__file__).parents[2] / "sql" / "queries"
 
 

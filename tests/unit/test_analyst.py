@@ -10,8 +10,7 @@ import pytest
 from diagnosis.analyst import Analyst, AnalystConfig
 from diagnosis.conclusion import Conclusion
 from diagnosis.window import Window
-
-S = 1_000_000_000
+from ingest.units import SECOND as S
 
 
 def slow(ranks: tuple[int, ...]) -> Conclusion:

@@ -20,9 +20,9 @@ from diagnosis.window import Window, latest_op_rows
 from ingest.agent.capture import read_capture
 from ingest.batch import decode_batch
 from ingest.records import JobTopology
+from ingest.units import SECOND as S
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-nccl-2.28.9-data-stall.rwcap"
-S = 1_000_000_000
 
 
 def stored() -> tuple[JobTopology, dict[str, Columns]]:

@@ -14,10 +14,9 @@ import pytest
 from ingest.importers import flight_recorder
 from ingest.importers.common import Collected, TraceError, rank_from_name
 from ingest.importers.topology import TopologyError, infer
+from ingest.units import SECOND as SEC
 from rankwatch.commands.import_ import collect
 from tests.unit.test_import_formats import BASE, kineto_trace
-
-SEC = 1_000_000_000
 
 
 def megatrace_line(rank: int, t_ns: int, op: str, count: int, stream: str, op_count: int,

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from ingest.batch import TIME_COLUMN, BatchError, decode_batch, encode_batch, encode_topology
 from ingest.records import COLUMNS, MODELS, Column, JobTopology
+from ingest.units import SECOND as SEC
 from streams.raw_sink import DLQ_PAYLOAD_MAX, DeadLetter, Message, RawSink, TimeBounds
 from tests.unit.test_raw_sink import FakeStore
 
 KINDS = sorted(MODELS)
-SEC = 1_000_000_000
 NOW = 1_800_000_000 * SEC
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

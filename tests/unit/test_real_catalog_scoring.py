@@ -8,8 +8,8 @@ import pytest
 from bench.real import catalog
 from bench.real.harness import CaseResult, score, stage_ok, summarize
 from diagnosis.model import Diagnosis, Suspect, TriggerRef
+from ingest.units import SECOND as S
 
-S = 1_000_000_000
 ONSET = 1_000 * S
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
+from ingest.units import SECOND as SEC
 from streams.iterations import (
     KIND_CODES,
     OpFrame,
@@ -14,8 +15,6 @@ from streams.iterations import (
     iteration_rows,
     union_length,
 )
-
-SEC = 1_000_000_000
 
 
 @pytest.fixture(scope="module")

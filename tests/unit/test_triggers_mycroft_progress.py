@@ -13,10 +13,10 @@ from diagnosis.triggers.mycroft_progress import (
     progress_straggler_trigger,
 )
 from diagnosis.triggers.watch import JobWatch
+from ingest.units import MILLISECOND as MS
+from ingest.units import SECOND as S
 from tests.unit.topo_fixtures import megatron_topology
 
-S = 1_000_000_000
-MS = 1_000_000
 T0 = 1_700_000_000 * S
 MB = 1 << 20
 
