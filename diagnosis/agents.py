@@ -158,8 +158,10 @@ class DiagnosisAgents:
 
     def __init__(self, app: faust.App, db: Database, topics: Topics, *,
                  clock: Callable[[], int] = time.time_ns, tick_s: float = 1.0,
-                 config: AnalystConfig | None = None) -> None:
+                 config: AnalystConfig | None = None,
+                 lateness_ns: int = WatermarkParams().lateness_ns) -> None:
         self.app, self.db, self.clock = app, db, clock
+        self.lateness_ns = lateness_ns  # the derived feed's (settings.derived_lateness_s)
         self.watches: dict[str, JobWatch] = {}
         self.watermark: dict[str, int] = {}  # per job: newest progress window_end (event time)
         self.topos: dict[str, JobTopology] = {}
@@ -192,7 +194,7 @@ class DiagnosisAgents:
         that, so this is the wall clock; for a replayed capture or a job that has ended it is
         the job's own last moment, which re-checks then judge again and again the same."""
         wm = self.watermark.get(job_id)
-        return now_ns if wm is None else min(now_ns, wm + WatermarkParams().lateness_ns)
+        return now_ns if wm is None else min(now_ns, wm + self.lateness_ns)
 
     def _read(self, job_id: str, start_ns: int, now_ns: int,
               kinds: Collection[str] | None = None) -> Window | None:
@@ -306,6 +308,8 @@ class DiagnosisAgents:
             log.exception("diagnosis tick failed")
 
 
-def attach(app: faust.App, db: Database, topics: Topics) -> DiagnosisAgents:
-    """Add the diagnosis agents to the worker's app (the hook rankwatch worker calls)."""
-    return DiagnosisAgents(app, db, topics)
+def attach(app: faust.App, db: Database, topics: Topics, *,
+           lateness_ns: int = WatermarkParams().lateness_ns) -> DiagnosisAgents:
+    """Add the diagnosis agents to the worker's app (the hook rankwatch worker calls), with the
+    derived feed's lateness (`derived_lateness_s`)."""
+    return DiagnosisAgents(app, db, topics, lateness_ns=lateness_ns)
