@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ingest.records import comm_kind_codes
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
 from ingest.units import SECOND as SEC
 from streams.iterations import (
     KIND_CODES,
     OpFrame,
-    comm_kind_codes,
     iteration_rows,
     union_length,
 )
