@@ -32,7 +32,7 @@ jars: $(STAMP) ## Fetch the Kafka broker's jars from Maven Central (cached outsi
 .PHONY: lint
 lint: $(STAMP) ## ruff and mypy
 	$(BIN)/ruff check .
-	$(BIN)/mypy ingest streams diagnosis rankwatch
+	$(BIN)/mypy ingest streams diagnosis rankwatch tests bench
 
 # Real services some tests run (Alertmanager, Prometheus, headless Chromium), from Debian's
 # packages: installed when missing (apt-get as root, else sudo), nothing done when present.

@@ -74,9 +74,9 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
             now = int(db.query("SELECT toUnixTimestamp64Nano(max(t_start)) FROM ops "
                                "WHERE job_id = 'bench-sweep'").result_rows[0][0])
 
-            def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None
-                     ) -> Window:
-                return read_window(db, topo, lo, hi, kinds)
+            def read(job_id: str, start_ns: int, now_ns: int,
+                     kinds: Collection[str] | None = None) -> Window:
+                return read_window(db, topo, start_ns, now_ns, kinds)
 
             analyst = Analyst(read, AnalystConfig())
             start = now - int(analyst.config.window_s * SECOND)

@@ -22,6 +22,7 @@ from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from streams.raw_sink import TimeBounds
+from tests.conftest import KafkaService, SettingsFactory
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_batches, valid_columns
 
@@ -29,7 +30,8 @@ KINDS = sorted(MODELS)
 
 
 @pytest.fixture
-def poison_pipeline(kafka, settings_factory) -> Iterator[Pipeline]:  # type: ignore[no-untyped-def]
+def poison_pipeline(kafka: KafkaService, settings_factory: SettingsFactory
+                    ) -> Iterator[Pipeline]:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"x{uuid.uuid4().hex[:10]}", kafka_partitions=2)
     p = Pipeline(settings)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +87,7 @@ async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ig
     return runner
 
 
-def query(db: Database, name: str, **params: object) -> list[tuple[object, ...]]:
+def query(db: Database, name: str, **params: object) -> list[Sequence[Any]]:
     return list(db.query((QUERIES / f"{name}.sql").read_text(), params).result_rows)
 
 
@@ -341,7 +343,7 @@ def test_calls_stored_in_flight_first_change_no_iteration_or_progress_row(
     assert db.query("SELECT count() FROM ops WHERE job_id = 'twice' AND "
                     "toUnixTimestamp64Nano(t_end) = 0").result_rows[0][0] > 500
 
-    def rows(table: str, job: str, order: str) -> list[tuple[object, ...]]:
+    def rows(table: str, job: str, order: str) -> list[Sequence[Any]]:
         cols = [c for c in db.query(f"SELECT * FROM {table} LIMIT 0").column_names
                 if c not in ("job_id", "ingest_ts")]
         return list(db.query(f"SELECT {', '.join(cols)} FROM {table} FINAL WHERE job_id = "

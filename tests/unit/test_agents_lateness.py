@@ -42,4 +42,5 @@ def test_worker_passes_derived_lateness_s() -> None:
     settings = Settings(derived_lateness_s=5.5)
     sapp = build(settings, cast(Database, None))  # built only: no table is read
     assert sapp.derived.cfg.lateness_ns == 5_500_000_000
-    assert sapp.diagnosis.lateness_ns == 5_500_000_000
+    agents = vars(sapp)["diagnosis"]  # attached by the worker
+    assert isinstance(agents, DiagnosisAgents) and agents.lateness_ns == 5_500_000_000

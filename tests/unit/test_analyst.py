@@ -54,8 +54,9 @@ def test_a_hang_trigger_analysed_too_early_is_retried_until_it_concludes() -> No
     w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
     seen = {"early": True}
 
-    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
-        return Window(w.topo, {}, lo, hi) if seen["early"] else w
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
+        return Window(w.topo, {}, start_ns, now_ns) if seen["early"] else w
 
     a = Analyst(read, AnalystConfig(pending_s=30), event_clock=lambda job, t: now)
     t = Trigger(w.topo.job_id, now, "hang", (13,), {"rule": "venustrace.heartbeat"})
@@ -79,8 +80,9 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     not read again every sweep_s."""
     reads: list[int] = []
 
-    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> None:
-        reads.append(hi)
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> None:
+        reads.append(now_ns)
 
     clock = {"at": 50 * S}
     a = Analyst(read, AnalystConfig(sweep_s=10), event_clock=lambda job, now: clock["at"])
@@ -124,7 +126,8 @@ def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     only what the analysis from ops alone uses (ops_rca.KINDS)."""
     asked: list[tuple[str, ...] | None] = []
 
-    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
         asked.append(tuple(kinds) if kinds is not None else None)
         return Window(topo, {})
 

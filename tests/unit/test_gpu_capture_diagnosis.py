@@ -42,7 +42,7 @@ def stored() -> tuple[JobTopology, dict[str, Columns]]:
 def as_of(tables: dict[str, Columns], now: int) -> dict[str, Columns]:
     """What the tables held at `now`: rows whose event happened by then, ops not yet ended
     shown in flight, a step's stage record only once the step ended."""
-    out = {}
+    out: dict[str, Columns] = {}
     for kind, t in tables.items():
         tcol = WINDOW_COLUMNS[kind][0]
         keep = np.asarray(t[tcol]) <= now
@@ -56,8 +56,7 @@ def as_of(tables: dict[str, Columns], now: int) -> dict[str, Columns]:
         rows = {c: np.asarray(v)[keep] for c, v in t.items()}
         if kind == "ops":
             rows["t_end"] = np.where(rows["t_end"] > now, 0, rows["t_end"])
-            rows = latest_op_rows(rows)
-        out[kind] = rows
+        out[kind] = latest_op_rows(rows) if kind == "ops" else rows
     return out
 
 

@@ -161,7 +161,9 @@ def test_gloo_without_status_reads_order(tmp_path: Path) -> None:
     earlier returned; the last call is in flight."""
     doc = fr_json(0, hung=True)
     doc.pop("pg_status")
-    for e in doc["entries"]:  # type: ignore[union-attr]
+    entries = doc["entries"]
+    assert isinstance(entries, list)
+    for e in entries:
         e.pop("retired")
     p = tmp_path / "rank0.json"
     p.write_text(json.dumps(doc))
