@@ -54,6 +54,12 @@ test-deps: ## Install the Debian packages the tests run for real, when missing
 test: build jars test-deps lint ## Set everything up and run every test (unit, integration, e2e)
 	$(BIN)/python -m pytest -q -ra tests
 
+# tests/unit never starts a service (tests/conftest.py refuses it); tests marked `slow` there
+# simulate whole jobs or import real torch, and run in `make test`.
+.PHONY: test-unit
+test-unit: build ## Run the unit tests: no broker, no ClickHouse server, no training (< 1 min)
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests/unit
+
 .PHONY: demo
 demo: build jars ## Start the local stack, run a job with a fault, print the diagnosis, stop
 	$(BIN)/python -m rankwatch.demo

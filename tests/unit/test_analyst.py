@@ -96,6 +96,7 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     assert reads == [50 * S, 60 * S]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [
     "nic_bw rank=7 factor=0.2 at=7s", "pcie rank=5 factor=0.25 at=7s",
     "gpu_slow rank=9 factor=1.5 at=7s", "kernel_slow rank=12 kernel=attn factor=3 at=7s",
@@ -141,6 +142,7 @@ def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     assert asked == [("stages",), ("ops", "beats")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [
     "nic_bw rank=7 factor=0.2 at=40s", "gpu_slow rank=9 factor=1.5 at=40s",
     "kernel_slow rank=12 kernel=attn factor=3 at=40s", "data_tail rank=10 p=0.3 delay=180ms at=40s",

@@ -46,6 +46,7 @@ print(ok, before, rss())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_free_memory_inside_the_heap_goes_back_to_the_system() -> None:
     out = subprocess.run([sys.executable, "-c", FRAGMENTED], capture_output=True, text=True,
