@@ -30,7 +30,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from ingest.units import SECOND
+SECOND = 1_000_000_000
 
 
 def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[str, Any]:
@@ -74,9 +74,9 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
             now = int(db.query("SELECT toUnixTimestamp64Nano(max(t_start)) FROM ops "
                                "WHERE job_id = 'bench-sweep'").result_rows[0][0])
 
-            def read(job_id: str, start_ns: int, now_ns: int,
-                     kinds: Collection[str] | None = None) -> Window:
-                return read_window(db, topo, start_ns, now_ns, kinds)
+            def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None
+                     ) -> Window:
+                return read_window(db, topo, lo, hi, kinds)
 
             analyst = Analyst(read, AnalystConfig())
             start = now - int(analyst.config.window_s * SECOND)

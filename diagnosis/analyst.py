@@ -19,9 +19,12 @@ finished job would drift to "process died".
   "resolved". The first re-check comes `first_recheck_s` after the incident opens: a trigger
   fires seconds after the onset, when the raw tables may hold little of the fault yet (a dead
   rank's missing beats span one interval), so the first version is soon checked against more
-  evidence. Every `sweep_s`, jobs without an open performance incident get one slowdown
+  evidence. Every `_sweep_gap` (its last sweep's cost over `sweep_share`, between
+  `min_sweep_s` and `sweep_s`), jobs without an open performance incident get one slowdown
   analysis (trigger kind "straggler", rule "rankwatch.sweep"): degradations the job's step time
-  absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers. A job
+  absorbs (a slower ring hidden in a pipeline bubble) never move the step-time triggers. Its
+  recent steps reach back to the previous sweep (`_sweep_config`), so an onset between two
+  sweeps is judged with its baseline before it. A job
   whose event clock has not moved since its last sweep (it ended) is not swept again: the same
   records would be judged the same (an ended 1,024-rank job cost 0.7 CPU-s every 10 s).
   A sweep reads the job's stage records first: the slowdown analysis needs them
@@ -44,10 +47,13 @@ finished job would drift to "process died".
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+import numpy as np
 
 from diagnosis import engine, hang_rca, ops_rca, slow
 from diagnosis.conclusion import Conclusion
@@ -63,6 +69,8 @@ SWEEP_KINDS = ("stages", "ops", "chunks", "kernels", "kernel_summaries")
 #: Full steps before the slowdown analysis's `recent` ones whose raw rows a sweep still reads:
 #: room for the recovered stall's steps the analysis leaves out (`slow.reach_start`).
 SWEEP_MARGIN_STEPS = 5
+#: The most recent steps a sweep judges (`_sweep_config`): bounds its read at short steps.
+MAX_RECENT = 200
 
 
 class Reader(Protocol):
@@ -76,7 +84,9 @@ class Reader(Protocol):
 class AnalystConfig:
     window_s: float = 90.0
     recheck_s: float = 4.0
-    sweep_s: float = 10.0
+    sweep_s: float = 10.0  # the longest gap between two sweeps of a job (`_sweep_gap`)
+    min_sweep_s: float = 2.0  # the shortest
+    sweep_share: float = 0.05  # a job's sweeps take at most this share of the wall clock
     aftermath_s: float = 20.0
     first_recheck_s: float = 1.0
     pending_s: float = 30.0
@@ -90,6 +100,7 @@ class Analyst:
     jobs: set[str] = field(default_factory=set)
     last_check: dict[str, int] = field(default_factory=dict)
     last_sweep: dict[str, int] = field(default_factory=dict)
+    sweep_cost: dict[str, float] = field(default_factory=dict)  # job -> its last sweep, s
     #: job -> the event clock its last sweep judged: a job whose clock stands still (it ended,
     #: or its feed stopped) is not swept again over the same records
     swept_at: dict[str, int] = field(default_factory=dict)
@@ -104,25 +115,43 @@ class Analyst:
                 kinds: Collection[str] | None = None) -> Window | None:
         return self.read(job_id, at_ns - int(self.config.window_s * SECOND), at_ns, kinds)
 
-    def _sweep_window(self, job_id: str, at_ns: int) -> Window | None:
+    def _sweep_config(self, stages: Window, since_ns: int | None) -> slow.SlowConfig:
+        """The slowdown analysis's settings for a sweep: its `recent` steps reach back to the
+        previous sweep (at most `MAX_RECENT`), so an onset between two sweeps is inside the
+        judged steps with its baseline before it — with 130 ms steps a 10 s sweep interval is
+        77 steps, past the default 20 recent ones."""
+        cfg = slow.SlowConfig()
+        st = stages.get("stages")
+        if since_ns is None or not st:
+            return cfg
+        step, t0 = st["step"], st["t_start"]
+        new = np.unique(np.asarray(step)[np.asarray(t0) > since_ns]).size
+        recent = min(max(cfg.recent, new + cfg.onset_steps), MAX_RECENT)
+        return replace(cfg, recent=recent)
+
+    def _sweep_window(self, job_id: str, at_ns: int, since_ns: int | None = None
+                      ) -> tuple[Window | None, slow.SlowConfig]:
         """The sweep's window: its stage records, and if there are any the other `SWEEP_KINDS`
         from the start of the steps the slowdown analysis looks at (`slow.reach_start`,
         `SWEEP_MARGIN_STEPS` before its recent ones; calls in flight are read from further
         back, as always): the 25 steps of a job with 1.7 s steps span about 43 s of the 90 s
         window. None without a topology; the stage window, empty, for a job without stage
-        records."""
+        records. With the analysis's settings for it (`_sweep_config`, from `since_ns`: the
+        previous sweep's event clock)."""
         stages = self._window(job_id, at_ns, ("stages",))
         if stages is None or not stages.get("stages"):
-            return stages  # None, or a job without stage records (`tick`: `_ops_sweep`)
+            # None, or a job without stage records (`tick`: `_ops_sweep`)
+            return stages, slow.SlowConfig()
+        config = self._sweep_config(stages, since_ns)
         start = at_ns - int(self.config.window_s * SECOND)
-        lo = slow.reach_start(stages.tables["stages"], SWEEP_MARGIN_STEPS)
+        lo = slow.reach_start(stages.tables["stages"], SWEEP_MARGIN_STEPS, config)
         rest = self.read(job_id, max(start, lo if lo is not None else start), at_ns,
                          [k for k in SWEEP_KINDS if k != "stages"])
         if rest is None:
-            return None
+            return None, config
         # the window's start stays the 90 s one: the operator SQL of a diagnosis starts there
         return Window(rest.topo, {**rest.tables, "stages": stages.tables["stages"]},
-                      stages.start_ns, rest.now_ns)
+                      stages.start_ns, rest.now_ns), config
 
     def _run(self, fn: Callable[[Window, int], Conclusion | None], w: Window,
              now_ns: int) -> tuple[Conclusion | None, float]:
@@ -204,24 +233,38 @@ class Analyst:
                 self.last_check[job] = now_ns
                 out += self._recheck(job, open_cls, now_ns)
             elif not self.book.is_open(job, "performance") and not self.book.is_open(job, "hang") \
-                    and now_ns - self.last_sweep.get(job, 0) >= self.config.sweep_s * SECOND:
+                    and now_ns - self.last_sweep.get(job, 0) >= self._sweep_gap(job) * SECOND:
                 self.last_sweep[job] = now_ns
+                t0 = time.perf_counter()
                 at = self.event_clock(job, now_ns)
-                if self.swept_at.get(job) == at:
+                prev = self.swept_at.get(job)
+                if prev == at:
                     continue
                 self.swept_at[job] = at
                 t = Trigger(job, at, "straggler", (), {"rule": "rankwatch.sweep"})
-                w = self._sweep_window(job, at)
+                w, cfg = self._sweep_window(job, at, prev)
                 if w is not None and not w.get("stages"):  # the analysis from ops alone
                     out += self._ops_sweep(job, at, now_ns)
                     continue
                 # a stall in progress is the hang analysis' business (its trigger follows): a
                 # slowdown read off the stalled step would open a second, wrong incident
                 if w is not None and not hang_rca.stuck_ranks(w, at).size:
-                    c, ms = self._run(slow.analyze, w, at)
+                    c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
                     if c is not None:
                         out += self._publish(c, w, t, now_ns, ms)
+                self.sweep_cost[job] = time.perf_counter() - t0
         return out
+
+    def _sweep_gap(self, job: str) -> float:
+        """Seconds between two sweeps of `job`: its last sweep's wall time over `sweep_share`,
+        within [`min_sweep_s`, `sweep_s`] — a small job is judged every couple of seconds (a
+        slowdown named within steps, not after a 10 s sweep interval), a 1,024-rank job whose
+        sweep costs most of a second every `sweep_s`."""
+        cost = self.sweep_cost.get(job)
+        if cost is None:
+            return self.config.sweep_s
+        return min(self.config.sweep_s,
+                   max(self.config.min_sweep_s, cost / self.config.sweep_share))
 
     def _confirming(self, job: str) -> Callable[[Window, int], Conclusion | None]:
         """The slowdown analysis of a re-check: the open incident's culprits stay suspects

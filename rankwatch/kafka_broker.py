@@ -5,7 +5,11 @@ Three parts:
 - `ensure_jars` fetches Kafka's jars from Maven Central once (through `mvn`) into the cache dir;
 - `Broker` runs one combined broker+controller JVM from those jars, with its state under
   ``<home>/kafka`` and its log in ``<home>/logs/kafka.log``;
-- `ensure_topics` / `delete_topics` shape the topics with the confluent-kafka admin client.
+- `KafkaCluster` runs `settings.kafka_brokers` such nodes as one KRaft cluster (every node a
+  broker and a voter of the controller quorum), node i under ``<home>/kafka-cluster/node-<i>``
+  on the configured ports + 100·(i-1) (`node_ports`); with one node it is the `Broker` above;
+- `ensure_topics` / `delete_topics` shape the topics with the confluent-kafka admin client:
+  replication factor 3 and ``min.insync.replicas=2`` on a cluster of three or more brokers.
 
 `Daemon` (a process in its own session, tracked by a pid file) is shared with the stack launcher.
 
@@ -28,6 +32,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +42,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic  # the class confluent_kafka.admin re-exports
 
 from ingest.topics import MAX_MESSAGE_BYTES, TopicSpec
-from rankwatch.settings import Settings
+from rankwatch.settings import KAFKA_NODE_PORT_STRIDE, Settings
 
 Progress = Callable[[str], None]
 
@@ -314,26 +319,59 @@ class BrokerHealth:
     detail: str = ""
 
 
-class Broker:
-    """One KRaft node that is both broker and controller, listening on `settings.bootstrap`.
+def replication(brokers: int) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) for a cluster of `brokers` brokers: three
+    copies and two in sync where there are three brokers or more, so one broker may be lost
+    without losing an acknowledged record or refusing a write; else every broker has a copy."""
+    factor = min(3, max(1, brokers))
+    return factor, max(1, factor - 1)
 
-    State: ``<home>/kafka/`` (server.properties, log4j.properties, cluster.id, data/);
-    log: ``<home>/logs/kafka.log`` (the JVM's own output, e.g. a crash, in ``kafka.out``);
-    pid file: ``<run_dir>/kafka.pid``.
+
+def node_ports(settings: Settings, node: int) -> tuple[int, int]:
+    """(client port, controller port) of local node `node` (1-based)."""
+    shift = KAFKA_NODE_PORT_STRIDE * (node - 1)
+    return settings.kafka_port + shift, settings.kafka_controller_port + shift
+
+
+def cluster_dir(settings: Settings) -> Path:
+    """Where a local cluster of several nodes keeps its nodes' state (``node-<i>/``)."""
+    return settings.home / "kafka-cluster"
+
+
+class Broker:
+    """One KRaft node that is both broker and controller.
+
+    A single broker (`nodes` 1, the default): state ``<home>/kafka/`` (server.properties,
+    log4j.properties, cluster.id, data/); log ``<home>/logs/kafka.log`` (the JVM's own output,
+    e.g. a crash, in ``kafka.out``); pid file ``<run_dir>/kafka.pid``; listens on
+    `settings.kafka_port`. Node `node` of a cluster of `nodes`: state
+    ``<home>/kafka-cluster/node-<node>/``, logs ``kafka-<node>.log`` / ``.out``, pid file
+    ``kafka-<node>.pid``, ports from `node_ports`; every node is a voter of the quorum.
     """
 
-    def __init__(self, settings: Settings, lib: Path | None = None) -> None:
+    def __init__(self, settings: Settings, lib: Path | None = None, *, node: int = 1,
+                 nodes: int = 1) -> None:
+        if not 1 <= node <= nodes:
+            raise ValueError(f"node {node} of a {nodes}-node cluster")
         self.settings = settings
         self.lib = lib or jars_dir(settings)
-        self.dir = settings.home / "kafka"
+        self.node, self.nodes = node, nodes
+        self.port, self.controller_port = node_ports(settings, node)
+        logs = settings.home / "logs"
+        if nodes == 1:
+            self.dir, name = settings.home / "kafka", "kafka"
+            self.id_file = self.dir / "cluster.id"
+        else:
+            self.dir, name = cluster_dir(settings) / f"node-{node}", f"kafka-{node}"
+            self.id_file = cluster_dir(settings) / "cluster.id"  # one id for every node
         self.data_dir = self.dir / "data"
-        self.log_file = settings.home / "logs" / "kafka.log"  # log4j's
-        self.daemon = Daemon("kafka", settings.run_dir / "kafka.pid",
-                             settings.home / "logs" / "kafka.out", marker="kafka.Kafka")
+        self.log_file = logs / f"{name}.log"  # log4j's
+        self.daemon = Daemon(name, settings.run_dir / f"{name}.pid", logs / f"{name}.out",
+                             marker="kafka.Kafka")
 
     @property
     def bootstrap(self) -> str:
-        return f"{connect_host(self.settings.bind_host)}:{self.settings.kafka_port}"
+        return f"{connect_host(self.settings.bind_host)}:{self.port}"
 
     def pid(self) -> int | None:
         return self.daemon.pid()
@@ -354,26 +392,33 @@ class Broker:
         s = self.settings
         host = s.bind_host
         advertised = socket.gethostname() if host in ("0.0.0.0", "::") else host
+        voters = ",".join(f"{i}@{connect_host(host)}:{node_ports(s, i)[1]}"
+                          for i in range(1, self.nodes + 1))
+        factor, min_isr = replication(self.nodes)
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{connect_host(host)}:{s.kafka_controller_port}",
-            "listeners": f"PLAINTEXT://{host}:{s.kafka_port},CONTROLLER://{host}:"
-                         f"{s.kafka_controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{advertised}:{s.kafka_port}",
+            "node.id": str(self.node),
+            "controller.quorum.voters": voters,
+            "listeners": f"PLAINTEXT://{host}:{self.port},CONTROLLER://{host}:"
+                         f"{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{advertised}:{self.port}",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "log.dirs": str(self.data_dir),
             "num.partitions": str(s.kafka_partitions),
             "auto.create.topics.enable": "true",  # Faust creates its internal topics this way
-            "offsets.topic.replication.factor": "1",
+            # topics created without a factor (Faust's, auto-created ones) and the internal
+            # ones: three copies, two in sync, on a cluster of three (replication())
+            "default.replication.factor": str(factor),
+            "min.insync.replicas": str(min_isr),
+            "offsets.topic.replication.factor": str(factor),
             # 50 partitions each by default; a single node gains nothing from them and the
             # first consumer group would wait for all 50 to be created.
             "offsets.topic.num.partitions": "10",
             "transaction.state.log.num.partitions": "10",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.replication.factor": str(factor),
+            "transaction.state.log.min.isr": str(min_isr),
             "group.initial.rebalance.delay.ms": "0",
             # Record batches aim at 64 KiB–1 MiB compressed; headroom as in docker-compose.yml.
             "message.max.bytes": str(MAX_MESSAGE_BYTES),
@@ -401,8 +446,11 @@ log4j.logger.kafka.log.LogCleaner=WARN
 """
 
     def _java(self, main: str, *args: str, heap: str | None = None) -> list[str]:
+        """The JVM command line; without `heap` a short-lived tool's: the client compiler only
+        and the serial collector (formatting took 2.4x longer without them on 2 cores)."""
         java = require_java()
-        opts = [f"-Xmx{heap}", "-XX:+ExitOnOutOfMemoryError"] if heap else []
+        opts = ([f"-Xmx{heap}", "-XX:+ExitOnOutOfMemoryError"] if heap else
+                ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-Xshare:auto"])
         return [java, *opts, "-Djava.awt.headless=true",
                 f"-Dlog4j.configuration=file:{self.dir / 'log4j.properties'}",
                 "-cp", f"{self.lib}/*", main, *args]
@@ -418,7 +466,7 @@ log4j.logger.kafka.log.LogCleaner=WARN
         (self.dir / "log4j.properties").write_text(self._log4j_properties())
         if (self.data_dir / "meta.properties").exists():
             return conf
-        id_file = self.dir / "cluster.id"
+        id_file = self.id_file
         if not id_file.exists():
             id_file.write_text(_kafka_uuid() + "\n")
         cluster_id = id_file.read_text().strip()
@@ -438,17 +486,23 @@ log4j.logger.kafka.log.LogCleaner=WARN
         """Start the broker (if it is not running) and wait until it answers; return its pid."""
         pid = self.daemon.pid()
         if pid is None:
-            s = self.settings
-            for port, var in ((s.kafka_port, "RANKWATCH_KAFKA_PORT"),
-                              (s.kafka_controller_port, "RANKWATCH_KAFKA_CONTROLLER_PORT")):
-                if port_open(s.bind_host, port):
-                    raise BrokerError(f"port {port} is in use by another program; stop it or "
-                                      f"choose another port ({var})")
-            conf = self._prepare()
-            heap = self.settings.kafka_heap
-            pid = self.daemon.start(self._java("kafka.Kafka", str(conf), heap=heap), cwd=self.dir)
-            progress(f"kafka: starting broker (pid {pid}) on {self.bootstrap}…")
+            pid = self.launch(progress)
         self._wait_ready(pid, timeout, progress)
+        return pid
+
+    def launch(self, progress: Progress = print) -> int:
+        """Start the JVM (configured and formatted first) without waiting for it; its pid."""
+        s = self.settings
+        for port, var in ((self.port, "RANKWATCH_KAFKA_PORT"),
+                          (self.controller_port, "RANKWATCH_KAFKA_CONTROLLER_PORT")):
+            if port_open(s.bind_host, port):
+                raise BrokerError(f"port {port} is in use by another program; stop it or "
+                                  f"choose another port ({var})")
+        conf = self._prepare()
+        pid = self.daemon.start(self._java("kafka.Kafka", str(conf), heap=s.kafka_heap),
+                                cwd=self.dir)
+        what = "broker" if self.nodes == 1 else f"node {self.node} of {self.nodes}"
+        progress(f"kafka: starting {what} (pid {pid}) on {self.bootstrap}…")
         return pid
 
     def log_tail(self, lines: int = 25) -> str:
@@ -462,7 +516,9 @@ log4j.logger.kafka.log.LogCleaner=WARN
                 parts.append(f"{path}:\n" + "\n".join(kept[-lines:]))
         return "\n".join(parts) or f"(nothing in {self.log_file})"
 
-    def _wait_ready(self, pid: int, timeout: float, progress: Progress) -> None:
+    def _wait_ready(self, pid: int, timeout: float, progress: Progress,
+                    brokers: int = 1) -> None:
+        """Wait until this node answers a metadata request listing `brokers` brokers."""
         t0 = time.monotonic()
         next_note = t0 + 10
         detail = ""
@@ -470,7 +526,7 @@ log4j.logger.kafka.log.LogCleaner=WARN
             if self.daemon.exited() is not None or self.daemon.pid() != pid:
                 self.daemon.stop(5)
                 raise BrokerError(f"the Kafka broker exited while starting:\n{self.log_tail()}")
-            detail = probe(self.bootstrap, timeout=2.0)
+            detail = probe(self.bootstrap, timeout=2.0, brokers=brokers)
             if not detail:
                 progress(f"kafka: ready at {self.bootstrap} in {time.monotonic() - t0:.1f} s")
                 return
@@ -505,8 +561,9 @@ def _admin(bootstrap: str) -> AdminClient:
     return AdminClient(conf, logger=_rdkafka_log)
 
 
-def probe(bootstrap: str, timeout: float = 3.0) -> str:
-    """"" if the cluster at `bootstrap` answers a metadata request with a broker, else why not."""
+def probe(bootstrap: str, timeout: float = 3.0, brokers: int = 1) -> str:
+    """"" if the cluster at `bootstrap` answers a metadata request listing at least `brokers`
+    brokers, else why not."""
     first = bootstrap.split(",")[0].strip()
     host, _, port = first.rpartition(":")
     if not port.isdigit() or not port_open(host.strip("[]"), int(port), min(timeout, 1.0)):
@@ -515,7 +572,10 @@ def probe(bootstrap: str, timeout: float = 3.0) -> str:
         md = _admin(bootstrap).list_topics(timeout=timeout)
     except Exception as e:  # KafkaException: the broker is up but not serving yet
         return f"metadata request failed: {e}"
-    return "" if md.brokers else "no broker registered yet"
+    if len(md.brokers) >= brokers:
+        return ""
+    return f"{len(md.brokers)} of {brokers} brokers registered" if md.brokers else \
+        "no broker registered yet"
 
 
 def _wait(futures: dict[str, Any], ignore: Iterable[str]) -> list[str]:
@@ -538,13 +598,17 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], timeout: float = 3
     """Create the topics of `specs` that do not exist; return the names created.
 
     Idempotent. Existing topics are left as they are (adding partitions would move keys). The
-    replication factor is the broker's default. Returns once the broker's metadata lists them.
+    replication factor and ``min.insync.replicas`` follow the cluster's size (`replication`:
+    3 and 2 from three brokers up, so producers with acks=all keep writing and consumers keep
+    reading when one broker is lost). Returns once the broker's metadata lists them.
     """
     with _admin_errors(bootstrap):
         admin = _admin(bootstrap)
-        existing = set(admin.list_topics(timeout=timeout).topics)
-        new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1,
-                        config=_topic_config(s))
+        md = admin.list_topics(timeout=timeout)
+        existing = set(md.topics)
+        factor, min_isr = replication(len(md.brokers))
+        new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=factor,
+                        config={**_topic_config(s), "min.insync.replicas": str(min_isr)})
                for s in specs if s.name not in existing]
         if not new:
             return []
@@ -590,3 +654,89 @@ def delete_topics(bootstrap: str, names: Iterable[str], timeout: float = 30.0) -
         admin = _admin(bootstrap)  # kept referenced: its futures fail once it is collected
         futures = admin.delete_topics(names, operation_timeout=timeout, request_timeout=timeout)
         return _wait(futures, {"UNKNOWN_TOPIC_OR_PART"})
+
+
+
+# ---------------------------------------------------------------------------------------------
+# A local cluster
+
+
+class KafkaCluster:
+    """`settings.kafka_brokers` local nodes as one KRaft cluster (see `Broker` for where each
+    keeps its state). Every node is a broker and a voter of the controller quorum, so with three
+    the cluster keeps a quorum, a leader for every partition and its consumer groups when one
+    node is lost. With one node this is exactly the single `Broker`."""
+
+    def __init__(self, settings: Settings, lib: Path | None = None) -> None:
+        n = settings.kafka_brokers
+        self.settings = settings
+        self.nodes = [Broker(settings, lib, node=i, nodes=n) for i in range(1, n + 1)]
+
+    @property
+    def lib(self) -> Path:
+        return self.nodes[0].lib
+
+    @lib.setter
+    def lib(self, lib: Path) -> None:
+        for b in self.nodes:
+            b.lib = lib
+
+    @property
+    def bootstrap(self) -> str:
+        """Every node's address, comma-separated (clients need one that answers)."""
+        return ",".join(b.bootstrap for b in self.nodes)
+
+    def pids(self) -> list[int | None]:
+        return [b.pid() for b in self.nodes]
+
+    def is_running(self) -> bool:
+        return any(p is not None for p in self.pids())
+
+    def start(self, timeout: float = 60.0, progress: Progress = print) -> list[int]:
+        """Start the nodes not running, all before waiting (a node answers only once a majority
+        of the quorum is up), then wait until each answers with every broker registered."""
+        if len(self.nodes) > 1:
+            made = sorted(d.name for d in cluster_dir(self.settings).glob("node-*"))
+            if made and len(made) != len(self.nodes):
+                raise BrokerError(
+                    f"{cluster_dir(self.settings)} holds a {len(made)}-node cluster; start it "
+                    f"with --brokers {len(made)}, or stop it and remove that directory for a "
+                    f"new {len(self.nodes)}-node one (its topics and records go with it)")
+            single = Broker(self.settings)
+            if single.pid() is not None:
+                raise BrokerError(
+                    f"a single Kafka broker (pid {single.pid()}) runs in {self.settings.home}; "
+                    "stop it (`rankwatch down`) before starting a cluster there")
+        with ThreadPoolExecutor(len(self.nodes)) as pool:  # formatting takes a JVM each
+            pids = list(pool.map(lambda b: b.pid() or b.launch(progress), self.nodes))
+        for b, pid in zip(self.nodes, pids, strict=True):
+            try:
+                b._wait_ready(pid, timeout, progress, brokers=len(self.nodes))
+            except BrokerError:
+                self.stop(5)
+                raise
+        return pids
+
+    def stop(self, timeout: float = 20.0) -> bool:
+        """Stop every node at once (one at a time, the last ones would wait for a quorum that is
+        gone): SIGTERM, up to `timeout` s, then SIGKILL. Whether any node was stopped."""
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            return any(list(pool.map(lambda b: b.stop(timeout), self.nodes)))
+
+    def health(self, timeout: float = 3.0) -> list[BrokerHealth]:
+        return [b.health(timeout) for b in self.nodes]
+
+
+def local_nodes(settings: Settings) -> list[Broker]:
+    """The nodes of the home's local Kafka, running or not: the cluster's when `settings` ask
+    for one (`kafka_brokers` > 1) or one started here with ``--brokers`` still runs (its node
+    directories say how many), else the single broker. What `down` stops and `status` shows."""
+    if settings.kafka_brokers > 1:
+        return KafkaCluster(settings).nodes
+    ids = [int(m.group(1)) for d in cluster_dir(settings).glob("node-*")
+           if (m := re.fullmatch(r"node-(\d+)", d.name))]
+    n = max(ids, default=0)
+    nodes = [Broker(settings, node=i, nodes=n) for i in range(1, n + 1)]
+    if n > 1 and any(b.pid() is not None for b in nodes):
+        return nodes
+    return [Broker(settings)]

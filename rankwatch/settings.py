@@ -15,11 +15,22 @@ from datetime import date
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ingest.topics import Topics
 
 Port = Annotated[int, Field(ge=1, le=65535)]
+#: Node i (1-based) of a local Kafka cluster listens on kafka_port and kafka_controller_port plus
+#: KAFKA_NODE_PORT_STRIDE·(i-1): 9092/9093, 9192/9193, 9292/9293 by default.
+KAFKA_NODE_PORT_STRIDE = 100
 
 
 def _default_home() -> Path:
@@ -50,6 +61,10 @@ class Settings(BaseModel):
     kafka_version: str = "3.9.1"
     kafka_partitions: Annotated[int, Field(ge=1, le=1024)] = 6
     kafka_heap: str = "512m"
+    #: Local Kafka nodes `rankwatch up` runs as one KRaft cluster (`--brokers`): node i listens
+    #: on kafka_port + 100·(i-1) (and the controller port likewise). 3 gives topics three
+    #: copies with two in sync, so one broker may be lost.
+    kafka_brokers: Annotated[int, Field(ge=1, le=9)] = 1
     #: The worker's consumer-group session: a worker killed without leaving the group holds its
     #: partitions this long, so its replacement waits this long to consume (Faust's 60 s made a
     #: restart after a crash take a minute).
@@ -57,6 +72,9 @@ class Settings(BaseModel):
     #: ClickHouse: `chdb:///path` (embedded, default <home>/clickhouse) or `http(s)://host:port`.
     clickhouse_url: str = ""
     clickhouse_database: str = "rankwatch"
+    #: A cluster of the server's remote_servers: the schema goes ON CLUSTER as replicated tables
+    #: behind Distributed ones sharded by job (streams/cluster.py). Needs a server URL.
+    clickhouse_cluster: Annotated[str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$")] = ""
     #: The worker's SQL endpoint (read-only unless sql_writable) for `rankwatch sql`.
     sql_port: Port = 8124
     sql_writable: bool = False
@@ -104,9 +122,20 @@ class Settings(BaseModel):
             raise ValueError("must start with chdb://, http:// or https://")
         return v
 
+    @model_validator(mode="after")
+    def _cluster_needs_a_server(self) -> Settings:
+        if self.clickhouse_cluster and not self.clickhouse_url.startswith(("http://", "https://")):
+            raise ValueError("RANKWATCH_CLICKHOUSE_CLUSTER needs a ClickHouse server: set "
+                             "RANKWATCH_CLICKHOUSE_URL=http(s)://host:8123 (the embedded engine "
+                             "is one node)")
+        return self
+
     @property
     def bootstrap(self) -> str:
-        return self.kafka_bootstrap or f"{self.bind_host}:{self.kafka_port}"
+        """The configured cluster, else every local node (rankwatch.kafka_broker.node_ports)."""
+        return self.kafka_bootstrap or ",".join(
+            f"{self.bind_host}:{self.kafka_port + KAFKA_NODE_PORT_STRIDE * i}"
+            for i in range(self.kafka_brokers))
 
     @property
     def clickhouse(self) -> str:
@@ -148,7 +177,10 @@ class Settings(BaseModel):
         except ValidationError as e:
             lines = []
             for err in e.errors():
-                name = str(err["loc"][0]) if err["loc"] else "?"
+                if not err["loc"]:  # a rule across settings: its message names them
+                    lines.append(str(err["msg"]).removeprefix("Value error, "))
+                    continue
+                name = str(err["loc"][0])
                 src = (f"--{name.replace('_', '-')}" if overrides.get(name) is not None
                        else f"RANKWATCH_{name.upper()}")
                 lines.append(f"{src}={values.get(name)!r}: {err['msg']}")

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,13 @@ from pydantic import SecretStr
 
 from rankwatch import notify_service
 from rankwatch.kafka_broker import (
-    Broker,
     Daemon,
+    KafkaCluster,
     Progress,
     connect_host,
     ensure_jars,
     ensure_topics,
+    local_nodes,
     port_open,
     probe,
     tail,
@@ -106,7 +108,7 @@ def child_env(settings: Settings) -> dict[str, str]:
 
 def bootstrap(settings: Settings) -> str:
     """Where this machine reaches Kafka: the configured cluster, else the local broker."""
-    return settings.kafka_bootstrap or Broker(settings).bootstrap
+    return settings.kafka_bootstrap or KafkaCluster(settings).bootstrap
 
 
 def worker_daemon(settings: Settings) -> Daemon:
@@ -193,13 +195,19 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
             raise StackError(f"kafka: the cluster at {settings.bootstrap} does not answer: {why}")
         progress(f"kafka: using {settings.bootstrap}")
     else:
-        b = Broker(settings)
-        pid = b.pid()
-        if pid is not None and not probe(b.bootstrap):
-            progress(f"kafka: already running (pid {pid}) at {b.bootstrap}")
+        running = local_nodes(settings)
+        if len(running) > settings.kafka_brokers:  # started with --brokers N: keep using it
+            settings = settings.model_copy(update={"kafka_brokers": len(running)})
+            progress(f"kafka: using the {len(running)}-node cluster started here with "
+                     f"--brokers {len(running)}")
+        c = KafkaCluster(settings)
+        pids = c.pids()
+        if None not in pids and not probe(c.bootstrap, brokers=len(pids)):
+            progress(f"kafka: already running (pid {', '.join(map(str, pids))}) at "
+                     f"{c.bootstrap}")
         else:
-            b.lib = ensure_jars(settings, progress)
-            b.start(timeout=timeout, progress=progress)
+            c.lib = ensure_jars(settings, progress)
+            c.start(timeout=timeout, progress=progress)
     specs = settings.topics.specs(settings.kafka_partitions)
     created = ensure_topics(bootstrap(settings), specs)
     progress(f"topics: created {len(created)} of {len(specs)}" if created
@@ -269,11 +277,13 @@ def down(settings: Settings, progress: Progress = print) -> bool:
         progress(f"worker: stopping (pid {pid})…")
         stopped = d.stop(WORKER_STOP_TIMEOUT)
     if not settings.kafka_bootstrap:
-        b = Broker(settings)
-        pid = b.pid()
-        if pid is not None:
-            progress(f"kafka: stopping broker (pid {pid})…")
-            stopped = b.stop() or stopped
+        # a cluster started with --brokers N, whatever N is now
+        nodes = [b for b in local_nodes(settings) if b.pid() is not None]
+        if nodes:
+            progress(f"kafka: stopping {len(nodes)} broker(s) (pid "
+                     f"{', '.join(str(b.pid()) for b in nodes)})…")
+            with ThreadPoolExecutor(len(nodes)) as pool:  # together: see KafkaCluster.stop
+                stopped = any(list(pool.map(lambda b: b.stop(), nodes))) or stopped
     progress("stopped" if stopped else "nothing was running")
     return stopped
 
@@ -285,11 +295,18 @@ def status(settings: Settings) -> dict[str, Any]:
         kafka: dict[str, Any] = {"managed": False, "running": not why, "healthy": not why,
                                  "pid": None, "detail": why or "ok"}
     else:
-        b = Broker(settings)
-        h = b.health()
-        kafka = {"managed": True, "running": h.running, "healthy": h.healthy, "pid": h.pid,
-                 "detail": h.detail, "log": str(b.log_file)}
-    kafka["bootstrap"] = bootstrap(settings)
+        nodes = local_nodes(settings)  # a cluster started with --brokers N, whatever N is now
+        hs = [b.health() for b in nodes]
+        kafka = {"managed": True, "running": any(h.running for h in hs),
+                 "healthy": all(h.healthy for h in hs), "pid": hs[0].pid,
+                 "detail": "; ".join(f"{h.bootstrap}: {h.detail}" for h in hs) if len(hs) > 1
+                 else hs[0].detail, "log": str(nodes[0].log_file)}
+        if len(hs) > 1:
+            kafka["brokers"] = [{"node": b.node, "bootstrap": h.bootstrap, "pid": h.pid,
+                                 "running": h.running, "healthy": h.healthy, "detail": h.detail}
+                                for b, h in zip(nodes, hs, strict=True)]
+    kafka["bootstrap"] = (",".join(b["bootstrap"] for b in kafka["brokers"])
+                          if "brokers" in kafka else bootstrap(settings))
     d = worker_daemon(settings)
     pid = d.pid()
     why = ping_worker(settings) if pid is not None else "not running"

@@ -20,6 +20,9 @@ Contract:
 Migrations (`migrate`) are the numbered files in sql/ (see sql/README.md): applied in order, each
 recorded in `schema_migrations` with its checksum; editing an applied file is an error.
 Statements use unqualified table names and land in the database the `Database` was opened on.
+With `cluster` (a server's cluster), each statement runs in its ON CLUSTER form
+(streams.cluster: replicated tables behind Distributed ones of the same names) and every
+request carries `cluster_settings`, so the code reads and writes the same tables either way.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from clickhouse_connect.driver.insert import InsertContext
 from clickhouse_connect.driver.query import QueryResult
 
 from ingest.batch import Coded
-from streams import native
+from streams import cluster, native
 
 log = logging.getLogger(__name__)
 
@@ -262,11 +265,22 @@ class _TableShape:
 class Database:
     """One ClickHouse database (`database`) at `url`, accessed from one thread. See module doc."""
 
-    def __init__(self, url: str, database: str, *, create: bool = True) -> None:
+    def __init__(self, url: str, database: str, *, create: bool = True,
+                 cluster: str = "") -> None:
         if not _IDENT.match(database):
             raise ValueError(f"database {database!r}: expected letters, digits and underscores")
+        if cluster and not _IDENT.match(cluster):
+            raise ValueError(f"cluster {cluster!r}: expected letters, digits and underscores")
         self.target = parse_url(url)
+        if cluster and self.target.embedded:
+            raise ValueError(f"cluster {cluster!r} needs a ClickHouse server "
+                             "(RANKWATCH_CLICKHOUSE_URL=http://...): the embedded engine is "
+                             "one node; unset RANKWATCH_CLICKHOUSE_CLUSTER to use it")
         self.database = database
+        #: The server's cluster (remote_servers) the schema spans; "" on one node. See
+        #: streams.cluster for the tables, `cluster_settings` for how writes are read back.
+        self.cluster = cluster
+        self._cluster_settings: dict[str, Any] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
         self._thread: int | None = None
         #: The SQL endpoint's threads (`aexecute_sql`), made on first use; queries in flight
@@ -310,19 +324,40 @@ class Database:
             raise _wrap(e) from None
 
     def _connect(self, settings: Mapping[str, Any] | None = None) -> Client:
-        return clickhouse_connect.get_client(**client_args(self.target, settings))
+        merged = {**self._cluster_settings, **(settings or {})}
+        return clickhouse_connect.get_client(**client_args(self.target, merged))
 
     def _open(self, create: bool) -> Client:
         client = self._connect()
         try:
+            if self.cluster:
+                self._cluster_settings = cluster_settings(self._replicas(client))
+                for name, value in self._cluster_settings.items():
+                    client.set_client_setting(name, value)
             if create:
-                client.command(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
+                client.command(cluster.create_database(self.database, self.cluster or None))
             client.database = self.database
             client.command("SELECT 1")  # fails now, not later, if the database is missing
         except BaseException:
             client.close()
             raise
         return client
+
+    def _replicas(self, client: Client) -> int:
+        """Replicas per shard of `self.cluster` (the same for every shard), from the server."""
+        rows = client.query("SELECT shard_num, count() FROM system.clusters WHERE cluster = "
+                            "{c:String} GROUP BY shard_num", parameters={"c": self.cluster}
+                            ).result_rows
+        counts = {int(n) for _, n in rows}
+        if not counts:
+            raise ClickHouseError(f"cluster {self.cluster!r} is not in the remote_servers of "
+                                  f"{self.target.display()} (system.clusters); set "
+                                  "RANKWATCH_CLICKHOUSE_CLUSTER to one of its clusters")
+        if len(counts) > 1:
+            raise ClickHouseError(f"cluster {self.cluster!r}: shards with {sorted(counts)} "
+                                  "replicas; rankwatch needs the same number in every shard "
+                                  "(an insert waits for all of a shard's replicas)")
+        return counts.pop()
 
     # -- sync API ---------------------------------------------------------------------------
 
@@ -613,6 +648,26 @@ class Database:
             client.close()
 
 
+def cluster_settings(replicas: int) -> dict[str, Any]:
+    """What every request to a cluster carries, so that a read sees the rows just written:
+
+    - ``distributed_foreground_insert=1``: an insert into a Distributed table returns once each
+      shard has stored its rows (not when they are queued on the node that took the insert);
+    - ``insert_quorum=<replicas>``: ... on every replica of the shard, so the replica a later
+      read lands on (any: Distributed reads balance over replicas) has them. A shard with a
+      replica down refuses inserts (TOO_FEW_LIVE_REPLICAS, an outage the writer retries)
+      until it is back: rankwatch stalls rather than store rows a read would miss.
+      ``insert_quorum_parallel`` stays on (several workers insert at once), which is why
+      ``select_sequential_consistency`` (it needs it off) is not the means used.
+
+    The deduplication token of a retried insert reaches each shard with the same rows, as the
+    sharding key is a stable hash (streams.cluster)."""
+    out: dict[str, Any] = {"distributed_foreground_insert": 1}
+    if replicas > 1:
+        out["insert_quorum"] = replicas
+    return out
+
+
 def _chdb_error(e: BaseException) -> ClickHouseError:
     message = _message(e)
     code = _CODE.search(message)
@@ -681,9 +736,18 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
     return [found[v] for v in sorted(found)]
 
 
+def applied_statements(db: Database, statement: str) -> list[str]:
+    """`statement` as it runs on `db`: as written, or its ON CLUSTER form (streams.cluster)."""
+    try:
+        return cluster.statements(statement, db.cluster or None, db.database)
+    except cluster.ClusterFormError as e:
+        raise MigrationError(str(e)) from None
+
+
 def applied_migrations(db: Database) -> dict[int, tuple[str, str]]:
     """version -> (name, checksum) of the migrations recorded in `db`."""
-    db.command(_MIGRATIONS_TABLE)
+    for statement in applied_statements(db, _MIGRATIONS_TABLE):
+        db.command(statement)
     rows = db.query("SELECT version, argMax(name, applied_at), argMax(checksum, applied_at) "
                     "FROM schema_migrations GROUP BY version").result_rows
     return {int(v): (str(n), str(c)) for v, n, c in rows}
@@ -710,7 +774,8 @@ def migrate(db: Database, directory: Path | None = None) -> list[Migration]:
         if mig.version in done:
             continue
         for statement in mig.statements:
-            db.command(statement)
+            for sql in applied_statements(db, statement):
+                db.command(sql)
         record_migration(db, mig)
         applied.append(mig)
     return applied
@@ -727,7 +792,7 @@ def record_migration(db: Database, mig: Migration) -> None:
 
 __all__: Sequence[str] = (
     "BUSY_HINT", "ClickHouseError", "Database", "EmbeddedDatabaseBusy", "Migration",
-    "MigrationError", "SqlLimits", "Target", "applied_migrations", "client_args",
-    "load_migrations", "migrate", "migrations_dir", "parse_url", "refusal", "split_statements",
-    "strip_sql", "wants_format",
+    "MigrationError", "SqlLimits", "Target", "applied_migrations", "applied_statements",
+    "client_args", "cluster_settings", "load_migrations", "migrate", "migrations_dir",
+    "parse_url", "refusal", "split_statements", "strip_sql", "wants_format",
 )

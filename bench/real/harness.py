@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from bench.real.catalog import Case
+from diagnosis.evaluate import calibration
 from diagnosis.model import Diagnosis
 from ingest.units import SECOND
 from rankwatch.settings import Settings
@@ -230,6 +231,24 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
                            "all_right": sum(r in right for r in v)}
                        for k, v in sorted(fams.items())}
     out["overhead"] = overhead(results)
+    out["calibration"] = calibration(graded_versions(results))
+    return out
+
+
+def graded_versions(results: Sequence[CaseResult]) -> list[tuple[float, bool]]:
+    """(confidence, right) of every published version: right when its kind, culprit ranks,
+    stage and component all match the truth of a fault case; on a control every version is
+    wrong. Resolutions carry no claim and are left out."""
+    out: list[tuple[float, bool]] = []
+    for r in results:
+        t = r.truth if not r.control else None
+        for d in r.diagnoses:
+            if d.get("status") == "resolved" or d.get("confidence") is None:
+                continue
+            ok = t is not None and kind_compatible(t, str(d["kind"])) and \
+                sorted(d["ranks"]) == sorted(t["ranks"]) and \
+                stage_ok(t["accept"], d.get("stage")) and d.get("component") == t["component"]
+            out.append((float(d["confidence"]), bool(ok)))
     return out
 
 
@@ -491,6 +510,10 @@ def table(results: Sequence[CaseResult], s: dict[str, Any]) -> str:
         ("confidence median: right / wrong",
          f"{s['confidence_right_mean']} / {s['confidence_wrong_mean']}"),
     ]
+    if s.get("calibration"):
+        rows.append(("versions right, by confidence", ", ".join(
+            f"{b['confidence']}: {b['right']} of {b['versions']}"
+            for b in s["calibration"] if b["versions"])))
     ov = s.get("overhead", {})
     for shape in ("ddp", "pipeline"):
         if shape in ov:

@@ -78,7 +78,8 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
         return []
     n_rows = int((~np.isnan(m).all(axis=1)).sum())
     by_class, near = _class_ratios(ctx, step, r, c, dur, t, n_rows, flagged)
-    pers = persistence(m[:, flagged], ref[:, flagged])
+    stepped = np.isin(v.how[flagged], ("change", "absorbed"))
+    pers = persistence(m[:, flagged], ref[:, flagged], np.where(stepped, v.since[flagged], -1))
     out = []
     for i, x in enumerate(flagged):
         stage = "compute"

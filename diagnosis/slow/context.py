@@ -19,7 +19,10 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     have risen over the same steps by `z_job` standard errors of the median (`job_change`: a
     slowdown is first a change of the job's step time) — except for links (DP rings, p2p
     hops: `job_gate=False`), whose slower transfer a pipeline bubble can hide from the step
-    time: such a change is named "absorbed", with the confidence of weaker evidence — and
+    time: such a change is named "absorbed", with the confidence of weaker evidence. A rank's
+    own work that at least doubled (`absorbed_ratio`) and rose by `absorbed_z` × `z_change` of
+    its own σ is named "absorbed" too while the job's step time does not move: the pipeline
+    or the shared cores hide it today, its rank is still the one to look at — and
     links are judged only in a peer set of `min_peers` (a gloo ring's transfer time moves with
     the load of the few ranks it joins: on real 2-ring jobs under CPU contention one ring
     "changed" beyond its own noise);
@@ -74,6 +77,8 @@ class SlowConfig:
     job_noise: float = 0.5  # an excess must reach this × the job step time's robust σ
     min_peers: int = 4  # an outlier verdict needs a peer set of this many units
     z_peers: float = 5.0  # an outlier: this many robust σ above its peers' means
+    absorbed_ratio: float = 2.0  # a change the job's step time hides: at least this ratio
+    absorbed_z: float = 2.0  # … and this × z_change of the unit's own σ
 
 
 @dataclass(frozen=True)
@@ -291,7 +296,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         if res is None:
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
-        if job_moved or not job_gate:
+        hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change
+        if job_moved or not job_gate or hidden:
             flag[x], exc[x], ratio[x], z[x] = True, res[0], res[1], res[2]
             how[x] = "change" if job_moved else "absorbed"
             since[x] = n - res[3]
@@ -343,7 +349,10 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
     for length in range(k, n - k + 1):
         before, after = dd[:-length], dd[-length:]
         mb = float(np.median(before))
-        sd = max(_spread(before), 0.01 * float(np.median(rr[:-length])), 1.0)
+        # σ is at least 1 % of the reference and 0.1 % of the step: a quantity that is ~0 on
+        # every peer (a stage made only of waiting) has no noise to measure a rise against
+        sd = max(_spread(before), 0.01 * float(np.median(rr[:-length])), 1e-3 * ctx.step_ns,
+                 1.0)
         if np.mean(after > mb + 2 * sd) < 0.8:
             continue
         rise = float(np.median(after)) - mb
@@ -448,15 +457,20 @@ def assign_steps_fast(t: Array, rank: Array, st_rank: Array, st_step: Array,
     return np.where(ok, ss[np.maximum(pos, 0)], -1).astype(np.int64)
 
 
-def persistence(m: Array, ref: Array) -> Array:
-    """Per column: from the first step whose relative excess over the reference is above 5 %,
-    the share of the (finite) steps that are above 5 % — 0 where none is."""
+def persistence(m: Array, ref: Array, start: Array | None = None) -> Array:
+    """Per column: from the first step whose relative excess over the reference is above 5 %
+    (or from row `start` where that is ≥ 0: the onset a change verdict found — a noisy step
+    of the baseline does not make a step change "intermittent"), the share of the (finite)
+    steps that are above 5 % — 0 where none is."""
     with np.errstate(all="ignore"):
         x = (m - ref) / ref
     fin = np.isfinite(x)
     hit = fin & (x > 0.05)
-    n_hit = hit.sum(axis=0)
     first = np.argmax(hit, axis=0)
+    if start is not None:
+        first = np.where(start >= 0, np.minimum(start, max(m.shape[0] - 1, 0)), first)
+        hit &= np.arange(m.shape[0])[:, None] >= first[None, :]
+    n_hit = hit.sum(axis=0)
     from_row = np.cumsum(fin[::-1], axis=0)[::-1]  # finite steps at or after each row
     n_from = from_row[first, np.arange(m.shape[1])] if m.shape[0] else np.zeros(m.shape[1])
     with np.errstate(all="ignore"):

@@ -24,8 +24,9 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     for name, _, _ in PHASES:
         m = stage_matrix(ctx, name)
         ref = reference(m, ctx.stage_of)
-        res[name] = (judge(ctx, m, ctx.cfg.min_ratio, ref=ref, sparse=True),
-                     persistence(m, ref))
+        v = judge(ctx, m, ctx.cfg.min_ratio, ref=ref, sparse=True)
+        stepped = v.flag & np.isin(v.how, ("change", "absorbed"))
+        res[name] = (v, persistence(m, ref, np.where(stepped, v.since, -1)))
     out: list[Suspicion] = []
     # a phase of a few microseconds (callbacks that print a loss line every 10 steps) reaches
     # any ratio on noise: only a phase whose own excess is material is a hit

@@ -32,7 +32,8 @@ def migrate_command(args: argparse.Namespace, settings: Settings) -> int:
     )
 
     try:
-        with Database(settings.clickhouse, settings.clickhouse_database) as db:
+        with Database(settings.clickhouse, settings.clickhouse_database,
+                      cluster=settings.clickhouse_cluster) as db:
             applied = migrate(db)
             where = f"database {db.database} at {db.target.display()}"
     except EmbeddedDatabaseBusy:

@@ -78,7 +78,8 @@ def query_direct(settings: Settings, sql: str, fmt: str) -> bytes:
     """Open the database in this process and run `sql` (embedded: only if nobody holds it)."""
     from streams.db import Database  # imports the ClickHouse engine: only on this path
 
-    with Database(settings.clickhouse, settings.clickhouse_database, create=False) as db:
+    with Database(settings.clickhouse, settings.clickhouse_database, create=False,
+                  cluster=settings.clickhouse_cluster) as db:
         return db.execute_sql(sql, fmt, readonly=not settings.sql_writable)
 
 

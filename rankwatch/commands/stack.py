@@ -16,6 +16,10 @@ from rankwatch.settings import Settings
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="start the local Kafka broker and worker (idempotent)")
     p.add_argument("--no-worker", action="store_true", help="start only the broker and topics")
+    p.add_argument("--brokers", type=int, metavar="N",
+                   help="run N local Kafka nodes as one KRaft cluster (3: topics with three "
+                        "copies, two in sync; one broker may be lost); default "
+                        "RANKWATCH_KAFKA_BROKERS, 1")
     p.add_argument("--timeout", type=float, default=180.0,
                    help="seconds to wait for each part (a worker rejoining its consumer group "
                         "after an unclean stop can take a minute)")
@@ -43,6 +47,11 @@ def _fail(e: Exception) -> int:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    if args.brokers is not None:
+        if not 1 <= args.brokers <= 9:
+            return _fail(ValueError(f"--brokers {args.brokers}: expected 1 to 9 local nodes "
+                                    "(3 makes a cluster that may lose one)"))
+        settings = Settings.load(env=stack.settings_env(settings), kafka_brokers=args.brokers)
     try:
         st = stack.up(settings, worker=not args.no_worker, timeout=args.timeout)
     except (BrokerError, stack.StackError) as e:
@@ -101,10 +110,11 @@ def format_status(st: dict[str, Any]) -> str:
     """A few aligned lines for a terminal."""
     k, w = st["kafka"], st["worker"]
     kafka_where = k["bootstrap"] + ("" if k["managed"] else " (external)")
-    rows = [
-        ("kafka", _state(k), k["pid"], kafka_where, k.get("log", "")),
-        ("worker", _state(w), w["pid"], f"SQL {w['sql_endpoint']}", w["log"]),
-    ]
+    rows = [("kafka", _state(k), k["pid"], kafka_where, k.get("log", ""))]
+    if k.get("brokers"):  # a local cluster: one line per node
+        rows = [(f"kafka-{b['node']}", _state(b), b["pid"], b["bootstrap"], "")
+                for b in k["brokers"]]
+    rows.append(("worker", _state(w), w["pid"], f"SQL {w['sql_endpoint']}", w["log"]))
     lines = []
     for name, state, pid, where, log in rows:
         pid_text = f"pid {pid}" if pid else ""

@@ -235,7 +235,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     no_numpy_hugepages()
     try:
-        db = Database(settings.clickhouse, settings.clickhouse_database)
+        db = Database(settings.clickhouse, settings.clickhouse_database,
+                      cluster=settings.clickhouse_cluster)
     except ClickHouseError as e:
         print(f"rankwatch worker: cannot open ClickHouse at {display_url(settings.clickhouse)}: "
               f"{e.message}",

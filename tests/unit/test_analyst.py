@@ -177,3 +177,32 @@ def test_a_sweep_reads_raw_rows_only_from_the_steps_it_judges(fault: str) -> Non
     np.testing.assert_array_equal(hang_rca.stuck_ranks(w, now), hang_rca.stuck_ranks(part, now))
     if "hang" not in fault and "stall" not in fault:
         assert full_c is not None
+
+
+def test_a_sweeps_recent_steps_reach_back_to_the_previous_sweep() -> None:
+    """An onset between two sweeps stays inside the judged steps: `recent` covers the steps
+    since the previous sweep (plus onset_steps), never fewer than the default, at most
+    MAX_RECENT."""
+    from diagnosis import slow
+    from diagnosis.analyst import MAX_RECENT
+
+    def stages(n: int) -> Window:
+        step = np.repeat(np.arange(n), 4)
+        cols = {"rank": np.tile(np.arange(4), n), "step": step, "t_start": step * S // 10}
+        return Window(None, {"stages": cols})  # type: ignore[arg-type]
+
+    a = Analyst(lambda job, lo, hi, kinds=None: None)
+    base = slow.SlowConfig()
+    assert a._sweep_config(stages(300), None).recent == base.recent  # first sweep
+    assert a._sweep_config(stages(300), 295 * S // 10).recent == base.recent  # 4 new steps
+    assert a._sweep_config(stages(300), 200 * S // 10).recent == 99 + base.onset_steps
+    assert a._sweep_config(stages(1000), 0).recent == MAX_RECENT
+
+
+def test_small_jobs_are_swept_often_large_ones_within_sweep_s() -> None:
+    a = Analyst(lambda job, lo, hi, kinds=None: None,
+                AnalystConfig(sweep_s=10, min_sweep_s=2, sweep_share=0.05))
+    assert a._sweep_gap("new") == 10  # nothing measured yet
+    a.sweep_cost["small"], a.sweep_cost["mid"], a.sweep_cost["big"] = 0.02, 0.3, 0.9
+    assert a._sweep_gap("small") == 2 and a._sweep_gap("mid") == pytest.approx(6)
+    assert a._sweep_gap("big") == 10

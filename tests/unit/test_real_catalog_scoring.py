@@ -121,3 +121,20 @@ def test_expected_labels_follow_the_vocabulary() -> None:
             assert e["component"] in COMPONENTS and e["stage"] in e["accept"]
     assert expected("hang", "bwd", "pipeline", 1, 3)["accept"] == ["bwd mb=3 pp=1"]
     assert expected("link", "", "pipeline", 0, 0)["stage"] == "pp_p2p"
+
+
+def test_every_version_is_graded_for_the_calibration_table() -> None:
+    """Each published version counts once: right only when kind, ranks, stage and component
+    all match; resolutions carry no claim; on a control every version is wrong."""
+    from bench.real.harness import graded_versions
+
+    r = fault_result()
+    score(r, [diag("a", 1, [2], "fwd mb=0 pp=0", "gpu_compute", 4.8, conf=0.75),
+              diag("a", 2, [2], "bwd mb=0 pp=0", "gpu_compute", 6.0, status="updated",
+                   conf=0.95),
+              diag("a", 3, [2], "bwd mb=0 pp=0", "gpu_compute", 9.0, status="resolved")])
+    ctl = CaseResult("k", "k-1", "ddp", 4, "", control=True, traced=True)
+    score(ctl, [diag("b", 1, [1], "data", "data_loader", 3.0, kind="slowdown", conf=0.95)])
+    assert graded_versions([r, ctl]) == [(0.75, False), (0.95, True), (0.95, False)]
+    bins = {b["confidence"]: b for b in summarize([r, ctl])["calibration"]}
+    assert bins["[0.90, 1.00]"]["versions"] == 2 and bins["[0.90, 1.00]"]["right"] == 0.5

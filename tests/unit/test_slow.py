@@ -110,6 +110,27 @@ def test_a_change_counts_when_it_stands_out_of_its_own_noise_and_the_job_slowed(
     assert not context.judge(_ctx(w, 40, flat), m, 1.05).flag[1]
 
 
+def test_a_doubled_stage_the_job_absorbs_is_named_absorbed() -> None:
+    """A rank's own work at least doubled, far outside its own noise, while the job's step
+    time did not move (a pipeline bubble or shared cores absorb it): "absorbed", from the
+    change's onset; a +40 % change under the same flat job time stays no verdict."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(5)
+    m = _noisy(rng, 40, world)
+    m[-10:, 1] *= 6.0
+    m[-10:, 2] *= 1.4
+    m[-20, 1] *= 1.2  # a noisy step of the baseline does not make it "intermittent"
+    flat = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    v = context.judge(_ctx(w, 40, flat), m, 1.05)
+    assert v.flag[1] and v.how[1] == "absorbed" and int(v.since[1]) == 30
+    assert not v.flag[2]
+    ref = context.reference(m, w.grid.stage)
+    start = np.where(v.flag, v.since, -1)
+    assert context.persistence(m, ref, start)[1] == 1.0
+    assert context.persistence(m, ref)[1] < 1.0  # from its first noisy step instead
+
+
 def test_a_change_inside_the_noise_of_its_own_series_is_not_evidence() -> None:
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     rng = np.random.default_rng(4)
