@@ -32,7 +32,7 @@ jars: $(STAMP) ## Fetch the Kafka broker's jars from Maven Central (cached outsi
 .PHONY: lint
 lint: $(STAMP) ## ruff and mypy
 	$(BIN)/ruff check .
-	$(BIN)/mypy ingest streams diagnosis rankwatch
+	$(BIN)/mypy ingest streams diagnosis rankwatch tests bench
 
 # Real services some tests run (Alertmanager, Prometheus, headless Chromium), from Debian's
 # packages: installed when missing (apt-get as root, else sudo), nothing done when present.
@@ -53,6 +53,12 @@ test-deps: ## Install the Debian packages the tests run for real, when missing
 .PHONY: test
 test: build jars test-deps lint ## Set everything up and run every test (unit, integration, e2e)
 	$(BIN)/python -m pytest -q -ra tests
+
+# tests/unit never starts a service (tests/conftest.py refuses it); tests marked `slow` there
+# simulate whole jobs or import real torch, and run in `make test`.
+.PHONY: test-unit
+test-unit: build ## Run the unit tests: no broker, no ClickHouse server, no training (< 1 min)
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests/unit
 
 .PHONY: demo
 demo: build jars ## Start the local stack, run a job with a fault, print the diagnosis, stop

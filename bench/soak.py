@@ -45,11 +45,11 @@ from ingest.records import COLUMNS, MODELS
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation
 from ingest.topics import MAX_MESSAGE_BYTES
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import Broker
 from rankwatch.settings import Settings
 
-SEC = 1_000_000_000
 RAW = tuple(sorted(MODELS))
 
 

@@ -61,6 +61,7 @@ import numpy as np
 from bench.ingest import sql
 from bench.kde import _window
 from bench.pipeline import RAW, counts, cpu_seconds
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.settings import Settings
 from streams.db import Database, migrate
@@ -68,7 +69,6 @@ from streams.derived import DerivedRunner
 from streams.kernel_summaries import KernelSummarizer
 
 T0 = 1_700_000_040_000_000_000  # a multiple of 60 s
-SEC = 1_000_000_000
 POLL_S = 0.5
 IDLE_CLOSE_S = 10.0  # streams.windows.WatermarkParams.idle_ns
 IDLE_CPU = 0.1  # worker CPU-s/s below which it counts as idle before a phase

@@ -30,7 +30,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-SECOND = 1_000_000_000
+from ingest.units import SECOND
 
 
 def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[str, Any]:
@@ -74,9 +74,9 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
             now = int(db.query("SELECT toUnixTimestamp64Nano(max(t_start)) FROM ops "
                                "WHERE job_id = 'bench-sweep'").result_rows[0][0])
 
-            def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None
-                     ) -> Window:
-                return read_window(db, topo, lo, hi, kinds)
+            def read(job_id: str, start_ns: int, now_ns: int,
+                     kinds: Collection[str] | None = None) -> Window:
+                return read_window(db, topo, start_ns, now_ns, kinds)
 
             analyst = Analyst(read, AnalystConfig())
             start = now - int(analyst.config.window_s * SECOND)
@@ -88,7 +88,7 @@ def run(tp: int, pp: int, dp: int, steps: int, repeat: int, say: Any) -> dict[st
                 return Window(w.topo, {**w.tables, "stages": st.tables["stages"]}, start, now)
 
             def sweep() -> Window:
-                w = analyst._sweep_window(topo.job_id, now)
+                w, _ = analyst._sweep_window(topo.job_id, now)
                 if w is None or not w.get("stages"):
                     raise RuntimeError("the sweep read nothing: the job has no stage records")
                 return w

@@ -60,12 +60,12 @@ from diagnosis.window import Window, latest_op_rows, without_superseded_in_fligh
 from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
+from ingest.units import SECOND
 from streams.db import ClickHouseError, Database
 from streams.ownership import Ownership
 from streams.windows import WatermarkParams
 
 log = logging.getLogger(__name__)
-SECOND = 1_000_000_000
 
 #: raw kind -> (time column, columns read for root cause)
 WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -177,8 +177,10 @@ class DiagnosisAgents:
     def __init__(self, app: faust.App, db: Database, topics: Topics, *,
                  clock: Callable[[], int] = time.time_ns, tick_s: float = 1.0,
                  config: AnalystConfig | None = None,
-                 ownership: Ownership | None = None) -> None:
+                 ownership: Ownership | None = None,
+                 lateness_ns: int = WatermarkParams().lateness_ns) -> None:
         self.app, self.db, self.clock = app, db, clock
+        self.lateness_ns = lateness_ns  # the derived feed's (settings.derived_lateness_s)
         self.ownership = ownership or Ownership()
         self._restoring = asyncio.Lock()
         #: the ownership generation the held state is for (-1: nothing restored yet)
@@ -214,7 +216,7 @@ class DiagnosisAgents:
         that, so this is the wall clock; for a replayed capture or a job that has ended it is
         the job's own last moment, which re-checks then judge again and again the same."""
         wm = self.watermark.get(job_id)
-        return now_ns if wm is None else min(now_ns, wm + WatermarkParams().lateness_ns)
+        return now_ns if wm is None else min(now_ns, wm + self.lateness_ns)
 
     def _read(self, job_id: str, start_ns: int, now_ns: int,
               kinds: Collection[str] | None = None) -> Window | None:
@@ -390,7 +392,9 @@ class DiagnosisAgents:
 
 
 def attach(app: faust.App, db: Database, topics: Topics,
-           ownership: Ownership | None = None) -> DiagnosisAgents:
+           ownership: Ownership | None = None, *,
+           lateness_ns: int = WatermarkParams().lateness_ns) -> DiagnosisAgents:
     """Add the diagnosis agents to the worker's app (the hook rankwatch worker calls) for the
-    jobs `ownership` says this worker owns (all by default)."""
-    return DiagnosisAgents(app, db, topics, ownership=ownership)
+    jobs `ownership` says this worker owns (all by default), with the derived feed's lateness
+    (`derived_lateness_s`)."""
+    return DiagnosisAgents(app, db, topics, ownership=ownership, lateness_ns=lateness_ns)

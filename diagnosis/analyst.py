@@ -63,8 +63,8 @@ from diagnosis.incidents import IncidentBook, incident_class, incident_id
 from diagnosis.model import Diagnosis
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
+from ingest.units import SECOND
 
-SECOND = 1_000_000_000
 #: The raw kinds a sweep reads: what `slow.analyze` and `hang_rca.stuck_ranks` use
 #: (tests/unit/test_analyst.py checks the conclusions equal those on every kind).
 SWEEP_KINDS = ("stages", "ops", "chunks", "kernels", "kernel_summaries")

@@ -20,6 +20,7 @@ from diagnosis.conclusion import Conclusion
 from diagnosis.model import Diagnosis, Evidence, Status, Suspect, TriggerRef, confidence_label
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
+from ingest.records import comm_name_sql
 
 Analysis = Callable[[Window, int], Conclusion | None]
 
@@ -78,8 +79,9 @@ def operator_sql(job_id: str, c: Conclusion, start_ns: int) -> list[str]:
                    "ORDER BY rank, kernel")
         out.append(f"SELECT comm_id, op_seq, min(t_end - t_start) AS transfer_s, "
                    f"max(t_end - t_start) AS longest_wait_s FROM ops WHERE job_id = {j} AND "
-                   f"t_start >= {since} AND comm_id LIKE 'dp%' AND toUnixTimestamp64Nano(t_end)"
-                   " > 0 GROUP BY comm_id, op_seq ORDER BY transfer_s DESC LIMIT 20")
+                   f"t_start >= {since} AND {comm_name_sql()} = 'dp' AND "
+                   "toUnixTimestamp64Nano(t_end) > 0 GROUP BY comm_id, op_seq "
+                   "ORDER BY transfer_s DESC LIMIT 20")
     return out
 
 

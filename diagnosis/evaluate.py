@@ -35,12 +35,12 @@ from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.model import Diagnosis
 from diagnosis.triggers.watch import JobWatch, steps_from_stages
 from diagnosis.window import Window, latest_op_rows, without_superseded_in_flight
+from ingest.units import SECOND
 
 COMPONENT_OF_TRUTH = {"gpu": "gpu_compute", "nic": "nic_rdma", "pcie": "pcie_host",
                       "dataloader": "data_loader", "host": "host_software",
                       "software": "host_software"}
 HANG_FAMILIES = ("hang", "death", "nic_down", "recv_fail")
-SECOND = 1_000_000_000
 
 
 def stage_match(truth: str, diag: str | None) -> bool:

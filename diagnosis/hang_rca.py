@@ -49,8 +49,7 @@ from diagnosis.rules.halt_point import halt_point, hung_step
 from diagnosis.rules.mycroft_flow import FlowConfig, slow_flows
 from diagnosis.rules.mycroft_hang import HangConfig, analyze_hang
 from diagnosis.window import Window
-
-SECOND = 1_000_000_000
+from ingest.units import SECOND
 
 
 def normalize_stage(stage: str | None) -> str | None:

@@ -14,6 +14,7 @@ Conventions (DESIGN.md, "The record contract"):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -222,6 +223,79 @@ class JobTopology(BaseModel):
             if len(set(comm.members)) != len(comm.members):
                 raise ValueError(f"communicator {comm.comm_id}: duplicate members")
         return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Which kind of communicator a comm_id is
+#
+# One decision, used by the derived streams (numpy and ClickHouse SQL) and by diagnosis:
+#   1. the kind the job's topology declares for the comm_id (`Communicator.kind`);
+#   2. else the comm_id's name: its part before the first ':' when that part is a kind (the
+#      naming the simulator, the topology synthesis and the pipeline inference use:
+#      `dp:pp0:tp1`, `pp:inferred:0`); a name that merely begins with those letters
+#      (`dp0`, `ppc`) says nothing;
+#   3. else unknown ("").
+# The derived tables store a kind as a small code (`Iteration` *_comm_ns columns): tp, pp and dp
+# have their own; every other kind and unknown share COMM_KIND_OTHER.
+
+COMM_KINDS: tuple[str, ...] = get_args(CommKind)
+#: separator ending the kind part of a comm_id (rule 2)
+COMM_KIND_SEP = ":"
+COMM_KIND_CODES: dict[str, int] = {"tp": 0, "pp": 1, "dp": 2}
+COMM_KIND_OTHER = 3
+
+
+def comm_kind_by_name(comm_id: str) -> str:
+    """Rule 2 alone: the kind a comm_id's name says, "" when it says none."""
+    head = comm_id.split(COMM_KIND_SEP, 1)[0]
+    return head if head in COMM_KINDS else ""
+
+
+def comm_kind(comm_id: str, declared: Mapping[str, str]) -> str:
+    """The kind of one communicator (rules above); `declared`: comm_id -> kind from the job's
+    topology (empty when it has not arrived)."""
+    kind = declared.get(comm_id)
+    return kind if kind is not None else comm_kind_by_name(comm_id)
+
+
+def comm_kinds(comm_ids: Iterable[object], declared: Mapping[str, str]) -> np.ndarray:
+    """`comm_kind` of each id (object array); callers pass distinct ids (dictionary values)."""
+    return np.asarray([comm_kind(str(c), declared) for c in comm_ids], dtype=object)
+
+
+def comm_kind_codes(comm_ids: np.ndarray, declared: Mapping[str, str]) -> np.ndarray:
+    """int8 kind code (COMM_KIND_CODES, else COMM_KIND_OTHER) of each of many ops' comm_ids:
+    one decision per distinct id."""
+    names, inverse = np.unique(np.asarray(comm_ids).astype(str), return_inverse=True)
+    table = np.array([COMM_KIND_CODES.get(k, COMM_KIND_OTHER) for k in comm_kinds(names, declared)],
+                     dtype=np.int8)
+    return table[inverse.reshape(-1)] if len(names) else np.zeros(0, np.int8)
+
+
+def comm_name_sql(column: str = "comm_id") -> str:
+    """ClickHouse SQL: the part of `column` rule 2 reads (compare it with a kind)."""
+    return f"splitByChar('{COMM_KIND_SEP}', toString({column}))[1]"
+
+
+def comm_kind_code_sql(column: str = "comm_id", ids: str = "{ids:Array(String)}",
+                       codes: str = "{codes:Array(Int8)}") -> str:
+    """ClickHouse SQL: the kind code (as `comm_kind_codes`) of `column`, given the topology's
+    declared comm_ids and their codes as two arrays (`ids`, `codes`: query parameters by
+    default, aligned with `declared_codes`)."""
+    known = ", ".join(f"'{k}'" for k in COMM_KIND_CODES)
+    code = ", ".join(str(c) for c in COMM_KIND_CODES.values())
+    return (f"toInt8(transform(toString({column}), {ids}, {codes}, "
+            f"transform({comm_name_sql(column)}, [{known}], [{code}], {COMM_KIND_OTHER})))")
+
+
+def declared_codes(communicators: Iterable[tuple[str, str]]) -> tuple[list[str], list[int]]:
+    """The (`ids`, `codes`) arrays `comm_kind_code_sql` takes, from (comm_id, kind) pairs."""
+    ids: list[str] = []
+    codes: list[int] = []
+    for comm_id, kind in communicators:
+        ids.append(str(comm_id))
+        codes.append(COMM_KIND_CODES.get(str(kind), COMM_KIND_OTHER))
+    return ids, codes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,8 +56,10 @@ import numpy as np
 
 from ingest.batch import TIME_COLUMN, Coded, RecordBatch, encode_batch
 from ingest.inflight import superseded
+from ingest.records import comm_kind_code_sql, declared_codes
+from ingest.units import SECOND as SEC
 from streams.db import Database
-from streams.iterations import KIND_CODES, OTHER_KIND, Bounds, OpFrame, iteration_rows
+from streams.iterations import KIND_CODES, Bounds, OpFrame, iteration_rows
 from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarizer
 from streams.ownership import Ownership
 from streams.progress import ProgressFeed, ProgressParams
@@ -66,7 +68,6 @@ from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec
 from streams.writer import ClickHouseWriter, insert_settings
 
 log = logging.getLogger(__name__)
-SEC = 1_000_000_000
 Publish = Callable[[str, str, bytes], Awaitable[None]]  # (kind, job_id, batch bytes)
 
 
@@ -160,11 +161,9 @@ FROM stages WHERE job_id = {job:String}
   AND t_start >= fromUnixTimestamp64Nano({lo:Int64}, 'UTC')
   AND t_start < fromUnixTimestamp64Nano({we:Int64}, 'UTC')
 """
-#: A communicator's kind code (iterations.KIND_CODES): from the job's topology (`ids` ->
-#: `codes`), else from the name's prefix.
-COMM_KIND_SQL = """toInt8(transform(toString(comm_id), {ids:Array(String)}, {codes:Array(Int8)},
-              multiIf(startsWith(comm_id, 'tp'), 0, startsWith(comm_id, 'pp'), 1,
-                      startsWith(comm_id, 'dp'), 2, 3)))"""
+#: A communicator's kind code (ingest.records.comm_kind_codes): the job's topology (`ids` ->
+#: `codes`), else the comm_id's name.
+COMM_KIND_SQL = comm_kind_code_sql()
 OPS_SQL = """
 SELECT rank,
        """ + COMM_KIND_SQL + """ AS kind,
@@ -515,8 +514,7 @@ class DerivedRunner:
             ids: list[str] = []
             codes: list[int] = []
             for comm_ids, kinds in res.result_rows:
-                ids = [str(c) for c in comm_ids]
-                codes = [KIND_CODES.get(str(k), OTHER_KIND) for k in kinds]
+                ids, codes = declared_codes(zip(comm_ids, kinds, strict=False))
             got = (ids, codes)
             if ids:  # cache only once the topology arrived
                 self._topology[job] = got

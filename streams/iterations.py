@@ -46,10 +46,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ingest.records import COMM_KIND_CODES, COMM_KIND_OTHER
+
 STAGE_NAMES = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
                "step_other")
-KIND_CODES = {"tp": 0, "pp": 1, "dp": 2}
-OTHER_KIND = 3
+#: kind codes of the ops (ingest.records: the one communicator-kind decision)
+KIND_CODES = COMM_KIND_CODES
+OTHER_KIND = COMM_KIND_OTHER
 GRAD_OPS = ("AllReduce", "ReduceScatter")
 
 
@@ -65,15 +68,6 @@ class OpFrame:
     bytes: np.ndarray
     t_start: np.ndarray
     t_end: np.ndarray
-
-
-def comm_kind_codes(comm_ids: np.ndarray, kinds: Mapping[str, str]) -> np.ndarray:
-    """Group-kind code per op: from the job topology's communicators (`kinds`: comm_id -> kind),
-    else from the comm_id's prefix before ':' (the simulator's and our tracers' naming)."""
-    names, inverse = np.unique(comm_ids.astype(str), return_inverse=True)
-    table = np.array([KIND_CODES.get(kinds.get(n, n.split(":", 1)[0]), OTHER_KIND)
-                      for n in names], dtype=np.int8)
-    return table[inverse] if len(names) else np.zeros(0, np.int8)
 
 
 def union_length(group: np.ndarray, start: np.ndarray, end: np.ndarray, n_groups: int

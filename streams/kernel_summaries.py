@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingest.batch import RecordBatch
+from ingest.units import SECOND as SEC
 from streams.db import Database
 from streams.kde import KdeParams, compression_ratio, summarize
 
 log = logging.getLogger(__name__)
-SEC = 1_000_000_000
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ingest.units import SECOND as _NS
 from streams.db import Database
 
 _NONE = np.iinfo(np.int64).min
-_NS = 1_000_000_000
 #: The largest whole part a rate may have so that rate * 10^9 fits int64.
 _MAX_WHOLE = (np.iinfo(np.int64).max - _NS) // _NS
 

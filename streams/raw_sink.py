@@ -61,6 +61,7 @@ from typing import Protocol
 import numpy as np
 
 from ingest.batch import TIME_COLUMN, BatchError, RecordBatch, decode_batch
+from ingest.units import SECOND as _NS
 from streams.writer import dedup_token, dedup_token_ranges
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,6 @@ log = logging.getLogger(__name__)
 #: The most bytes of a rejected message a dead letter carries: base64 makes 12 MiB 16 MiB, the
 #: broker's message.max.bytes (ingest.topics.MAX_MESSAGE_BYTES), so 8 MiB leaves room for the rest.
 DLQ_PAYLOAD_MAX = 8 << 20
-_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)

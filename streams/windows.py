@@ -71,7 +71,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-SEC = 1_000_000_000
+from ingest.units import SECOND as SEC
+
 #: The `kind` of a checkpoint row that stores a derived kind's late marks (as a span).
 LATE_SUFFIX = ":late"
 #: The `kind` of a checkpoint row for a derived kind none of whose windows is closed yet: its

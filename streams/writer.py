@@ -28,12 +28,12 @@ import numpy as np
 
 from ingest.batch import TIME_COLUMN, Coded, RecordBatch
 from ingest.records import COLUMNS, MODELS, JobTopology
+from ingest.units import MILLISECOND as _NS_PER_MS
 from streams.db import Database
 
 #: The raw table of each raw columnar kind (sql/001_raw.sql): named like the kind. Derived kinds
 #: (ingest.records.DERIVED) have their own tables and writers (streams/derived_store.py).
 RAW_TABLES: dict[str, str] = {kind: kind for kind in MODELS}
-_NS_PER_MS = 1_000_000
 
 
 def insert_settings(token: str | None) -> dict[str, object]:

@@ -56,9 +56,9 @@ import numpy as np
 from bench.real.catalog import Case
 from diagnosis.evaluate import calibration
 from diagnosis.model import Diagnosis
+from ingest.units import SECOND
 from rankwatch.settings import Settings
 
-SECOND = 1_000_000_000
 HANG_OBSERVE_S = 12.0
 SETTLE_S = 10.0
 DRAIN_S = 2.0

@@ -21,11 +21,11 @@ import numpy as np
 import orjson
 
 from diagnosis.model import Diagnosis
+from ingest.units import SECOND
 
 Query = Callable[[str], list[dict[str, Any]]]
 STAGE_COLUMNS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks",
                  "optim_step", "step_other")
-SECOND = 1_000_000_000
 
 
 def literal(s: str) -> str:

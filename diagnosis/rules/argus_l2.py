@@ -37,15 +37,15 @@ import numpy as np
 import numpy.typing as npt
 
 from diagnosis.rules.base import Component, Finding
+from ingest.records import CommKind
 
-GroupKind = Literal["tp", "pp", "dp", "ep", "cp", "world"]
 EventClass = Literal["compute", "comm", "host", "data", "mixed"]
 LEVELS = ("balanced", "mild", "severe")
 
 
 @dataclass(frozen=True)
 class Route:
-    group: GroupKind
+    group: CommKind
     event_class: EventClass
     component: Component | None
     next_check: str

@@ -48,9 +48,9 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, group_key, ints
 from diagnosis.groups import Grid
 from diagnosis.rules.base import Component, Finding
+from ingest.units import MILLISECOND as MS
 
 Array = np.ndarray
-MS = 1_000_000
 KIND_ORDER = {"tp": 0, "cp": 1, "ep": 2, "pp": 3, "dp": 4, "world": 5}
 
 

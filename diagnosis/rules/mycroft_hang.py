@@ -54,9 +54,9 @@ from diagnosis.rules.mycroft_state import COLLECTIVE_KINDS, chunk_states, state_
 from diagnosis.rules.waits_for import edges as waits_for_edges
 from diagnosis.rules.waits_for import reachable_sinks
 from diagnosis.window import last_record_ns
+from ingest.units import SECOND
 
 Array = np.ndarray
-SECOND = 1_000_000_000
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.hang_rca import stalled_steps
 from diagnosis.window import Window, assign_steps
+from ingest.records import comm_kinds
 
 Array = np.ndarray
 STAGE_COLS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
@@ -119,14 +120,14 @@ class Ctx:
         """Mask over ops rows on a communicator of `kind` (through the comm_id codes)."""
         uniq, code = codes(col(self.w.get("ops"), "comm_id"))
         kinds = self.w.grid.comm_kind
-        return np.asarray([kinds.get(str(c), "") == kind for c in uniq.tolist()],
+        return np.asarray(comm_kinds(uniq.tolist(), kinds) == kind,
                           dtype=bool)[code] if uniq.size else np.zeros(code.size, dtype=bool)
 
     def comm_kinds(self, rows: Array) -> Array:
         """The communicator kind of some ops rows (object array)."""
         uniq, code = codes(col(self.w.get("ops"), "comm_id"))
         kinds = self.w.grid.comm_kind
-        table = np.asarray([kinds.get(str(c), "") for c in uniq.tolist()] or [""], dtype=object)
+        table = comm_kinds(uniq.tolist() or [""], kinds)
         return np.asarray(table[code[rows]])
 
     def step_index(self, step: Array) -> Array:

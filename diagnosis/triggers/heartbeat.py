@@ -34,9 +34,9 @@ import numpy as np
 from diagnosis.columns import Columns, ints
 from diagnosis.expectation import Expectation
 from diagnosis.triggers.base import Trigger
+from ingest.units import SECOND
 
 Array = np.ndarray
-SECOND = 1_000_000_000
 
 
 @dataclass(frozen=True)

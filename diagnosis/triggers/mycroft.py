@@ -36,9 +36,9 @@ import numpy as np
 
 from diagnosis.columns import Columns, col, ints
 from diagnosis.triggers.base import Trigger
+from ingest.units import SECOND
 
 Array = np.ndarray
-SECOND = 1_000_000_000
 
 
 @dataclass(frozen=True)

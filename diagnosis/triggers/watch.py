@@ -49,8 +49,8 @@ from diagnosis.triggers.mycroft import MycroftTriggerConfig, MycroftTriggerState
 from diagnosis.triggers.mycroft_progress import ProgressStragglerState, progress_straggler_trigger
 from diagnosis.triggers.sampling import Sample, sample_ranks
 from ingest.records import JobTopology
+from ingest.units import SECOND
 
-SECOND = 1_000_000_000
 STAGE_COLUMNS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks",
                  "optim_step", "step_other")
 

@@ -33,6 +33,11 @@ _FUNCS = np.array(ring.FUNCS, dtype=object)
 #: op fields kept for open starts (int64 views of the record fields)
 OP_KEEP = ("comm_hash", "op_seq", "bytes", "t_enqueue", "t_start", "t_end", "stream", "step",
            "peer", "func")
+#: column positions in an `op_table` row
+COMM_HASH, OP_SEQ, T_ENQUEUE, T_START, T_END, FUNC = (
+    OP_KEEP.index(f) for f in ("comm_hash", "op_seq", "t_enqueue", "t_start", "t_end", "func"))
+#: the columns an end is joined to its start on
+JOIN_KEY = [COMM_HASH, OP_SEQ]
 
 
 def _i64(a: np.ndarray) -> np.ndarray:
@@ -77,8 +82,8 @@ class OpJoin:
         is_end = (np.asarray(ops["flags"]) & ring.F_END) != 0 if len(ops) else np.zeros(0, bool)
         starts, ends = table[~is_end], table[is_end]
         if len(starts):
-            order = np.lexsort((starts[:, 1], starts[:, 0]))
-            c, s = starts[order, 0], starts[order, 1]
+            order = np.lexsort((starts[:, OP_SEQ], starts[:, COMM_HASH]))
+            c, s = starts[order, COMM_HASH], starts[order, OP_SEQ]
             last = np.r_[c[1:] != c[:-1], True]
             for ci, si in zip(c[last].tolist(), s[last].tolist(), strict=True):
                 self.last_seq[ci] = max(si, self.last_seq.get(ci, -1))
@@ -87,7 +92,7 @@ class OpJoin:
         matched = np.zeros(len(pend), bool)
         done_rows = ends.copy()
         if len(ends) and len(pend):
-            keys = np.concatenate([pend[:, :2], ends[:, :2]])
+            keys = np.concatenate([pend[:, JOIN_KEY], ends[:, JOIN_KEY]])
             _, ids = np.unique(keys, axis=0, return_inverse=True)
             ids = ids.reshape(-1)
             pid, eid = ids[: len(pend)], ids[len(pend):]
@@ -99,10 +104,10 @@ class OpJoin:
             e_idx = order[pos[matched]]
             fill = done_rows[e_idx]
             done_rows[e_idx] = np.where(fill > 0, fill, pend[matched])
-            done_rows[e_idx, 5] = ends[e_idx, 5]
+            done_rows[e_idx, T_END] = ends[e_idx, T_END]
         # an op's age runs from its enqueue (the NCCL plugin's start records have t_start 0:
         # the kernel has not started yet); the Python tracer's starts carry both
-        issued = np.where(pend[:, 3] > 0, pend[:, 3], pend[:, 4])
+        issued = np.where(pend[:, T_ENQUEUE] > 0, pend[:, T_ENQUEUE], pend[:, T_START])
         late = ~matched & ~shown & (issued < now_ns - self.inflight_ns)
         late_rows = _in_flight(pend[late])
         self.open, self.shown = pend[~matched], (shown | late)[~matched]
@@ -122,15 +127,15 @@ def _in_flight(starts: np.ndarray) -> np.ndarray:
     1970 — was in no window, so a call hung in NCCL was invisible to the progress feed and to
     root cause. The completed row, when it comes, carries the real t_start."""
     rows: np.ndarray = starts.copy()
-    rows[:, 5] = 0
-    rows[:, 4] = np.where(rows[:, 4] > 0, rows[:, 4], rows[:, 3])
+    rows[:, T_END] = 0
+    rows[:, T_START] = np.where(rows[:, T_START] > 0, rows[:, T_START], rows[:, T_ENQUEUE])
     return rows
 
 
 def op_columns(rows: np.ndarray, rank: int, names: Names) -> Cols:
     """Op rows from `OpJoin` as `ops` columns; rows of an unknown function ("other") are left
     out (the contract has no name for them)."""
-    func = rows[:, 9]
+    func = rows[:, FUNC]
     rows = rows[(func > 0) & (func < len(_FUNCS))]
     c = {f: rows[:, i] for i, f in enumerate(OP_KEEP)}
     return {

@@ -47,12 +47,12 @@ from typing import Any
 
 from diagnosis.evaluate import ScenarioScore, evaluate_in_process, score_scenario, summarize
 from diagnosis.model import Diagnosis
+from ingest.units import SECOND
 from rankwatch.settings import Settings
 
 REAL_SUBSET = ("control-64", "hang-bwd-64", "death-64", "nic-down-64", "gpu-slow-150-64",
                "nic-bw-20-64", "data-stall-64", "gpu-slow-102-small-64")
 SETTLE_S = 12.0
-SECOND = 1_000_000_000
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -12,9 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from ingest.units import SECOND
 from rankwatch.settings import Settings
-
-SECOND = 1_000_000_000
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -100,8 +100,8 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
                                           ownership=ownership), ownership)
     sapp.derived = deriver
     sapp.on_exit = lambda code, reason: record_exit(settings, code, reason)
-    sapp.diagnosis = attach_diagnosis(sapp.app, db, settings.topics,  # type: ignore[attr-defined]
-                                      ownership=ownership)
+    sapp.diagnosis = attach_diagnosis(  # type: ignore[attr-defined]
+        sapp.app, db, settings.topics, ownership=ownership, lateness_ns=derived.lateness_ns)
     sapp.metrics = worker_metrics(settings, sapp, writer)  # type: ignore[attr-defined]
     for kind in DERIVED:
         topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from ingest.torch.provision import pythonpath_with_torch, torch_site
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from rankwatch.settings import Settings
@@ -39,7 +40,6 @@ from tests.conftest import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 HTA = Path(os.environ.get("RANKWATCH_TEST_DATA", ROOT.parent / "shared" / "data")) / "hta"
 pytestmark = pytest.mark.slow
-SEC = 1_000_000_000
 #: after a job's progress is stored, long enough for two sweeps (AnalystConfig.sweep_s = 10)
 QUIET_S = 25.0
 

@@ -22,6 +22,7 @@ import pytest
 
 from bench.real import catalog, harness
 from rankwatch.kafka_broker import delete_topics
+from tests.conftest import KafkaService, SettingsFactory
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,8 @@ def torch_ready(pytestconfig: pytest.Config) -> None:
         pytest.skip(f"no CPU torch: {provision.last_error}")
 
 
-def test_quick_subset_scored_end_to_end(kafka, settings_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_quick_subset_scored_end_to_end(kafka: KafkaService, settings_factory: SettingsFactory,
+                                        tmp_path: Path) -> None:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"r{uuid.uuid4().hex[:10]}", kafka_partitions=2)
     cases = catalog.select("", quick=True)

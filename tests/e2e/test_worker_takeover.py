@@ -68,9 +68,10 @@ def wait_split(settings: Settings, timeout: float) -> list[set[int]]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = [assignments(d, settings.topics.ops) for d in daemons]
-        if all(g for g in got) and set().union(*got) == set(range(PARTITIONS)) \
-                and sum(len(g) for g in got if g) == PARTITIONS:
-            return [g for g in got if g is not None]
+        have = [g for g in got if g]
+        if len(have) == len(got) and set().union(*have) == set(range(PARTITIONS)) \
+                and sum(len(g) for g in have) == PARTITIONS:
+            return have
         time.sleep(0.5)
     raise AssertionError(f"the workers did not split the partitions: {got}")
 

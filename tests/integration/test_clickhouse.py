@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -208,7 +209,7 @@ def test_coded_strings_round_trip_through_native_inserts(clickhouse_db: Database
     rng = np.random.default_rng(7)
     n = 3_000
     kernels = [f"gemm_{i}_ü" for i in range(300)]  # > 256 distinct: UInt16 indexes
-    cols = {"rank": rng.integers(0, 64, n), "stream": rng.integers(0, 4, n),
+    cols: dict[str, Any] = {"rank": rng.integers(0, 64, n), "stream": rng.integers(0, 4, n),
             "kernel": (rng.integers(0, 300, n), kernels),
             "t_start": T0 + np.arange(n), "duration": rng.integers(1, 10**6, n)}
     doc = orjson.loads(encode_batch("kernels", "job-k", cols))
@@ -240,7 +241,8 @@ def test_native_reader_agrees_with_clickhouse_connect(clickhouse_db: Database) -
     got = clickhouse_db.query_columns(sql, {"n": 70_000})
     ctx = clickhouse_db._client.create_query_context(query=sql, parameters={"n": 70_000},
                                                      use_numpy=True)
-    reference = clickhouse_db._client.query(context=ctx).np_result
+    # clickhouse-connect sets np_result on numpy queries; its QueryResult type does not declare it
+    reference = clickhouse_db._client.query(context=ctx).np_result  # type: ignore[attr-defined]
     assert list(got) == list(reference.dtype.names)
     for name in got:
         assert got[name].dtype == reference[name].dtype, name

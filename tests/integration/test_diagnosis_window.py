@@ -150,14 +150,13 @@ def test_window_beats_carry_the_ranks_position(clickhouse_db: Database) -> None:
     assert current_stage(b, 0) == (12, "optim.step", t - 5)
     assert current_stage(b, 2) is None
     # the README's query: each rank's newest beat, its stage and for how long
-    rows = clickhouse_db.query(
+    rows = sorted(tuple(r) for r in clickhouse_db.query(
         "SELECT rank, step, stage, toFloat64(ts - stage_ts) AS for_s FROM beats "
-        "WHERE job_id = 'win-beats' ORDER BY ts DESC LIMIT 1 BY rank").result_rows
-    rows.sort()
+        "WHERE job_id = 'win-beats' ORDER BY ts DESC LIMIT 1 BY rank").result_rows)
     assert [(r, s_, st) for r, s_, st, _ in rows] == [(0, 12, "optim.step"),
                                                       (1, 12, "model.backward"), (2, -1, "")]
     assert abs(rows[1][3] - 1.3) < 1e-6  # entered 0.3 s before its first beat, 1 s before
     readme = clickhouse_db.query(
         "SELECT rank, step, stage, now64(9) - stage_ts AS for_s FROM beats "
         "WHERE job_id = 'win-beats' ORDER BY ts DESC LIMIT 1 BY rank").result_rows
-    assert sorted(r[:3] for r in readme) == [r[:3] for r in rows]
+    assert sorted(tuple(r[:3]) for r in readme) == [r[:3] for r in rows]

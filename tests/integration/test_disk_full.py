@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from ingest.batch import encode_batch
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
+from tests.conftest import KafkaService, SettingsFactory
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_columns
-
-SEC = 1_000_000_000
 
 
 @pytest.fixture
@@ -46,7 +46,8 @@ def fill(path: Path) -> None:
             pass
 
 
-def test_a_full_disk_pauses_ingest_and_it_resumes(kafka, settings_factory,  # type: ignore[no-untyped-def]
+def test_a_full_disk_pauses_ingest_and_it_resumes(kafka: KafkaService,
+                                                  settings_factory: SettingsFactory,
                                                   small_disk: Path) -> None:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"f{uuid.uuid4().hex[:10]}", kafka_partitions=1,
@@ -55,6 +56,7 @@ def test_a_full_disk_pauses_ingest_and_it_resumes(kafka, settings_factory,  # ty
     try:
         p.start_worker()
         pid = stack.worker_daemon(settings).pid()
+        assert pid is not None
         pub = p.publisher()
         t0 = time.time_ns()
         pub.publish("ops", encode_batch("ops", "before", valid_columns("ops", 100, t0)))

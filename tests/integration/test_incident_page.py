@@ -26,6 +26,7 @@ from ingest.batch import encode_batch, encode_topology
 from ingest.publish import BatchPublisher
 from ingest.records import Communicator, JobTopology
 from ingest.synthetic import ops_columns
+from ingest.units import SECOND as S
 from rankwatch import stack
 from rankwatch.commands import export, report
 from rankwatch.commands.sql import execute
@@ -34,7 +35,6 @@ from tests.conftest import KafkaService, free_ports
 from tests.unit.notify_fixtures import version
 
 WORLD, CULPRIT = 16, 5
-S = 1_000_000_000
 
 
 def screenshot(target: str, out: Path, tmp: Path) -> np.ndarray:

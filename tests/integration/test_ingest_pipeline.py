@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ingest.agent.capture import read_capture
@@ -34,6 +34,14 @@ from ingest.synthetic import ops_columns
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from rankwatch.settings import Settings
+from tests.conftest import KafkaService, SettingsFactory
+
+
+def message_json(m: Message) -> Any:
+    """A consumed message's JSON value (every message these tests read has one)."""
+    value = m.value()
+    assert value is not None, "a message without a value"
+    return orjson.loads(value)
 
 
 @dataclass
@@ -75,7 +83,7 @@ class Pipeline:
 
 
 @pytest.fixture
-def pipeline(kafka, settings_factory) -> Iterator[Pipeline]:  # type: ignore[no-untyped-def]
+def pipeline(kafka: KafkaService, settings_factory: SettingsFactory) -> Iterator[Pipeline]:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"p{uuid.uuid4().hex[:10]}", kafka_partitions=3)
     p = Pipeline(settings)
@@ -134,12 +142,12 @@ def test_bad_batch_goes_to_the_dlq_and_its_neighbours_are_stored(pipeline: Pipel
     c = Consumer({"bootstrap.servers": pipeline.settings.bootstrap, "group.id": "dlq-check",
                   "auto.offset.reset": "earliest"})
     c.subscribe([pipeline.settings.topics.dlq])
-    got = []
+    got: list[dict[str, Any]] = []
     deadline = time.monotonic() + 30
     while len(got) < 2 and time.monotonic() < deadline:
         m = c.poll(1.0)
         if m is not None and not m.error():
-            got.append(orjson.loads(m.value()))
+            got.append(message_json(m))
     c.close()
     assert sorted(d["reason"][:20] for d in got) == sorted(r.split("\t")[2][:20] for r in rows)
     assert any(d["payload_b64"] and d["field"] == "op" and d["row"] == 0 for d in got)
@@ -167,7 +175,7 @@ def test_framed_and_json_batches_across_partitions_with_a_bad_one(pipeline: Pipe
                         "WHERE job_id = 'j6'") == "1200\t3"
 
 
-def test_redelivered_messages_are_stored_once(pipeline: Pipeline, kafka) -> None:  # type: ignore[no-untyped-def]
+def test_redelivered_messages_are_stored_once(pipeline: Pipeline, kafka: KafkaService) -> None:
     pub = pipeline.publisher()
     for i in range(30):
         pub.publish("ops", ops_batch("j3", i * 100, 100, i), key=str(i))
@@ -322,8 +330,8 @@ def test_a_real_gpu_stall_is_diagnosed_by_the_worker(pipeline: Pipeline, tmp_pat
     deadline = time.monotonic() + 30
     while not got and time.monotonic() < deadline:
         m = c.poll(1.0)
-        if m is not None and not m.error() and orjson.loads(m.value())["kind"] == "hang":
-            got.append(orjson.loads(m.value()))
+        if m is not None and not m.error() and message_json(m)["kind"] == "hang":
+            got.append(message_json(m))
     c.close()
     d = got[0] if got else {}
     assert (d.get("job_id"), d.get("kind"), d.get("culprit_ranks"), d.get("stage"),

@@ -21,6 +21,7 @@ from ingest.synthetic import ops_columns
 from rankwatch import stack
 from rankwatch.kafka_broker import Daemon, KafkaCluster, local_nodes
 from rankwatch.settings import Settings
+from tests.conftest import SettingsFactory
 
 ROWS_PER_BATCH = 400
 BATCHES = 60
@@ -44,7 +45,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def cluster_stack(settings_factory) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
+def cluster_stack(settings_factory: SettingsFactory) -> Iterator[Settings]:
     settings = settings_factory(kafka_brokers=3, kafka_heap="256m", kafka_partitions=3,
                                 metrics_port=0, page_port=0)
     started: list[int] = []

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Message, Producer
 from prometheus_client import CollectorRegistry, generate_latest
 
 from diagnosis.model import Diagnosis
@@ -30,6 +30,13 @@ from tests.integration.services import Receiver, alertmanager
 from tests.unit.notify_fixtures import life, version
 
 SECRET = "hook-secret"
+
+
+def message_json(m: Message) -> Any:
+    """A consumed message's JSON value (every message these tests read has one)."""
+    value = m.value()
+    assert value is not None, "a message without a value"
+    return orjson.loads(value)
 
 
 def _config(sinks: dict[str, dict[str, Any]], **top: Any) -> nc.NotifyConfig:
@@ -190,7 +197,7 @@ def test_refused_and_exhausted_versions_and_invalid_records_are_dead_lettered(
     while len(dead) < 4 and time.monotonic() - t0 < 20:
         m = c.poll(0.5)
         if m is not None and not m.error():
-            dead.append(orjson.loads(m.value()))
+            dead.append(message_json(m))
     c.close()
     by_field = {d["field"]: d for d in dead}
     assert set(by_field) == {"notify.bad", "notify.flaky", "id", "(record)"}

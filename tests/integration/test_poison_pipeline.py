@@ -18,18 +18,20 @@ from hypothesis import strategies as st
 
 from ingest.batch import TIME_COLUMN, BatchError, decode_batch, encode_batch, encode_topology
 from ingest.records import COLUMNS, MODELS, Communicator, JobTopology
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from streams.raw_sink import TimeBounds
+from tests.conftest import KafkaService, SettingsFactory
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_batches, valid_columns
 
-SEC = 1_000_000_000
 KINDS = sorted(MODELS)
 
 
 @pytest.fixture
-def poison_pipeline(kafka, settings_factory) -> Iterator[Pipeline]:  # type: ignore[no-untyped-def]
+def poison_pipeline(kafka: KafkaService, settings_factory: SettingsFactory
+                    ) -> Iterator[Pipeline]:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"x{uuid.uuid4().hex[:10]}", kafka_partitions=2)
     p = Pipeline(settings)

@@ -18,7 +18,7 @@ import pytest
 from rankwatch.commands import sql as sql_command
 from streams.db import Database, SqlLimits
 from streams.sql_endpoint import start_sql_endpoint
-from tests.integration.conftest import serve_sql
+from tests.integration.conftest import SqlEndpoint, serve_sql
 from tests.integration.test_sql_endpoint import http
 
 HEAVY = "SELECT count() FROM system.numbers WHERE sipHash64(number) = 0"
@@ -58,7 +58,7 @@ def probes(d: Path, port: int) -> list[tuple[str, str]]:
     ]
 
 
-def test_hostile_probes_are_refused(sql_endpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_probes_are_refused(sql_endpoint: SqlEndpoint, tmp_path: Path) -> None:
     db: Database = sql_endpoint.db
     db.insert_columns("beats", {"rank": np.array([0], np.int32),
                                 "ts": np.array([time.time_ns()])})

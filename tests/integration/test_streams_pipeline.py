@@ -13,19 +13,21 @@ import pytest
 from ingest.batch import TIME_COLUMN
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka_broker import delete_topics
 from streams.windows import WatermarkParams
+from tests.conftest import KafkaService, SettingsFactory
 from tests.integration.test_ingest_pipeline import Pipeline
 
 STAGES = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
           "step_other")
 LATENESS_S = 1.0
-SEC = 1_000_000_000
 
 
 @pytest.fixture
-def derived_pipeline(kafka, settings_factory) -> Iterator[Pipeline]:  # type: ignore[no-untyped-def]
+def derived_pipeline(kafka: KafkaService, settings_factory: SettingsFactory
+                     ) -> Iterator[Pipeline]:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
                                 topic_prefix=f"d{uuid.uuid4().hex[:10]}", kafka_partitions=3,
                                 derived_lateness_s=LATENESS_S, iteration_window_s=5.0,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,12 +16,12 @@ import pytest
 from ingest.batch import TIME_COLUMN, RecordBatch, decode_batch
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation
+from ingest.units import SECOND as SEC
 from streams.db import Database
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
 from streams.kernel_summaries import KernelParams, KernelSummarizer
 from streams.writer import ClickHouseWriter
 
-SEC = 1_000_000_000
 QUERIES = Path(__file__).parents[2] / "sql" / "queries"
 
 
@@ -85,7 +87,7 @@ async def load(db: Database, cfg: JobConfig, faults: list[str] = (),  # type: ig
     return runner
 
 
-def query(db: Database, name: str, **params: object) -> list[tuple[object, ...]]:
+def query(db: Database, name: str, **params: object) -> list[Sequence[Any]]:
     return list(db.query((QUERIES / f"{name}.sql").read_text(), params).result_rows)
 
 
@@ -366,7 +368,7 @@ def test_calls_stored_in_flight_first_change_no_iteration_or_progress_row(
     assert db.query("SELECT count() FROM ops WHERE job_id = 'twice' AND "
                     "toUnixTimestamp64Nano(t_end) = 0").result_rows[0][0] > 500
 
-    def rows(table: str, job: str, order: str) -> list[tuple[object, ...]]:
+    def rows(table: str, job: str, order: str) -> list[Sequence[Any]]:
         cols = [c for c in db.query(f"SELECT * FROM {table} LIMIT 0").column_names
                 if c not in ("job_id", "ingest_ts")]
         return list(db.query(f"SELECT {', '.join(cols)} FROM {table} FINAL WHERE job_id = "

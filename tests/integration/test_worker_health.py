@@ -16,6 +16,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,7 +65,7 @@ def status_cli(settings: Settings) -> tuple[int, str, dict]:  # type: ignore[typ
 
 
 @pytest.fixture
-def settings(kafka, settings_factory) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
+def settings(kafka: Any, settings_factory: Any) -> Iterator[Settings]:
     s = settings_factory(kafka_bootstrap=kafka.bootstrap, topic_prefix=f"h{uuid.uuid4().hex[:10]}",
                          kafka_partitions=1, worker_stall_s=3.0, sql_max_execution_time_s=1,
                          sql_stuck_grace_s=0.0)
@@ -76,7 +77,8 @@ def settings(kafka, settings_factory) -> Iterator[Settings]:  # type: ignore[no-
 
 
 @pytest.fixture
-def disk_settings(kafka, settings_factory, small_disk: Path) -> Iterator[Settings]:  # type: ignore[no-untyped-def]  # noqa: F811
+def disk_settings(kafka: Any, settings_factory: Any,
+                  small_disk: Path) -> Iterator[Settings]:  # noqa: F811
     s = settings_factory(kafka_bootstrap=kafka.bootstrap, topic_prefix=f"h{uuid.uuid4().hex[:10]}",
                          kafka_partitions=1, worker_stall_s=3.0,
                          clickhouse_url=f"chdb://{small_disk / 'clickhouse'}")

@@ -14,9 +14,9 @@ import numpy as np
 from diagnosis.groups import Grid, grid_of
 from diagnosis.rules.critical_path import build_1f1b_dag, critical_path
 from diagnosis.rules.pipeline_ops import PipelineSpec, pp_plan, stage_order
+from ingest.units import MILLISECOND as MS
 from tests.unit.topo_fixtures import megatron_topology
 
-MS = 1_000_000
 F_NS, B_NS = 10 * MS, 20 * MS
 
 

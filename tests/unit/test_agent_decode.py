@@ -11,13 +11,13 @@ from ingest import ring
 from ingest.agent.decode import Names, OpJoin, kernel_columns, op_columns, stage_columns
 from ingest.batch import decode_batch, encode_batch
 from ingest.torch.sink import fnv1a64
+from ingest.units import SECOND as S
 
 try:
     DT = ring.record_dtypes()
 except ring.RingLibraryMissing as e:  # pragma: no cover - `make build` builds it
     pytest.skip(str(e), allow_module_level=True)
 
-S = 1_000_000_000
 WORLD = fnv1a64("world")
 
 
@@ -109,3 +109,18 @@ def test_an_nccl_start_is_not_in_flight_before_its_time() -> None:
     assert shown[:, 4].tolist() == [200 * S] and shown[:, 5].tolist() == [0]
     j.feed(ops({**start(9, 300 * S), "t_start": 0}), 300 * S)
     assert j.close()[:, 4].tolist() == [300 * S]  # the producer ended with it open
+
+
+def test_named_op_columns_match_the_record_fields() -> None:
+    """Each named position of an op_table row holds the ring record field of that name."""
+    from ingest.agent import decode
+
+    rec = ops({**start(7, 11 * S, func=2, comm=WORLD + 1), "t_end": 13 * S, "stream": 5})
+    row = decode.op_table(rec)[0]
+    for name, pos in (("comm_hash", decode.COMM_HASH), ("op_seq", decode.OP_SEQ),
+                      ("t_enqueue", decode.T_ENQUEUE), ("t_start", decode.T_START),
+                      ("t_end", decode.T_END), ("func", decode.FUNC)):
+        assert decode.OP_KEEP[pos] == name
+        assert row[pos] == decode._i64(np.asarray(rec[name]))[0], name
+    assert decode.OP_KEEP[decode.JOIN_KEY[0]] == "comm_hash"
+    assert decode.OP_KEEP[decode.JOIN_KEY[1]] == "op_seq"

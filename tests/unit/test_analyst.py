@@ -10,8 +10,7 @@ import pytest
 from diagnosis.analyst import Analyst, AnalystConfig
 from diagnosis.conclusion import Conclusion
 from diagnosis.window import Window
-
-S = 1_000_000_000
+from ingest.units import SECOND as S
 
 
 def slow(ranks: tuple[int, ...]) -> Conclusion:
@@ -59,8 +58,9 @@ def test_a_hang_trigger_analysed_too_early_is_retried_until_it_concludes() -> No
     w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
     seen = {"early": True}
 
-    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
-        return Window(w.topo, {}, lo, hi) if seen["early"] else w
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
+        return Window(w.topo, {}, start_ns, now_ns) if seen["early"] else w
 
     a = Analyst(read, AnalystConfig(pending_s=30), event_clock=lambda job, t: now)
     t = Trigger(w.topo.job_id, now, "hang", (13,), {"rule": "venustrace.heartbeat"})
@@ -84,8 +84,9 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     not read again every sweep_s."""
     reads: list[int] = []
 
-    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> None:
-        reads.append(hi)
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> None:
+        reads.append(now_ns)
 
     clock = {"at": 50 * S}
     a = Analyst(read, AnalystConfig(sweep_s=10), event_clock=lambda job, now: clock["at"])
@@ -99,6 +100,7 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     assert reads == [50 * S, 60 * S]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [
     "nic_bw rank=7 factor=0.2 at=7s", "pcie rank=5 factor=0.25 at=7s",
     "gpu_slow rank=9 factor=1.5 at=7s", "kernel_slow rank=12 kernel=attn factor=3 at=7s",
@@ -129,7 +131,8 @@ def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     only what the analysis from ops alone uses (ops_rca.KINDS)."""
     asked: list[tuple[str, ...] | None] = []
 
-    def read(job: str, lo: int, hi: int, kinds: Collection[str] | None = None) -> Window:
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
         asked.append(tuple(kinds) if kinds is not None else None)
         return Window(topo, {})
 
@@ -143,6 +146,7 @@ def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     assert asked == [("stages",), ("ops", "beats")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [
     "nic_bw rank=7 factor=0.2 at=40s", "gpu_slow rank=9 factor=1.5 at=40s",
     "kernel_slow rank=12 kernel=attn factor=3 at=40s", "data_tail rank=10 p=0.3 delay=180ms at=40s",

@@ -9,8 +9,8 @@ from diagnosis import ops_rca
 from diagnosis.rules.arrival_order import DEFAULT, ArrivalConfig, last_arrivers
 from diagnosis.window import Window
 from ingest.records import Communicator, JobTopology
+from ingest.units import MILLISECOND as MS
 
-MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
 
 

@@ -5,8 +5,10 @@ every statement."""
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import pytest
+from clickhouse_connect.driver.client import Client
 
 from rankwatch.settings import Settings, SettingsError
 from streams.cluster import ClusterFormError, create_database, statements
@@ -198,7 +200,8 @@ def _open(shards: list[tuple[int, int]]) -> tuple[Database, _FakeClient]:
     db.target, db.database, db.cluster = parse_url("http://ch:8123"), "rankwatch", "rw"
     db._cluster_settings = {}
     client = _FakeClient(shards)
-    db._connect = lambda settings=None: client  # type: ignore[method-assign,assignment,misc]
+    # the fake answers the few Client calls `_open` makes
+    db._connect = lambda settings=None: cast(Client, client)  # type: ignore[method-assign]
     db._open(True)
     return db, client
 

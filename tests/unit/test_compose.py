@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -13,8 +14,9 @@ from rankwatch.settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def compose() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+def compose() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return doc
 
 
 def cli_commands() -> dict[str, argparse.ArgumentParser]:

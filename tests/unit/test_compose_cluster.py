@@ -21,11 +21,13 @@ CLICKHOUSE = ("clickhouse-1", "clickhouse-2", "clickhouse-3", "clickhouse-4")
 
 
 def compose() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "docker-compose.cluster.yml").read_text())
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.cluster.yml").read_text())
+    return doc
 
 
 def services() -> dict[str, Any]:
-    return compose()["services"]
+    svcs: dict[str, Any] = compose()["services"]
+    return svcs
 
 
 def bind_mounts(svc: dict[str, Any]) -> list[tuple[Path, str]]:
@@ -56,9 +58,9 @@ def test_references_name_services_and_files_that_exist() -> None:
         for src, _ in bind_mounts(svc):
             assert src.is_file(), f"{name} mounts {src}, which does not exist"
         for v in svc.get("volumes", []):
-            src = str(v).split(":")[0]
-            if not src.startswith(("./", "/", "$")):
-                assert src in volumes, f"{name} uses undeclared volume {src}"
+            vol = str(v).split(":")[0]
+            if not vol.startswith(("./", "/", "$")):
+                assert vol in volumes, f"{name} uses undeclared volume {vol}"
         if "hostname" in svc:
             assert svc["hostname"] == name
         for port in svc.get("ports", []):

@@ -36,7 +36,8 @@ async def _nothing(kind: str, job: str, data: bytes) -> None:
 
 
 def jobs_on(partition: int, count: int, n: int) -> list[str]:
-    out, i = [], 0
+    out: list[str] = []
+    i = 0
     while len(out) < n:
         if job_partition(f"job-{i}", count) == partition:
             out.append(f"job-{i}")

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import cast
 
+from ingest.units import SECOND as SEC
 from streams.db import Database
 from streams.derived import DerivedConfig, DerivedRunner
-
-SEC = 1_000_000_000
 
 
 def runner_at(clock: list[int]) -> DerivedRunner:

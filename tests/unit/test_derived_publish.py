@@ -11,6 +11,7 @@ import asyncio
 from typing import cast
 
 import numpy as np
+import pytest
 
 from ingest.batch import decode_batch
 from streams.db import Database
@@ -30,14 +31,16 @@ def summaries(n: int) -> dict[str, np.ndarray]:
             "p99_ns": rng.integers(10**6, 10**7, n).astype(np.int64)}
 
 
-def publish(cols: dict[str, np.ndarray], **cfg: int) -> list[bytes]:
+def publish(cols: dict[str, np.ndarray], *, publish_rows: int, publish_max_bytes: int
+            ) -> list[bytes]:
     sent: list[bytes] = []
 
     async def capture(kind: str, job: str, data: bytes) -> None:
         assert (kind, job) == ("kernel_summaries", "j")
         sent.append(data)
 
-    runner = DerivedRunner(cast(Database, None), capture, DerivedConfig(**cfg))
+    runner = DerivedRunner(cast(Database, None), capture, DerivedConfig(
+        publish_rows=publish_rows, publish_max_bytes=publish_max_bytes))
     asyncio.run(runner._publish("kernel_summaries", "j", 60 * 10**9, cols))
     return sent
 
@@ -59,12 +62,17 @@ def test_small_batches_go_in_row_chunks_as_before() -> None:
     assert [len(decode_batch(m).cols["rank"]) for m in sent] == [100, 100, 50]
 
 
-def test_a_job_whose_windows_keep_failing_is_retried_with_backoff(monkeypatch) -> None:
+async def discard(kind: str, job: str, data: bytes) -> None:
+    """A publish that sends nothing."""
+
+
+def test_a_job_whose_windows_keep_failing_is_retried_with_backoff(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A lasting failure (here: every tick raises) is retried after tick_s, then 2x, 4x … up to
     max_retry_s, not recomputed on every tick; the other jobs go on."""
     now = [1000.0]
     monkeypatch.setattr("streams.derived.time.monotonic", lambda: now[0])
-    runner = DerivedRunner(cast(Database, None), lambda *a: None,  # type: ignore[arg-type,return-value]
+    runner = DerivedRunner(cast(Database, None), discard,
                            DerivedConfig(tick_s=0.25, max_retry_s=2.0))
     runner.windows.restored = True  # nothing stored to restore (no database here)
     runner.windows.owner_generation = runner.ownership.generation

@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 from diagnosis.evaluate import score_scenario
 from diagnosis.model import Diagnosis, Suspect, TriggerRef, confidence_label
-
-S = 1_000_000_000
+from ingest.units import SECOND as S
 
 
 def diag(iid: str, detected_s: float, ranks: list[int], stage: str, kind: str = "hang",

@@ -20,9 +20,9 @@ from diagnosis.window import Window, latest_op_rows
 from ingest.agent.capture import read_capture
 from ingest.batch import decode_batch
 from ingest.records import JobTopology
+from ingest.units import SECOND as S
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-nccl-2.28.9-data-stall.rwcap"
-S = 1_000_000_000
 
 
 def stored() -> tuple[JobTopology, dict[str, Columns]]:
@@ -42,7 +42,7 @@ def stored() -> tuple[JobTopology, dict[str, Columns]]:
 def as_of(tables: dict[str, Columns], now: int) -> dict[str, Columns]:
     """What the tables held at `now`: rows whose event happened by then, ops not yet ended
     shown in flight, a step's stage record only once the step ended."""
-    out = {}
+    out: dict[str, Columns] = {}
     for kind, t in tables.items():
         tcol = WINDOW_COLUMNS[kind][0]
         keep = np.asarray(t[tcol]) <= now
@@ -56,8 +56,7 @@ def as_of(tables: dict[str, Columns], now: int) -> dict[str, Columns]:
         rows = {c: np.asarray(v)[keep] for c, v in t.items()}
         if kind == "ops":
             rows["t_end"] = np.where(rows["t_end"] > now, 0, rows["t_end"])
-            rows = latest_op_rows(rows)
-        out[kind] = rows
+        out[kind] = latest_op_rows(rows) if kind == "ops" else rows
     return out
 
 

@@ -9,8 +9,7 @@ import numpy as np
 from diagnosis import hang_rca
 from diagnosis.window import Window, without_superseded_in_flight
 from ingest.records import Communicator, JobTopology
-
-MS = 1_000_000
+from ingest.units import MILLISECOND as MS
 
 
 def pipeline(pp: int = 2, dp: int = 1, microbatches: int = 4) -> JobTopology:

@@ -11,8 +11,7 @@ from diagnosis import hang_rca
 from diagnosis.window import Window
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
-
-S = 1_000_000_000
+from ingest.units import SECOND as S
 
 
 @functools.cache

@@ -14,10 +14,9 @@ import pytest
 from ingest.importers import flight_recorder
 from ingest.importers.common import Collected, TraceError, rank_from_name
 from ingest.importers.topology import TopologyError, infer
+from ingest.units import SECOND as SEC
 from rankwatch.commands.import_ import collect
 from tests.unit.test_import_formats import BASE, kineto_trace
-
-SEC = 1_000_000_000
 
 
 def megatrace_line(rank: int, t_ns: int, op: str, count: int, stream: str, op_count: int,
@@ -162,7 +161,9 @@ def test_gloo_without_status_reads_order(tmp_path: Path) -> None:
     earlier returned; the last call is in flight."""
     doc = fr_json(0, hung=True)
     doc.pop("pg_status")
-    for e in doc["entries"]:  # type: ignore[union-attr]
+    entries = doc["entries"]
+    assert isinstance(entries, list)
+    for e in entries:
         e.pop("retired")
     p = tmp_path / "rank0.json"
     p.write_text(json.dumps(doc))

@@ -12,9 +12,8 @@ from diagnosis.export import perfetto
 from diagnosis.page import svg
 from diagnosis.page.data import IncidentData, literal
 from diagnosis.page.render import incident_page, index_page
+from ingest.units import SECOND as S
 from tests.unit.notify_fixtures import version
-
-S = 1_000_000_000
 
 
 def data(world: int = 8, culprit: int = 3, job: str = "j") -> IncidentData:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from ingest.batch import Coded, RecordBatch
+from ingest.units import SECOND as SEC
 from streams.kernel_summaries import KernelBuffer, dense_codes
 
-SEC = 1_000_000_000
 W = 10 * SEC
 
 

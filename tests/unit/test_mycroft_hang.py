@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from diagnosis.groups import grid_of
 from diagnosis.rules.mycroft_hang import analyze_hang
 from diagnosis.rules.waits_for import reachable_sinks
+from ingest.units import SECOND as S
 from tests.unit.topo_fixtures import megatron_topology
 
-S = 1_000_000_000
 NOW = 100 * S
 # tp=2 pp=2 dp=2: stage 1 holds ranks 4, 5 (replica 0) and 6, 7 (replica 1)
 GRID = grid_of(megatron_topology(2, 2, 2))

@@ -14,7 +14,7 @@ import pytest
 from diagnosis.sinks import config as nc
 from diagnosis.sinks.alertmanager import AlertmanagerSink
 from diagnosis.sinks.base import Outcome, Request
-from diagnosis.sinks.delivery import Item, SinkWorker, backoff
+from diagnosis.sinks.delivery import DeadLetterFn, Item, SinkWorker, backoff
 from diagnosis.sinks.offsets import OffsetBook
 from diagnosis.sinks.pagerduty import PagerDutySink, dedup_key
 from diagnosis.sinks.slack import SlackSink
@@ -201,12 +201,20 @@ def _run(worker: SinkWorker, items: list[Item], n_done: int) -> list[str]:
     return outcomes
 
 
+def recorder(out: list[tuple[str, int]]) -> DeadLetterFn:
+    """A dead-letter callback that records (why, attempts)."""
+    def dead_letter(_sink: str, _item: Item, why: str, attempts: int) -> bool:
+        out.append((why, attempts))
+        return True
+    return dead_letter
+
+
 def test_worker_retries_then_delivers_once_and_skips_a_redelivered_id() -> None:
     ledger = Ledger(":memory:")
     post = Script(0, 503, 202)
-    dead: list[str] = []
+    dead: list[tuple[str, int]] = []
     w = SinkWorker(PagerDutySink("pd", "http://x", "k"), ledger,
-                   lambda *a: dead.append(a[2]) is None, max_attempts=5, backoff_s=0.01,
+                   recorder(dead), max_attempts=5, backoff_s=0.01,
                    backoff_max_s=0.02, post=post)
     v1 = version("i", 1, "open")
     out = _run(w, [Item(v1, v1.to_json()), Item(v1, v1.to_json())], 2)
@@ -219,13 +227,13 @@ def test_worker_dead_letters_after_max_attempts_and_at_once_when_refused() -> No
     ledger = Ledger(":memory:")
     dead: list[tuple[str, int]] = []
     w = SinkWorker(WebhookSink("h", "http://x", "s"), ledger,
-                   lambda _s, _i, why, n: dead.append((why, n)) is None, max_attempts=3,
+                   recorder(dead), max_attempts=3,
                    backoff_s=0.01, backoff_max_s=0.02, post=Script(500))
     v1 = version("i", 1, "open")
     assert _run(w, [Item(v1, v1.to_json())], 1) == ["dead"]
     assert dead[0][1] == 3 and "3 attempts failed" in dead[0][0] and "HTTP 500" in dead[0][0]
     w2 = SinkWorker(WebhookSink("h2", "http://x", "s"), ledger,
-                    lambda _s, _i, why, n: dead.append((why, n)) is None, max_attempts=3,
+                    recorder(dead), max_attempts=3,
                     backoff_s=0.01, backoff_max_s=0.02, post=Script(400))
     assert _run(w2, [Item(v1, v1.to_json())], 1) == ["dead"]
     assert dead[1] == ("refused: HTTP 400", 1)

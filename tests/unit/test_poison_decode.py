@@ -11,6 +11,8 @@ import asyncio
 import base64
 import contextlib
 import json
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import orjson
@@ -18,13 +20,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ingest.batch import TIME_COLUMN, BatchError, decode_batch, encode_batch, encode_topology
+from ingest.batch import (
+    TIME_COLUMN,
+    BatchError,
+    RecordBatch,
+    decode_batch,
+    encode_batch,
+    encode_topology,
+)
 from ingest.records import COLUMNS, MODELS, Column, JobTopology
+from ingest.units import SECOND as SEC
 from streams.raw_sink import DLQ_PAYLOAD_MAX, DeadLetter, Message, RawSink, TimeBounds
 from tests.unit.test_raw_sink import FakeStore
 
 KINDS = sorted(MODELS)
-SEC = 1_000_000_000
 NOW = 1_800_000_000 * SEC
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -104,7 +113,8 @@ json_values = st.recursive(
 @given(st.sampled_from([*KINDS, "jobs"]), st.dictionaries(
     st.sampled_from(["v", "kind", "job_id", "producer", "seq", "n", "cols", "topologies",
                      "rank", "t_start"]), json_values, max_size=8))
-def test_json_documents_of_any_shape_only_raise_batch_error(kind: str, doc: dict) -> None:
+def test_json_documents_of_any_shape_only_raise_batch_error(kind: str, doc: dict[str, Any]
+                                                            ) -> None:
     doc.setdefault("kind", kind)
     with contextlib.suppress(BatchError):
         decode_batch(json.dumps(doc).encode())
@@ -137,7 +147,7 @@ def test_out_of_range_times_are_dead_lettered_and_never_reach_the_store() -> Non
     store = FakeStore()
     dead: list[DeadLetter] = []
 
-    async def dl(batch):  # type: ignore[no-untyped-def]
+    async def dl(batch: Sequence[DeadLetter]) -> None:
         dead.extend(batch)
 
     bounds = TimeBounds(min_ns=946_684_800 * SEC, future_ns=600 * SEC, span_ns=86400 * SEC)
@@ -168,7 +178,8 @@ def test_out_of_range_times_are_dead_lettered_and_never_reach_the_store() -> Non
 class RefusingStore(FakeStore):
     """Refuses (like ClickHouse refusing the rows) any insert holding a batch of job 'bad'."""
 
-    async def write(self, kind, batches, token, *, sources):  # type: ignore[no-untyped-def]
+    async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
+                    sources: Sequence[tuple[int, int]]) -> int:
         if any(b.job_id == "bad" for b in batches):
             err = RuntimeError("Code: 252. DB::Exception: Too many partitions for single "
                                "INSERT block (more than 100)")
@@ -192,7 +203,7 @@ def test_rows_the_store_refuses_are_dead_lettered_and_their_neighbours_stored() 
     store = RefusingStore()
     dead: list[DeadLetter] = []
 
-    async def dl(batch):  # type: ignore[no-untyped-def]
+    async def dl(batch: Sequence[DeadLetter]) -> None:
         dead.extend(batch)
 
     sink = RawSink("ops", "ops", store, dl, retry_initial_s=0.001)
@@ -209,7 +220,7 @@ def test_outages_are_retried_not_dead_lettered() -> None:
     store = FakeStore(fail_times=3)  # ConnectionError three times
     dead: list[DeadLetter] = []
 
-    async def dl(batch):  # type: ignore[no-untyped-def]
+    async def dl(batch: Sequence[DeadLetter]) -> None:
         dead.extend(batch)
 
     sink = RawSink("ops", "ops", store, dl, retry_initial_s=0.001)

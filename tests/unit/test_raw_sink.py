@@ -7,11 +7,13 @@ calls and mimics ClickHouse's token deduplication, so the sink's own decisions c
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 
-from ingest.batch import encode_batch
+from ingest.batch import RecordBatch, encode_batch
 from streams.raw_sink import DeadLetter, Message, RawSink
 from streams.writer import dedup_token, dedup_token_ranges, raw_columns
 
@@ -23,7 +25,8 @@ class FakeStore:
         self.fail_times = fail_times
         self.calls = 0
 
-    async def write(self, kind, batches, token, *, sources):  # type: ignore[no-untyped-def]
+    async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
+                    sources: Sequence[tuple[int, int]]) -> int:
         self.calls += 1
         if self.fail_times:
             self.fail_times -= 1
@@ -52,12 +55,15 @@ def ops(n: int, start: int = 0) -> bytes:
         "t_start": np.full(n, 10), "t_end": np.full(n, 20)})
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
 def make(store: FakeStore, dead: list[DeadLetter] | None = None) -> RawSink:
-    async def dl(batch):  # type: ignore[no-untyped-def]
+    async def dl(batch: Sequence[DeadLetter]) -> None:
         (dead if dead is not None else []).extend(batch)
     return RawSink("ops", "ops", store, dl, retry_initial_s=0.001)
 
@@ -97,7 +103,7 @@ def test_redelivery_after_crash_is_skipped_even_when_regrouped() -> None:
 
 
 def test_bad_batch_goes_to_dead_letters_and_neighbours_are_stored() -> None:
-    store, dead = FakeStore(), []  # type: ignore[var-annotated]
+    store, dead = FakeStore(), list[DeadLetter]()
     sink = make(store, dead)
     bad = ops(2).replace(b'"AllReduce"', b'"Jump"')
     wrong_kind = encode_batch("wr", "job", {"rank": [0], "nic": ["mlx5_0"], "ts": [1],
@@ -112,9 +118,9 @@ def test_bad_batch_goes_to_dead_letters_and_neighbours_are_stored() -> None:
 
 
 def test_dead_letters_are_durable_before_the_insert_that_may_crash() -> None:
-    store, dead = FakeStore(fail_times=100), []  # type: ignore[var-annotated]
+    store, dead = FakeStore(fail_times=100), list[DeadLetter]()
 
-    async def dl(batch):  # type: ignore[no-untyped-def]
+    async def dl(batch: Sequence[DeadLetter]) -> None:
         dead.extend(batch)
 
     sink = RawSink("ops", "ops", store, dl, stopping=lambda: True)

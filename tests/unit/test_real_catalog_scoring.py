@@ -7,14 +7,15 @@ import pytest
 
 from bench.real import catalog
 from bench.real.harness import CaseResult, score, stage_ok, summarize
-from diagnosis.model import Diagnosis, Suspect, TriggerRef
+from diagnosis.model import Diagnosis, Status, Suspect, TriggerRef
+from diagnosis.rules.base import Component, Kind
+from ingest.units import SECOND as S
 
-S = 1_000_000_000
 ONSET = 1_000 * S
 
 
-def diag(inc: str, version: int, ranks: list[int], stage: str | None, comp: str | None,
-         at_s: float, kind: str = "hang", status: str = "open", conf: float = 0.9,
+def diag(inc: str, version: int, ranks: list[int], stage: str | None, comp: Component | None,
+         at_s: float, kind: Kind = "hang", status: Status = "open", conf: float = 0.9,
          suspects: list[int] | None = None) -> Diagnosis:
     return Diagnosis(
         id=f"{inc}/{version}", job_id="j", incident_id=inc, version=version,

@@ -10,7 +10,7 @@ from scipy import stats
 
 from ingest.sim import realism as R
 from ingest.sim.config import JobConfig
-from ingest.sim.engine import Engine
+from ingest.sim.engine import Engine, StepResult
 from ingest.sim.faults import FaultSet, parse_fault
 from ingest.sim.scenario import load_catalog
 from ingest.sim.simulation import Simulation, collect
@@ -116,7 +116,8 @@ PP2DP2 = JobConfig(tp=1, pp=2, dp=2, microbatches=4, steps=40, seed=3, fwd_ms=4.
                    nvlink_lat_us=50.0)
 
 
-def _steps(cfg: JobConfig, faults: tuple[str, ...] = (), n: int | None = None) -> list:
+def _steps(cfg: JobConfig, faults: tuple[str, ...] = (), n: int | None = None
+           ) -> list[StepResult]:
     eng = Engine(cfg, FaultSet.resolve([parse_fault(f) for f in faults], cfg.layout))
     return [eng.step(i) for i in range(n or cfg.steps)]
 
@@ -132,7 +133,7 @@ def test_realism_off_draws_exactly_the_clean_model() -> None:
     assert not np.array_equal(clean[0].end, comm[0].end)  # transfers did change
 
 
-def _ring_transfer(res: list, cfg: JobConfig) -> np.ndarray:
+def _ring_transfer(res: list[StepResult], cfg: JobConfig) -> np.ndarray:
     """[steps, DP rings]: the shortest member time in each ring's all-reduce (the transfer time
     the diagnosis compares across rings)."""
     out = []

@@ -12,6 +12,9 @@ import pytest
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
 
+#: every test simulates whole 64-rank jobs (seconds each): not in `make test-unit`
+pytestmark = pytest.mark.slow
+
 T2 = {"tp": 2, "pp": 4, "dp": 8}  # 64 ranks
 T8 = {"tp": 8, "pp": 2, "dp": 4}  # 64 ranks, every DP/PP hop over a NIC
 SEEDS = (1, 2, 3)

@@ -5,17 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ingest.records import comm_kind_codes
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
+from ingest.units import SECOND as SEC
 from streams.iterations import (
     KIND_CODES,
     OpFrame,
-    comm_kind_codes,
     iteration_rows,
     union_length,
 )
-
-SEC = 1_000_000_000
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +188,7 @@ def test_a_prior_step_end_makes_a_frames_first_step_exact(
     full = iteration_rows(no_stages(), frame(ops), 0, hi, max_step_ns=60 * SEC)
     mid = int(np.median(full["t_end"]))
     known = full["t_end"] < mid  # what earlier previews and windows knew
-    last = {}
+    last: dict[int, tuple[int, int]] = {}
     for r, st, e in zip(full["rank"][known], full["step"][known], full["t_end"][known],
                         strict=True):
         if int(st) > last.get(int(r), (-1, 0))[0]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ingest.units import SECOND as S
 from streams.progress import ProgressState
-
-S = 1_000_000_000
 
 
 def cols(**kw: list[object]) -> dict[str, np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ingest.units import SECOND as S
 from streams.windows import (
     LATE_SUFFIX,
     Checkpoint,
@@ -12,8 +13,6 @@ from streams.windows import (
     WindowSpec,
     window_start,
 )
-
-S = 1_000_000_000
 
 
 def make() -> Windows:

@@ -27,6 +27,9 @@ from ingest.torch.events import OP_CODE
 from ingest.torch.sink import FUNC, fnv1a64
 from tests.conftest import free_ports
 
+#: real torch.distributed (installed on first use, seconds to import): not in `make test-unit`
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", autouse=True)
 def torch_ready(pytestconfig: pytest.Config) -> None:

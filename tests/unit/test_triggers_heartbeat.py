@@ -11,8 +11,7 @@ from diagnosis.triggers.heartbeat import (
     heartbeat_trigger,
     observe_steps,
 )
-
-S = 1_000_000_000
+from ingest.units import SECOND as S
 
 
 def prog(ranks: list[int], ts: int) -> dict[str, np.ndarray]:

@@ -7,9 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from diagnosis.triggers.mycroft import MycroftTriggerConfig, MycroftTriggerState, mycroft_trigger
-
-S = 1_000_000_000
-MS = 1_000_000
+from ingest.units import MILLISECOND as MS
+from ingest.units import SECOND as S
 
 
 def ops_window(ranks: Sequence[int], t0: int, t1: int, *, period: int = 100 * MS,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,7 @@ from tests.unit.topo_fixtures import megatron_topology
 sizes = st.tuples(st.sampled_from([1, 2, 4, 8]), st.integers(1, 6), st.integers(1, 16))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(sizes, st.booleans(), st.integers(0, 2**16))
 def test_covers_every_dp_group_and_never_exceeds_ten(size, with_comms, dead_seed):

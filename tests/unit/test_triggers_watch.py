@@ -9,9 +9,9 @@ import numpy as np
 from diagnosis.agents import progress_as_ops
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch
+from ingest.units import SECOND as S
 from tests.unit.topo_fixtures import megatron_topology
 
-S = 1_000_000_000
 T0 = 1_700_000_000 * S
 
 

@@ -13,7 +13,8 @@ from rankwatch.commands.worker import no_numpy_hugepages
 
 
 def _advise(on: bool) -> bool:
-    return bool(np._core.multiarray._set_madvise_hugepage(on))  # returns the previous value
+    # numpy's private module is not in its type stubs; returns the previous value
+    return bool(np._core.multiarray._set_madvise_hugepage(on))  # type: ignore[attr-defined]
 
 
 def test_advice_is_turned_off_unless_the_user_set_numpys_variable(
@@ -45,6 +46,7 @@ print(ok, before, rss())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_free_memory_inside_the_heap_goes_back_to_the_system() -> None:
     out = subprocess.run([sys.executable, "-c", FRAGMENTED], capture_output=True, text=True,
