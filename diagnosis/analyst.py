@@ -26,7 +26,7 @@ finished job would drift to "process died".
   recent steps reach back to the previous sweep (`_sweep_config`), so an onset between two
   sweeps is judged with its baseline before it. A job
   whose event clock has not moved since its last sweep (it ended) is not swept again: the same
-  records would be judged the same (an ended 1,024-rank job cost 0.7 CPU-s every 10 s).
+  records would be judged the same, at a cost that grows with the job's ranks.
   A sweep reads the job's stage records first: the slowdown analysis needs them
   (`slow.analyze` returns nothing without), so a job traced without stages (NCCL plugin
   only, imported traces) gets the analysis from ops alone instead (`_ops_sweep`: ops_rca over

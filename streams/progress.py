@@ -10,9 +10,8 @@ vectorized merge here, whatever the number of ranks:
   was counted by the window holding its end, so the carried state already has its op_seq: the
   t_end minmax index lets ClickHouse skip the granules of finished calls, so an hour of
   history costs what a few seconds did. A call longer than `op_lookback` counts as completed
-  in the window where it ends, like any other. (This was two queries, the last few seconds and
-  the hour before them; one scan is 21 % cheaper: 26.8 → 21.2 ms of CPU per window of a
-  1,024-rank job at 500,000 ops/s, in process);
+  in the window where it ends, like any other (one scan: cheaper than a recent and an old
+  query, docs/performance.md);
 - R. the rows of calls running at `we` (t_end = 0 or ≥ we, started in the horizon), one row
   each: a call is in flight unless its op_seq is at most the highest op_seq its (rank,
   comm_id) completed by `we` (`ProgressState._running`). The host agent stores a call that

@@ -13,8 +13,7 @@ Contract:
   disorder: for every batch, how far its oldest event falls behind the largest event the source
   had sent before (the lateness that batch needed). Its allowed lateness is the largest disorder
   of its last `learn_batches` batches plus `margin_ns`, within [`min_lateness_ns`,
-  `lateness_ns`]; until it has sent `warmup_batches` batches it is `lateness_ns` (the old fixed
-  rule). A derived kind's watermark is the minimum over the *live* sources of its input kinds
+  `lateness_ns`]; until it has sent `warmup_batches` batches it is `lateness_ns`. A derived kind's watermark is the minimum over the *live* sources of its input kinds
   (`WindowSpec.inputs`; all kinds when empty) of (largest event − allowed lateness): a source
   that is behind holds the windows back, so its rows are not cut off. A source silent for more
   than `silent_ns` of wall clock is not live: a dead host, or a hung job that stops producing
@@ -23,8 +22,8 @@ Contract:
   and the live sources of other kinds only say how far event time got: the windows close up to
   the job's largest event − `min_lateness_ns` (a late heartbeat in them only makes a liveness
   reading older; a late input record is late data as always); with no live source at all,
-  the job's largest event time minus `lateness_ns` (the old rule: also right after a restart,
-  before any source is known), and once every source has been quiet for `idle_ns` of wall clock
+  the job's largest event time minus `lateness_ns` (so too right after a restart, before any
+  source is known), and once every source has been quiet for `idle_ns` of wall clock
   (counted from the restore for a job restored without any batch since) the job has stopped
   sending (it ended, or every host is gone): every window up to and including the one holding
   its largest event closes, so the last windows of a job — the partial window its final records
