@@ -220,7 +220,10 @@ class DiagnosisAgents:
 
     def _read(self, job_id: str, start_ns: int, now_ns: int,
               kinds: Collection[str] | None = None) -> Window | None:
-        topo = self.topos.get(job_id) or read_topology(self.db, job_id)
+        """The job's window, on its newest topology: a job publishes its topology again when
+        its communicators change (a group created after the first step), and an analysis on
+        the first one would not know the newer groups' members (one indexed lookup per read)."""
+        topo = read_topology(self.db, job_id) or self.topos.get(job_id)
         if topo is None:
             return None
         self.topos[job_id] = topo

@@ -160,3 +160,26 @@ def test_window_beats_carry_the_ranks_position(clickhouse_db: Database) -> None:
         "SELECT rank, step, stage, now64(9) - stage_ts AS for_s FROM beats "
         "WHERE job_id = 'win-beats' ORDER BY ts DESC LIMIT 1 BY rank").result_rows
     assert sorted(tuple(r[:3]) for r in readme) == [r[:3] for r in rows]
+
+
+def test_the_agents_read_a_jobs_newest_topology(clickhouse_db: Database) -> None:
+    """A job publishes its topology again when a communicator is created after the first
+    step: the root-cause read uses the newest, not the one seen first (a desync on a group
+    created later had no members to wait for)."""
+    from diagnosis.agents import DiagnosisAgents
+    from ingest.records import Communicator, JobTopology
+
+    first = JobTopology(job_id="late-group", ts=1_000, world_size=2, dp=2, hosts=["h", "h"],
+                        communicators=[Communicator(comm_id="world", kind="world",
+                                                    members=[0, 1])])
+    later = first.model_copy(update={"ts": 2_000, "communicators": [
+        *first.communicators, Communicator(comm_id="pg1", kind="dp", members=[0, 1])]})
+    writer = ClickHouseWriter(clickhouse_db)
+    asyncio.run(writer.write_topologies([first], "topo:late:1"))
+    agents = DiagnosisAgents.__new__(DiagnosisAgents)  # only its read path: no app, no topics
+    agents.db, agents.topos = clickhouse_db, {}
+    w = agents._read("late-group", 0, 10_000)
+    assert w is not None and [c.comm_id for c in w.topo.communicators] == ["world"]
+    asyncio.run(writer.write_topologies([later], "topo:late:2"))
+    w = agents._read("late-group", 0, 10_000)
+    assert w is not None and [c.comm_id for c in w.topo.communicators] == ["world", "pg1"]
