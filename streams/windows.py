@@ -13,7 +13,8 @@ Contract:
   disorder: for every batch, how far its oldest event falls behind the largest event the source
   had sent before (the lateness that batch needed). Its allowed lateness is the largest disorder
   of its last `learn_batches` batches plus `margin_ns`, within [`min_lateness_ns`,
-  `lateness_ns`]; until it has sent `warmup_batches` batches it is `lateness_ns`. A derived kind's watermark is the minimum over the *live* sources of its input kinds
+  `lateness_ns`]; until it has sent `warmup_batches` batches it is `lateness_ns`. A derived
+  kind's watermark is the minimum over the *live* sources of its input kinds
   (`WindowSpec.inputs`; all kinds when empty) of (largest event − allowed lateness): a source
   that is behind holds the windows back, so its rows are not cut off. A source silent for more
   than `silent_ns` of wall clock is not live: a dead host, or a hung job that stops producing
