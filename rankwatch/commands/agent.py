@@ -69,12 +69,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
               "instead of publishing, --tee besides)", file=sys.stderr)
         return 2
     capture: CaptureWriter | None = None
-    if args.capture:
+    if args.capture or args.tee:
         try:
-            capture = CaptureWriter(args.capture, max_bytes=args.capture_mb << 20)
+            capture = CaptureWriter(args.capture or args.tee, max_bytes=args.capture_mb << 20)
         except OSError as e:
-            print(f"rankwatch agent: cannot write the capture file: {e}", file=sys.stderr)
+            print(f"rankwatch agent: cannot write {args.capture or args.tee}: {e}",
+                  file=sys.stderr)
             return 2
+    if args.capture and capture is not None:
         pub, target = capture, args.capture
     else:
         from ingest.publish import BatchPublisher  # confluent-kafka: not needed to capture
@@ -82,12 +84,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         pub = BatchPublisher(settings.bootstrap, settings.topics, block_s=0.0, config={
             "message.timeout.ms": 15000, "queue.buffering.max.kbytes": 32 * 1024})
         target = f"{settings.bootstrap} ({settings.topics.ops}, …)"
-        if args.tee:
-            try:
-                capture = CaptureWriter(args.tee, max_bytes=args.capture_mb << 20)
-            except OSError as e:
-                print(f"rankwatch agent: cannot write the tee file: {e}", file=sys.stderr)
-                return 2
+        if capture is not None:  # --tee: publish, and write what the broker took
             pub, target = Tee(pub, capture), f"{target} and {args.tee}"
     agent = Agent(cfg, pub)
     if args.metrics_port:
