@@ -517,8 +517,9 @@ log4j.logger.kafka.log.LogCleaner=WARN
         return "\n".join(parts) or f"(nothing in {self.log_file})"
 
     def _wait_ready(self, pid: int, timeout: float, progress: Progress,
-                    brokers: int = 1) -> None:
-        """Wait until this node answers a metadata request listing `brokers` brokers."""
+                    brokers: int = 1, siblings: Sequence[Broker] = ()) -> None:
+        """Wait until this node answers a metadata request listing `brokers` brokers. A
+        sibling node (of the same cluster) that exits meanwhile ends the wait with its log."""
         t0 = time.monotonic()
         next_note = t0 + 10
         detail = ""
@@ -526,6 +527,10 @@ log4j.logger.kafka.log.LogCleaner=WARN
             if self.daemon.exited() is not None or self.daemon.pid() != pid:
                 self.daemon.stop(5)
                 raise BrokerError(f"the Kafka broker exited while starting:\n{self.log_tail()}")
+            for b in siblings:
+                if b.daemon.exited() is not None:
+                    raise BrokerError(f"Kafka node {b.node} of {b.nodes} exited while the "
+                                      f"cluster was starting:\n{b.log_tail()}")
             detail = probe(self.bootstrap, timeout=2.0, brokers=brokers)
             if not detail:
                 progress(f"kafka: ready at {self.bootstrap} in {time.monotonic() - t0:.1f} s")
@@ -534,8 +539,9 @@ log4j.logger.kafka.log.LogCleaner=WARN
                 progress(f"kafka: still starting ({time.monotonic() - t0:.0f} s: {detail})…")
                 next_note += 10
             time.sleep(0.2)
+        others = "".join(f"\n{b.log_tail(10)}" for b in siblings)
         raise BrokerError(f"the Kafka broker (pid {pid}) did not answer within {timeout:.0f} s "
-                          f"({detail}):\n{self.log_tail()}")
+                          f"({detail}):\n{self.log_tail()}{others}")
 
     def stop(self, timeout: float = 20.0) -> bool:
         """Stop the broker: SIGTERM, up to `timeout` s for a clean shutdown, then SIGKILL."""
@@ -711,7 +717,8 @@ class KafkaCluster:
             pids = list(pool.map(lambda b: b.pid() or b.launch(progress), self.nodes))
         for b, pid in zip(self.nodes, pids, strict=True):
             try:
-                b._wait_ready(pid, timeout, progress, brokers=len(self.nodes))
+                b._wait_ready(pid, timeout, progress, brokers=len(self.nodes),
+                              siblings=[o for o in self.nodes if o is not b])
             except BrokerError:
                 self.stop(5)
                 raise

@@ -20,7 +20,7 @@ import os
 import random
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,7 @@ import pytest
 
 from ingest.topics import Topics
 from rankwatch.kafka_broker import Broker, delete_topics, ensure_jars, ensure_topics
-from rankwatch.settings import Settings
+from rankwatch.settings import KAFKA_NODE_PORT_STRIDE, Settings
 
 #: Fixtures that start or need a real service; tests/unit may not use them.
 SERVICE_FIXTURES = frozenset({"kafka", "topics"})
@@ -51,8 +51,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     "move it under tests/integration")
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports free on 127.0.0.1 now, all held while choosing.
+def free_ports(n: int, shifts: Sequence[int] = (0,)) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 now, all held while choosing; with `shifts`,
+    each port + every shift is free too (a local Kafka cluster's node `i` listens on the
+    configured ports + stride·(i-1)).
 
     Drawn at random below Linux's ephemeral range (32768+), so no client connection and no other
     test's bind-to-0 takes them between here and the service binding them.
@@ -61,13 +63,15 @@ def free_ports(n: int) -> list[int]:
     ports: list[int] = []
     with ExitStack() as stack:
         while len(ports) < n:
-            port = rng.randrange(20000, 32000)
-            s = stack.enter_context(socket.socket())
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            ports.append(port)
+            port = rng.randrange(20000, 32000 - max(shifts))
+            for p in (port + d for d in shifts):
+                s = stack.enter_context(socket.socket())
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    break
+            else:
+                ports.append(port)
     return ports
 
 
@@ -79,7 +83,9 @@ def settings_factory(tmp_path_factory: pytest.TempPathFactory) -> SettingsFactor
     """``settings_factory(**overrides) -> Settings`` with a new temporary home and free ports."""
 
     def make(**overrides: Any) -> Settings:
-        kafka_port, controller_port, sql_port = free_ports(3)
+        nodes = int(overrides.get("kafka_brokers", 1))
+        kafka_port, controller_port, sql_port = free_ports(
+            3, [KAFKA_NODE_PORT_STRIDE * i for i in range(nodes)])
         values: dict[str, Any] = {
             "home": tmp_path_factory.mktemp("home"),
             "kafka_port": kafka_port,

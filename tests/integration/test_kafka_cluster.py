@@ -52,7 +52,7 @@ def cluster_stack(settings_factory: SettingsFactory) -> Iterator[Settings]:
     try:
         t0 = time.monotonic()
         stack.up(settings, progress=lambda m: print(f"{time.monotonic() - t0:5.1f} s {m}"),
-                 timeout=90)
+                 timeout=180)  # three JVMs on a loaded 2-core CI machine
         started += [p for p in KafkaCluster(settings).pids() if p]
         started.append(stack.worker_daemon(settings).pid() or 0)
         yield settings

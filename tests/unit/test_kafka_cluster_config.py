@@ -3,11 +3,13 @@ started; tests/integration/test_kafka_cluster.py runs the cluster."""
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from rankwatch.kafka_broker import Broker, KafkaCluster, local_nodes, replication
+from rankwatch.kafka_broker import Broker, BrokerError, KafkaCluster, local_nodes, replication
 from rankwatch.settings import Settings
 
 
@@ -88,3 +90,24 @@ def test_a_cluster_of_another_size_is_refused(tmp_path: Path) -> None:
         (tmp_path / "kafka-cluster" / f"node-{i}").mkdir(parents=True)
     with pytest.raises(BrokerError, match="holds a 3-node cluster; start it with --brokers 3"):
         KafkaCluster(settings(tmp_path, 5)).start(timeout=1, progress=lambda _: None)
+
+
+def test_a_node_that_dies_while_the_cluster_starts_ends_the_wait_with_its_log(
+        tmp_path: Path) -> None:
+    """Nodes 1 and 3 stand in as live processes (their command lines carry the broker's
+    marker); node 2 exits at once. Waiting on node 1 must not run out its timeout: the error
+    names node 2 and shows its log."""
+    s = settings(tmp_path, 3)
+    n1, n2, n3 = KafkaCluster(s).nodes
+    live = [sys.executable, "-c", "import time; time.sleep(30)", "kafka.Kafka"]
+    pids = [n1.daemon.start(live), n3.daemon.start(live)]
+    n2.daemon.start([sys.executable, "-c", "print('bind failed: address in use')"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BrokerError, match="node 2 of 3 exited") as err:
+            n1._wait_ready(pids[0], 60, progress=lambda m: None, brokers=3, siblings=[n2, n3])
+        assert "bind failed: address in use" in str(err.value)
+        assert time.monotonic() - t0 < 30
+    finally:
+        for b in (n1, n2, n3):
+            b.daemon.stop(2)
