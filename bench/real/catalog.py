@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# A CPU hog: a busy loop that ends when its parent does, however the parent ends.
+HOG = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    pass"
+
 
 @dataclass(frozen=True)
 class Case:

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.real.catalog import Case
+from bench.real.catalog import HOG, Case
 from diagnosis.evaluate import calibration
 from diagnosis.model import Diagnosis
 from ingest.units import SECOND
@@ -404,8 +404,9 @@ class Runner:
                     b"rings ->" not in (cdir / "agent.log").read_bytes():
                 time.sleep(0.1)
             res.agent_start_cpu_s = _cpu_s(agent.pid)
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                 start_new_session=True) for _ in range(case.contention)]
+        # busy until their parent (this process) is gone, however it ends
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True)
+                for _ in range(case.contention)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(case.nproc), "--master-port", str(stack.free_port())]
         cmd += ["-m", "ingest.torch.run", "-m"] if case.traced else ["-m"]

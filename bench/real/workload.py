@@ -58,11 +58,11 @@ import torch.distributed as dist
 from torch import nn
 
 import ingest.torch as rwt
+from bench.real.catalog import HOG
 from bench.real.labels import expected
 from ingest.torch import stages
 
 # a busy process that ends once its parent (the rank) is gone
-HOG = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    pass"
 # emulated accelerator time per step (ms); the pipeline splits fwd/bwd over its microbatches
 DEVICE_MS = {"data": 5.0, "fwd": 12.0, "bwd": 20.0, "optim": 4.0}
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_real(args: argparse.Namespace) -> int:
     """`rankwatch eval --real` (bench.real.harness)."""
     from bench.real import catalog, harness
@@ -99,6 +104,9 @@ def run_real(args: argparse.Namespace) -> int:
     t0 = time.time()
     if args.rescore:
         return rescore_real(args, say)
+    # a SIGTERM (timeout, a scheduler) unwinds like Ctrl-C: the training jobs, agents, CPU hogs
+    # and the private stack are stopped by the harness's `finally` blocks, not orphaned
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         workdir = Path(args.workdir) if args.workdir else None
         if workdir is not None:
