@@ -15,6 +15,11 @@ collectives.py) are polled with ``Work.is_completed()`` at each harvest: its end
 training thread first saw it done (its next intercepted call or stage boundary after the work
 finished).
 
+Work that completes with an error (a peer process gone, a timeout) gets no end record: it did
+not complete, and a failed collective recorded as finished would hide which rank its peers were
+waiting for. It stays in flight in the ring; when the process ends, the host agent publishes it
+in flight (ingest.agent), as the call a rank was inside when its job failed.
+
 Nothing here blocks, locks or raises into training: a full ring drops and counts (native ring), and
 more than `PENDING` outstanding async ops leave the excess untracked (counted in `untracked`).
 """
@@ -40,6 +45,7 @@ class Tracer:
         self.rank = rank
         self.step = -1
         self.untracked = 0
+        self.failed = 0  # async ops that completed with an error (no end record written)
         self.ends: list[int] = [0] * PENDING
         self.slot_comm: list[int] = [0] * PENDING
         self.slot_seq: list[int] = [0] * PENDING
@@ -54,7 +60,12 @@ class Tracer:
     def _make_cb(self, slot: int) -> Callable[[Any], None]:
         ends = self.ends
 
-        def done(_fut: Any) -> None:
+        def done(fut: Any) -> None:
+            try:
+                fut.value()  # raises when the work failed (a peer gone, a timeout)
+            except Exception:
+                ends[slot] = -_now()
+                return
             ends[slot] = _now()
 
         return done
@@ -92,13 +103,24 @@ class Tracer:
         if self.polled:
             for slot, work in list(self.polled.items()):
                 if work.is_completed():
-                    ends[slot] = _now()
+                    ends[slot] = -_now() if _failed(work) else _now()
                     del self.polled[slot]
         for slot in self.outstanding:
             t = ends[slot]
-            if t:
+            if t > 0:
                 self._op_end(self.slot_comm[slot], self.slot_seq[slot], t)
+                self._free.append(slot)
+            elif t < 0:  # failed: no end record, the op stays in flight (module docstring)
+                self.failed += 1
                 self._free.append(slot)
             else:
                 keep.append(slot)
         self.outstanding = keep
+
+
+def _failed(work: Any) -> bool:
+    """Whether completed `work` (a c10d Work) ended in an error; False when it cannot say."""
+    try:
+        return work.exception() is not None
+    except Exception:
+        return False

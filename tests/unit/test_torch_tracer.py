@@ -108,6 +108,29 @@ def test_sync_and_async_collectives_are_recorded(world1: Path, prefix: str) -> N
     assert side["comms"] == [{"comm_id": "world", "kind": "world", "members": [0]}]
 
 
+def test_async_work_that_fails_gets_no_end_and_stays_in_flight(world1: Path,
+                                                               prefix: str) -> None:
+    """A collective whose future completes with an error (gloo: "Connection closed by peer"
+    when a peer process died) did not complete: no end record, so the op stays in flight for
+    the agent to publish as such; one that succeeds beside it ends as usual. Real torch
+    futures, completed by hand as the process group would."""
+    import torch
+
+    tracer = rwt.active_tracer()
+    seq_bad = tracer.start(0, OP_CODE["AllReduce"], 32, -1)
+    seq_ok = tracer.start(0, OP_CODE["AllReduce"], 32, -1)
+    bad, ok = torch.futures.Future(), torch.futures.Future()
+    bad.add_done_callback(tracer.callbacks[tracer.track(0, seq_bad)])
+    ok.add_done_callback(tracer.callbacks[tracer.track(0, seq_ok)])
+    bad.set_exception(RuntimeError("Connection closed by peer"))
+    ok.set_result([torch.ones(8)])
+    tracer.harvest()
+    d = Drained(prefix, "t1")
+    assert d.starts["op_seq"].tolist() == [seq_bad, seq_ok]
+    assert d.ends["op_seq"].tolist() == [seq_ok]
+    assert tracer.failed == 1 and not tracer.outstanding  # the slot is free again
+
+
 def test_entering_a_stage_harvests_completed_async_calls(world1: Path, prefix: str) -> None:
     """A backward's async all-reduce that completed is recorded when the next stage begins
     (the optimizer), not only at the step's end: a rank that stops inside its optimizer must
