@@ -79,7 +79,7 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
                            "model_backward", "callbacks", "optim_step", "step_other")),
     "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
     "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq", "step", "stage", "stage_ts",
-                     "sched_run_ns", "sched_wait_ns")),
+                     "sched_run_ns", "sched_wait_ns", "exited")),
     "kernel_summaries": ("window_start", ("rank", "stream", "kernel", "cluster", "count",
                                           "p50_ns", "p99_ns", "window_start")),
 }
@@ -316,7 +316,7 @@ class DiagnosisAgents:
         gone = set(jobs)
         a = self.analyst
         for per_job in (self.watches, self.topos, self.watermark, a.last_check, a.last_sweep,
-                        a.swept_at, a.resolved_hangs):
+                        a.swept_at, a.resolved_hangs, a.exits_judged, a.exit_checks):
             for job in [j for j in per_job if j in gone]:
                 del per_job[job]
         a.jobs -= gone

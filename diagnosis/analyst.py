@@ -45,6 +45,10 @@ finished job would drift to "process died".
   (a different culprit does, and so does the same one later) — nor does the recovered stall
   analysed again once it ended (a hang conclusion labelled "recovered"). Not kept across
   restarts.
+- exits: every `min_sweep_s`, a job without an open hang incident has the beats stored since
+  the last look read (`_exits`): a rank's exit beat (its process ended) has the job judged as
+  of its end (`hang_rca.process_exit`) — a job whose ranks all stop within a beat leaves no
+  silent rank for a hang trigger to fire on.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ SWEEP_KINDS = ("stages", "ops", "chunks", "kernels", "kernel_summaries")
 SWEEP_MARGIN_STEPS = 5
 #: The most recent steps a sweep judges (`_sweep_config`): bounds its read at short steps.
 MAX_RECENT = 200
+#: How far before the previous look for exit beats the next starts (`Analyst._exits`), s.
+EXIT_MARGIN_S = 5.0
 
 
 class Reader(Protocol):
@@ -112,6 +118,10 @@ class Analyst:
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
     #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived)
     pending: dict[str, tuple[Trigger, int]] = field(default_factory=dict)
+    #: job -> the newest exit beat (a rank's process ended) judged, and (wall ns, event
+    #: clock) of the last look for one (`_exits`)
+    exits_judged: dict[str, int] = field(default_factory=dict)
+    exit_checks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def _window(self, job_id: str, at_ns: int,
                 kinds: Collection[str] | None = None) -> Window | None:
@@ -235,6 +245,11 @@ class Analyst:
         for job in sorted(self.pending):
             out += self._retry_pending(job, now_ns)
         for job in sorted(self.jobs):
+            if not self.book.is_open(job, "hang"):
+                ended = self._exits(job, now_ns)
+                if ended:
+                    out += ended
+                    continue
             due = now_ns - self.last_check.get(job, 0) >= self.config.recheck_s * SECOND
             open_cls = [cls for cls in ("hang", "performance") if self.book.is_open(job, cls)]
             if open_cls and due:
@@ -270,6 +285,40 @@ class Analyst:
                         out += self._publish(c, w, t, now_ns, ms)
                 self.sweep_cost[job] = time.perf_counter() - t0
         return out
+
+    def _exits(self, job: str, now_ns: int) -> list[Diagnosis]:
+        """Every `min_sweep_s`, the beats stored since the last look: an exit beat (a rank's
+        process ended) newer than those already judged has the job judged as of its end
+        (`hang_rca.process_exit`); its diagnoses, or none. A job whose event clock has not
+        moved is not read again; the read starts `EXIT_MARGIN_S` before the last one ended
+        (an exit row stored after a read up to its time is still seen), so it costs a few
+        seconds of beats, whatever the job's length."""
+        last = self.exit_checks.get(job)
+        if last is not None and now_ns - last[0] < self.config.min_sweep_s * SECOND:
+            return []
+        at = self.event_clock(job, now_ns)
+        if last is not None and last[1] == at:
+            return []
+        self.exit_checks[job] = (now_ns, at)
+        lo = (last[1] if last is not None else at - int(self.config.window_s * SECOND)) \
+            - int(EXIT_MARGIN_S * SECOND)
+        b = self.read(job, lo, at, ("beats",))
+        beats = b.get("beats") if b is not None else None
+        if not beats or "exited" not in beats:
+            return []
+        ex = np.asarray(beats["exited"]) == 1
+        newest = int(np.asarray(beats["ts"])[ex].max()) if ex.any() else 0
+        if newest <= self.exits_judged.get(job, 0):
+            return []
+        self.exits_judged[job] = newest
+        w = self._window(job, at)
+        if w is None:
+            return []
+        c, ms = self._run(hang_rca.process_exit, w, at)
+        if c is None:
+            return []
+        t = Trigger(job, at, "hang", c.ranks, {"rule": "rankwatch.process_exit"})
+        return self._publish(c, w, t, now_ns, ms)
 
     def _sweep_gap(self, job: str) -> float:
         """Seconds between two sweeps of `job`: its last sweep's wall time over `sweep_share`,

@@ -176,10 +176,95 @@ def _stall_stage(w: Window, ranks: tuple[int, ...], a: int, b: int) -> tuple[str
     return (cols[best[1]], ns / 1e9) if 2 * ns >= b - a else None
 
 
+def process_exit(w: Window, now_ns: int) -> Conclusion | None:
+    """A job whose processes ended with calls in flight: the rank whose process ended first
+    and took the job down (rankwatch's rule, on Mycroft Alg. 2).
+
+    The host agents' exit beats (`ingest.records.Beat` `exited`) say which ranks' processes
+    ended and when each was seen gone. As of the last exit every call still in flight will
+    never complete — the tracer records no end for a call that failed (ingest/torch/tracer.py)
+    — so Alg. 2's waits-for graph over them, with any in-flight call counting as stuck, names
+    the rank the others waited for: a min-op culprit never issued the call they are in. When
+    that rank's own process ended and no waiter beat alive `stuck_ns` (1.5 steps, ≥ 1 s) into
+    the wait, the wait did not precede the end: the culprit's process ended (killed, crashed,
+    exited) and its peers' calls failed at once (gloo: "Connection closed by peer"; a
+    launcher stops the rest within milliseconds). The death rule (records stopped 1.5 beat
+    intervals before the others') cannot see this: every rank stops within one beat. A wait
+    that outlived `stuck_ns` was a hang before the end, which `analyze` names as such.
+
+    Stage "process", component host_software; the evidence gives the stage and step the
+    culprit's position last showed. A job that ends with nothing in flight (a normal end), or
+    whose in-flight calls have every member inside (a job stopped from outside), has no
+    min-op culprit: no conclusion.
+    """
+    beats, ops = w.get("beats"), w.get("ops")
+    if not beats or not ops or "exited" not in beats:
+        return None
+    bts, brank = ints(beats, "ts"), ints(beats, "rank")
+    ex = (ints(beats, "exited", 0) == 1) & (bts <= now_ns)
+    if not ex.any():
+        return None
+    exited = {int(r) for r in np.unique(brank[ex])}
+    end_ns = int(bts[ex].max())
+    alg2 = analyze_hang(ops, w.grid, end_ns, config=HangConfig(stuck_ns=0))
+    min_op = [f for f in alg2 if f.rule == "mycroft.alg2.min_op"
+              and set(f.culprit_ranks) <= exited]
+    if not min_op:
+        return None
+    top = min_op[0]
+    ranks = tuple(sorted({r for f in min_op for r in f.culprit_ranks}))
+    waiters = sorted({int(r) for f in min_op
+                      for r in _ints_of(f.evidence.get("direct_waiters"))})
+    t_end = ints(ops, "t_end")
+    enq = ints(ops, "t_enqueue")
+    inflight = np.isin(ints(ops, "rank"), waiters) & ((t_end == 0) | (t_end > end_ns)) & (
+        enq <= end_ns)
+    if not inflight.any():
+        return None
+    t_wait = int(enq[inflight].min())
+    stuck_ns = max(int(1.5 * w.step_ns), SECOND)
+    alive = ~ex & np.isin(brank, waiters) & (bts >= t_wait + stuck_ns) & (bts <= end_ns)
+    if alive.any():  # the waiters beat on, stuck: a hang that the job's end came after
+        return None
+    x = ranks[0]
+    mine = np.flatnonzero(ex & (brank == x))
+    last = mine[np.argmax(bts[mine])]
+    step, stage = int(ints(beats, "step", -1)[last]), str(col(beats, "stage")[last]) \
+        if "stage" in beats else ""
+    seen = w.last_seen(end_ns)
+    gone_at = int(bts[last])
+    where = f"in {stage} of step {step}" if stage else f"in step {step}" if step >= 0 else ""
+    waited = top.evidence.get("waited_in")
+    what = (f"{waited['op']} #{waited['op_seq']} of {waited['comm_id']}"
+            if isinstance(waited, dict) else "their calls")
+    f = Finding(rule="rankwatch.process_exit", culprit_ranks=ranks, stage="process",
+                component="host_software", score=1.0, kind="hang",
+                labels=("process_exit", "min_op"),
+                onset_ns=int(min(seen[x], t_wait)) if seen[x] > 0 else t_wait,
+                evidence={"exited": sorted(exited)[:32], "waiters": waiters[:32],
+                          "waited_in": waited, "last_position": {"step": step, "stage": stage},
+                          "seen_gone_ns": gone_at, "wait_began_ns": t_wait})
+    return Conclusion(
+        "hang", ranks, "process", "host_software", 0.85, onset_ns=f.onset_ns,
+        stages=("process",), labels=("process_exit",), findings=(f, *min_op[:2]),
+        summaries=((f.rule, f"rank(s) {list(ranks)[:8]}: the process ended "
+                            f"{where + ' ' if where else ''}while rank(s) {waiters[:8]} waited "
+                            f"for it in {what}; their calls never completed and the job ended "
+                            f"{(end_ns - t_wait) / 1e9:.2f} s later: the process ending first "
+                            "took the job down"),))
+
+
+def _ints_of(v: object) -> list[int]:
+    return [int(x) for x in v] if isinstance(v, (list, tuple)) else []
+
+
 def analyze(w: Window, now_ns: int) -> Conclusion | None:
     ops = w.get("ops")
     if not ops:
         return None
+    ended = process_exit(w, now_ns)
+    if ended is not None:
+        return ended
     grid = w.grid
     stuck_ns = max(int(1.5 * w.step_ns), SECOND)
     gap = int(1.5 * w.beat_interval_ns())

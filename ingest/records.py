@@ -156,6 +156,11 @@ class Beat(Record):
     clock (ingest/torch/stages.py): the step it is in, the stage it is inside ("" between stages
     or unknown) and when it entered that stage — or left its last one, when "" (0: unknown). A
     rank hung inside a stage keeps beating with the same position.
+
+    `exited` 1: the rank's process has ended — the host agent found its tracer's ring without a
+    live producer (killed, crashed or finished). That row is the rank's last beat: `ts` is when
+    the agent saw it gone, the position the last one the process published. A job whose ranks
+    end with calls in flight is analysed as of that moment (diagnosis.hang_rca.process_exit).
     """
 
     rank: Rank
@@ -171,6 +176,7 @@ class Beat(Record):
     # namespace, the NCCL plugin's beats)
     sched_run_ns: Annotated[int, Field(ge=-1)] = -1
     sched_wait_ns: Annotated[int, Field(ge=-1)] = -1
+    exited: Annotated[int, Field(ge=0, lt=2)] = 0
 
 
 class Communicator(BaseModel):

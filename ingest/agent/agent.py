@@ -13,7 +13,7 @@ Loop (one thread; `run` until stopped):
    diagnosis needs) — with the last op_seq, the ring's drop counter and the rank's position
    (step, stage, stage entry time) from the ring header and its training thread's scheduler
    counters (/proc/<pid>/schedstat: one small read per rank per beat; the NCCL plugin writes
-   its own beats);
+   its own beats); a rank whose producer is found dead gets one last row, `exited` 1;
    publish the job topology when a rank's sidecar changed;
 4. hand the columns to the outbox (outbox.py): one encoded batch per (job, kind) when it holds
    `max_rows` rows or is `linger_s` old, published through `BatchPublisher` (idempotent, zstd,
@@ -244,34 +244,40 @@ class Agent:
     # -- beats and topology --------------------------------------------------------------------
 
     def beat(self, now_ns: int) -> None:
-        by_job: dict[str, list[tuple[int, str, int, int, int, str, int, int, int]]] = {}
+        by_job: dict[str, list[tuple[int, str, int, int, int, str, int, int, int, int]]] = {}
         for r in list(self.rings.values()):
             st = r.reader.stat()
+            py_rank = r.source == "py" and r.rank >= 0  # the NCCL plugin beats itself
             if st.producer == "dead":
+                if py_rank:  # its last beat says so, with the last position it published
+                    step, stage, stage_ts = decode.position(*st.position)
+                    by_job.setdefault(r.job, []).append(
+                        (r.rank, "", -1, st.drops, step, stage, stage_ts, -1, -1, 1))
                 self._retire(r)
                 continue
-            if r.source != "py" or r.rank < 0:
-                continue  # the NCCL plugin beats itself
+            if not py_rank:
+                continue
             rows = by_job.setdefault(r.job, [])
             step, stage, stage_ts = decode.position(*st.position)
             run, wait = decode.schedstat(st.producer_pid) if st.producer_pid > 0 else (-1, -1)
             seqs = r.join.last_seq
             if not seqs:
-                rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts, run, wait))
+                rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts, run, wait, 0))
                 continue
             hashes = np.array(list(seqs), dtype=np.int64)
             for comm, seq in zip(r.names.lookup(hashes).tolist(), seqs.values(), strict=True):
-                rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts, run, wait))
+                rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts, run, wait, 0))
         for job, rows in by_job.items():
             if rows:
-                rk, c, sq, d, step_, stage_, sts, run_, wait_ = zip(*rows, strict=True)
+                rk, c, sq, d, step_, stage_, sts, run_, wait_, ex = zip(*rows, strict=True)
                 self._append(job, "beats", {
                     "rank": np.array(rk, np.int64), "ts": np.full(len(rk), now_ns, np.int64),
                     "comm_id": np.array(c, object), "last_op_seq": np.array(sq, np.int64),
                     "dropped": np.array(d, np.int64), "step": np.array(step_, np.int64),
                     "stage": np.array(stage_, object), "stage_ts": np.array(sts, np.int64),
                     "sched_run_ns": np.array(run_, np.int64),
-                    "sched_wait_ns": np.array(wait_, np.int64)})
+                    "sched_wait_ns": np.array(wait_, np.int64),
+                    "exited": np.array(ex, np.int64)})
         self._topologies(now_ns)
 
     def _topologies(self, now_ns: int) -> None:

@@ -148,12 +148,16 @@ def test_dead_producer_ring_is_drained_and_unlinked(tmp_path: Path, prefix: str)
         s.op_start(0, 0, OP_CODE["AllReduce"], 8, -1, t, 0)
         os._exit(0)
     os.waitpid(pid, 0)
+    t_dead = time.time_ns()
     pub = FakePublisher()
     agent = Agent(config(tmp_path, prefix), pub)
     agent.step()
     agent.out.flush(force=True)
     pub.flush()
     assert [c["t_end"].tolist() for c in kinds(pub, "ops")] == [[0]]  # in flight when it died
+    (last,) = kinds(pub, "beats")  # one row: the rank's process ended
+    assert (last["rank"].tolist(), last["exited"].tolist()) == ([0], [1])
+    assert last["ts"][0] >= t_dead and (last["step"][0], last["stage"][0]) == (-1, "")
     assert ring.list_rings(prefix) == [] and not (tmp_path / "job1" / "rank-0.json").exists()
     assert not (tmp_path / "job1").exists()  # the job's last producer here is gone: tidied
 

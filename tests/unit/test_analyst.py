@@ -80,13 +80,13 @@ def test_a_hang_trigger_analysed_too_early_is_retried_until_it_concludes() -> No
 
 
 def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
-    """The sweep reads the job's window; a job that ended (its event clock no longer moves) is
-    not read again every sweep_s."""
-    reads: list[int] = []
+    """The sweep reads the job's window, the look for exit beats its recent beats; a job that
+    ended (its event clock no longer moves) is not read again every sweep_s."""
+    reads: list[tuple[tuple[str, ...], int]] = []
 
     def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
              ) -> None:
-        reads.append(now_ns)
+        reads.append((tuple(kinds or ()), now_ns))
 
     clock = {"at": 50 * S}
     a = Analyst(read, AnalystConfig(sweep_s=10), event_clock=lambda job, now: clock["at"])
@@ -94,10 +94,11 @@ def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     a.tick(100 * S)
     a.tick(110 * S)
     a.tick(120 * S)
-    assert reads == [50 * S]  # ended: one sweep
+    once = [(("beats",), 50 * S), (("stages",), 50 * S)]
+    assert reads == once  # ended: one look, one sweep
     clock["at"] = 60 * S  # its records move on again
     a.tick(130 * S)
-    assert reads == [50 * S, 60 * S]
+    assert reads == [*once, (("beats",), 60 * S), (("stages",), 60 * S)]
 
 
 @pytest.mark.slow
@@ -128,7 +129,8 @@ def test_a_sweep_reads_only_what_its_rules_use(fault: str) -> None:
 
 def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     """The slowdown analysis needs stage records: a sweep reads the stages and, finding none,
-    only what the analysis from ops alone uses (ops_rca.KINDS)."""
+    only what the analysis from ops alone uses (ops_rca.KINDS); the look for exit beats before
+    it reads beats alone."""
     asked: list[tuple[str, ...] | None] = []
 
     def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
@@ -143,7 +145,7 @@ def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     a = Analyst(read, AnalystConfig(sweep_s=10))
     a.jobs.add("j")
     a.tick(100 * S)
-    assert asked == [("stages",), ("ops", "beats")]
+    assert asked == [("beats",), ("stages",), ("ops", "beats")]  # first the look for exits
 
 
 @pytest.mark.slow

@@ -1,0 +1,124 @@
+"""hang_rca.process_exit: a job whose processes ended with calls in flight names the rank whose
+process ended first — the one its peers were waiting for — and nothing else: not a job that
+ended normally, not one stopped from outside with every rank inside the same call, not a hang
+the end came after, not a job without the agents' exit beats."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+from diagnosis import hang_rca
+from diagnosis.analyst import Analyst
+from diagnosis.window import Window
+from ingest.records import Communicator, JobTopology
+from ingest.units import MILLISECOND as MS
+from ingest.units import SECOND as S
+
+STEP = 50 * MS
+
+
+def ddp4() -> JobTopology:
+    return JobTopology(job_id="j", ts=0, world_size=4, dp=4, hosts=["h"] * 4,
+                       communicators=[Communicator(comm_id="world", kind="dp",
+                                                   members=[0, 1, 2, 3])])
+
+
+def all_reduces(last: dict[int, int], in_flight: set[int], steps_from: int = 30
+                ) -> dict[str, np.ndarray]:
+    """One all-reduce per step from `steps_from` to `last[rank]` on each rank, every 50 ms;
+    a rank in `in_flight` never completed its last one."""
+    rows = [(r, s, s * STEP + 30 * MS, 0 if (r in in_flight and s == n) else s * STEP + 40 * MS)
+            for r, n in last.items() for s in range(steps_from, n + 1)]
+    rank, seq, t0, t1 = (np.array(x) for x in zip(*rows, strict=True))
+    return {"rank": rank, "comm_id": np.full(rank.size, "world", object), "op_seq": seq,
+            "op": np.full(rank.size, "AllReduce", object), "peer": np.full(rank.size, -1),
+            "bytes": np.full(rank.size, 4096), "t_enqueue": t0, "t_start": t0, "t_end": t1,
+            "step": seq}
+
+
+def beats(rows: list[tuple[int, int, int, str, int]]) -> dict[str, np.ndarray]:
+    """(rank, ts, step, stage, exited) rows."""
+    rank, ts, step, stage, ex = zip(*rows, strict=True)
+    n = len(rows)
+    return {"rank": np.array(rank), "ts": np.array(ts), "comm_id": np.full(n, "world", object),
+            "last_op_seq": np.full(n, -1), "dropped": np.zeros(n, int), "step": np.array(step),
+            "stage": np.array(stage, dtype=object), "stage_ts": np.array(ts) - MS,
+            "exited": np.array(ex)}
+
+
+def killed_rank_2(extra_beats: Sequence[tuple[int, int, int, str, int]] = ()) -> Window:
+    """Rank 2 was killed in the forward of step 40; ranks 0, 1 and 3 were inside all-reduce 40
+    when their calls failed; the agent saw all four processes gone 0.6 s later."""
+    o = all_reduces({0: 40, 1: 40, 2: 39, 3: 40}, in_flight={0, 1, 3})
+    gone = 40 * STEP + 600 * MS
+    b = beats([(r, 39 * STEP, 39, "model.backward", 0) for r in range(4)]
+              + [(0, gone, 40, "model.backward", 1), (1, gone, 40, "model.backward", 1),
+                 (2, gone, 40, "model.fwd_loss", 1), (3, gone, 40, "model.backward", 1)]
+              + list(extra_beats))
+    return Window(ddp4(), {"ops": o, "beats": b}, 0, gone + S)
+
+
+def test_the_rank_whose_process_ended_first_is_named_with_its_last_stage() -> None:
+    w = killed_rank_2()
+    c = hang_rca.process_exit(w, w.now_ns)
+    assert c is not None
+    assert (c.kind, c.ranks, c.stage, c.component) == ("hang", (2,), "process", "host_software")
+    assert c.findings[0].rule == "rankwatch.process_exit"
+    assert "mycroft.alg2.min_op" in {f.rule for f in c.findings}
+    text = c.summaries[0][1]
+    assert "model.fwd_loss of step 40" in text and "[0, 1, 3]" in text and "AllReduce #40" in text
+    assert hang_rca.analyze(w, w.now_ns) == c  # the hang analysis (triggers, re-checks) too
+
+
+def test_no_exit_beats_no_verdict() -> None:
+    w = killed_rank_2()
+    b = {k: v for k, v in w.tables["beats"].items() if k != "exited"}
+    assert hang_rca.process_exit(Window(w.topo, {**w.tables, "beats": b}, 0, w.now_ns),
+                                 w.now_ns) is None
+    b = {**w.tables["beats"], "exited": np.zeros(w.tables["beats"]["rank"].size, int)}
+    assert hang_rca.process_exit(Window(w.topo, {**w.tables, "beats": b}, 0, w.now_ns),
+                                 w.now_ns) is None
+
+
+def test_a_normal_end_and_a_job_stopped_from_outside_name_no_one() -> None:
+    gone = 41 * STEP + 600 * MS
+    ended = beats([(r, gone, 40, "", 1) for r in range(4)])
+    normal = Window(ddp4(), {"ops": all_reduces({r: 40 for r in range(4)}, set()),
+                             "beats": ended}, 0, gone + S)
+    assert hang_rca.process_exit(normal, normal.now_ns) is None
+    stopped = Window(ddp4(), {"ops": all_reduces({r: 40 for r in range(4)}, {0, 1, 2, 3}),
+                              "beats": ended}, 0, gone + S)
+    assert hang_rca.process_exit(stopped, stopped.now_ns) is None
+
+
+def test_a_hang_that_the_end_came_after_is_left_to_the_hang_analysis() -> None:
+    """The waiters beat on, alive, for seconds inside all-reduce 40 before the job was
+    stopped: rank 2 hung (or died) long before the end; that is the live hang's verdict."""
+    w = killed_rank_2([(r, 40 * STEP + k * S, 40, "model.backward", 0)
+                       for r in (0, 1, 3) for k in (1, 2, 3)])
+    gone = 40 * STEP + 4 * S
+    b = w.tables["beats"]
+    b = {**b, "ts": np.where(b["exited"] == 1, gone, b["ts"])}
+    w = Window(w.topo, {**w.tables, "beats": b}, 0, gone + S)
+    assert hang_rca.process_exit(w, w.now_ns) is None
+
+
+def test_the_analyst_looks_for_exits_and_opens_one_incident() -> None:
+    """No trigger fires for a job whose ranks all stopped within a beat; the analyst's look
+    for exit beats (every min_sweep_s) opens the incident, once."""
+    w = killed_rank_2()
+
+    def read(job_id: str, start_ns: int, now_ns: int,
+             kinds: Collection[str] | None = None) -> Window:
+        tables = {k: v for k, v in w.tables.items() if kinds is None or k in kinds}
+        return Window(w.topo, tables, start_ns, now_ns)
+
+    a = Analyst(read, event_clock=lambda job, now: w.now_ns)
+    a.jobs.add("j")
+    out = a.tick(w.now_ns)
+    assert [(d.status, d.kind, d.culprit_ranks, d.stage) for d in out] == [
+        ("open", "hang", [2], "process")]
+    assert out[0].rules[0] == "rankwatch.process_exit"
+    assert not [d for d in a.tick(w.now_ns + 3 * S) if d.status == "open"]
