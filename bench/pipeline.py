@@ -35,7 +35,7 @@ from pathlib import Path
 
 from bench.ingest import sql
 from rankwatch import stack
-from rankwatch.kafka_broker import Daemon, tail
+from rankwatch.daemon import Daemon, tail
 from rankwatch.settings import Settings
 
 RAW = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")

@@ -55,7 +55,10 @@ from ingest.sim.config import JobConfig
 from ingest.sim.runner import KafkaSink
 from ingest.sim.simulation import Simulation
 from rankwatch import stack
-from rankwatch.kafka_broker import Broker, Daemon, ensure_jars, ensure_topics
+from rankwatch.daemon import Daemon
+from rankwatch.kafka.admin import ensure_topics
+from rankwatch.kafka.broker import Broker
+from rankwatch.kafka.jars import ensure_jars
 from rankwatch.settings import Settings
 from streams.db import Database
 from streams.ownership import job_partition

@@ -47,7 +47,7 @@ from ingest.sim.simulation import Simulation
 from ingest.topics import MAX_MESSAGE_BYTES
 from ingest.units import SECOND as SEC
 from rankwatch import stack
-from rankwatch.kafka_broker import Broker
+from rankwatch.kafka.broker import Broker
 from rankwatch.settings import Settings
 
 RAW = tuple(sorted(MODELS))

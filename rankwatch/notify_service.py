@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankwatch.kafka_broker import Daemon, Progress, tail
+from rankwatch.daemon import Daemon, Progress, tail
 from rankwatch.settings import Settings
 
 

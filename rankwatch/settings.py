@@ -151,7 +151,7 @@ class Settings(BaseModel):
 
     @property
     def bootstrap(self) -> str:
-        """The configured cluster, else every local node (rankwatch.kafka_broker.node_ports)."""
+        """The configured cluster, else every local node (rankwatch.kafka.broker.node_ports)."""
         return self.kafka_bootstrap or ",".join(
             f"{self.bind_host}:{self.kafka_port + KAFKA_NODE_PORT_STRIDE * i}"
             for i in range(self.kafka_brokers))

@@ -30,18 +30,10 @@ from typing import Any
 from pydantic import SecretStr
 
 from rankwatch import notify_service
-from rankwatch.kafka_broker import (
-    Daemon,
-    KafkaCluster,
-    Progress,
-    connect_host,
-    ensure_jars,
-    ensure_topics,
-    local_nodes,
-    port_open,
-    probe,
-    tail,
-)
+from rankwatch.daemon import Daemon, Progress, connect_host, port_open, tail
+from rankwatch.kafka.admin import ensure_topics, probe
+from rankwatch.kafka.broker import KafkaCluster, local_nodes
+from rankwatch.kafka.jars import ensure_jars
 from rankwatch.settings import Settings
 
 #: Where `rankwatch` itself is imported from; the worker runs the same code.

@@ -91,7 +91,7 @@ class StreamsApp:
             broker_heartbeat_interval=min(3.0, cfg.session_timeout_s / 6),
             topic_disable_leader=True,
             producer_compression_type="zstd",
-            # the broker's message.max.bytes (rankwatch/kafka_broker.py): a raw message of any
+            # the broker's message.max.bytes (rankwatch/kafka/broker.py): a raw message of any
             # size the broker took can be forwarded to the dead-letter topic
             producer_max_request_size=MAX_MESSAGE_BYTES,
         )

@@ -11,7 +11,7 @@ speaking the part of ClickHouse's HTTP interface that `rankwatch sql` and curl n
 return rows and have no FORMAT clause of their own; the reply is ClickHouse's own output. A query
 error is HTTP 400 with ClickHouse's message (no traceback).
 
-What the engine enforces (streams.db `Database.execute_sql`): every request gets a fresh engine
+What the engine enforces (streams.db.user_sql): every request gets a fresh engine
 session; `SqlLimits` (time, memory, result size, threads) are set on it and then `readonly=1`, so
 a caller can change no setting (SET or SETTINGS alike) and write nothing; table functions that
 reach files, URLs, other servers or programs (file, url, s3, remote, mysql, executable, ...) are

@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 
 from ingest.topics import Topics
-from rankwatch.kafka_broker import Broker, delete_topics, ensure_jars, ensure_topics
+from rankwatch.kafka.admin import delete_topics, ensure_topics
+from rankwatch.kafka.broker import Broker
+from rankwatch.kafka.jars import ensure_jars
 from rankwatch.settings import KAFKA_NODE_PORT_STRIDE, Settings
 
 #: Fixtures that start or need a real service; tests/unit may not use them.

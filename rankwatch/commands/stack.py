@@ -9,7 +9,9 @@ import sys
 from typing import Any
 
 from rankwatch import stack
-from rankwatch.kafka_broker import BrokerError, ensure_jars, ensure_topics, list_topics
+from rankwatch.kafka import BrokerError
+from rankwatch.kafka.admin import ensure_topics, list_topics
+from rankwatch.kafka.jars import ensure_jars
 from rankwatch.settings import Settings
 
 

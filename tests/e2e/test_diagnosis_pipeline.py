@@ -16,7 +16,7 @@ from confluent_kafka import Consumer
 
 from diagnosis.model import Diagnosis
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from rankwatch.settings import Settings
 
 

@@ -33,7 +33,7 @@ import pytest
 from ingest.torch.provision import pythonpath_with_torch, torch_site
 from ingest.units import SECOND as SEC
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from rankwatch.settings import Settings
 from tests.conftest import free_ports
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from tests.conftest import KafkaService, free_ports
 from tests.integration.services import Receiver, alertmanager
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from bench.real import catalog, harness
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from tests.conftest import KafkaService, SettingsFactory
 
 pytestmark = pytest.mark.slow

@@ -40,7 +40,7 @@ from ingest import ring
 from ingest.records import JobTopology
 from ingest.torch.provision import pythonpath_with_torch, torch_site
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from rankwatch.settings import Settings
 from tests.conftest import free_ports
 

@@ -25,7 +25,8 @@ from diagnosis.model import Diagnosis
 from ingest.records import MODELS
 from rankwatch import stack
 from rankwatch.commands.stack import format_status
-from rankwatch.kafka_broker import Daemon, delete_topics, ensure_topics
+from rankwatch.daemon import Daemon
+from rankwatch.kafka.admin import delete_topics, ensure_topics
 from rankwatch.settings import Settings
 from streams.db import Database
 from streams.ownership import job_partition

@@ -18,7 +18,7 @@ import sys
 import chdb
 
 from streams.cluster import statements
-from streams.db import _MIGRATIONS_TABLE, load_migrations
+from streams.db import MIGRATIONS_TABLE, load_migrations
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
 
     run(f"CREATE DATABASE IF NOT EXISTS {database}")
     run(f"USE {database}")
-    sqls = statements(_MIGRATIONS_TABLE, cluster, database) + [
+    sqls = statements(MIGRATIONS_TABLE, cluster, database) + [
         s for m in load_migrations() for st in m.statements
         for s in statements(st, cluster, database)]
     out: dict[str, object] = {

@@ -23,7 +23,9 @@ from ingest.publish import BatchPublisher
 from ingest.topics import Topics
 from ingest.torch.comms import CommTable
 from ingest.torch.sink import RingSink
-from rankwatch.kafka_broker import Broker, ensure_jars, ensure_topics
+from rankwatch.kafka.admin import ensure_topics
+from rankwatch.kafka.broker import Broker
+from rankwatch.kafka.jars import ensure_jars
 
 pytestmark = pytest.mark.slow
 

@@ -31,14 +31,11 @@ from ingest.batch import decode_batch, encode_batch
 from rankwatch import stack
 from rankwatch.cli import main
 from rankwatch.commands.stack import format_status
-from rankwatch.kafka_broker import (
-    Broker,
-    BrokerError,
-    Daemon,
-    delete_topics,
-    ensure_jars,
-    jars_dir,
-)
+from rankwatch.daemon import Daemon
+from rankwatch.kafka import BrokerError
+from rankwatch.kafka.admin import delete_topics
+from rankwatch.kafka.broker import Broker
+from rankwatch.kafka.jars import ensure_jars, jars_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 ZSTD = 4  # the compression codec in bits 0-2 of a v2 record batch's attributes
@@ -399,10 +396,10 @@ def test_up_shows_the_log_of_a_worker_that_fails(settings_factory, fake_worker):
 
 def test_storage_formats_with_a_cluster_id_that_starts_with_a_dash(settings_factory, monkeypatch):
     """One random cluster id in 64 starts with "-"; the storage tool must not read it as a flag."""
-    import rankwatch.kafka_broker as kafka_broker
+    import rankwatch.kafka.broker as broker_module
 
     s = settings_factory()
-    monkeypatch.setattr(kafka_broker, "_kafka_uuid", lambda: "-" + "Q" * 21)
+    monkeypatch.setattr(broker_module, "_kafka_uuid", lambda: "-" + "Q" * 21)
     b = Broker(s, ensure_jars(s, progress=lambda _: None))
     b._prepare()
     assert (b.data_dir / "meta.properties").exists()

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from streams.cluster import create_database, statements
-from streams.db import _MIGRATIONS_TABLE, Database, cluster_settings, load_migrations
+from streams.db import MIGRATIONS_TABLE, Database, cluster_settings, load_migrations
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "rankwatch"  # deploy/clickhouse/cluster.xml
@@ -35,7 +35,7 @@ READ_ONLY = "TABLE_IS_READ_ONLY"
 
 
 def cluster_statements(database: str = "rankwatch") -> list[str]:
-    return [create_database(database, CLUSTER), *statements(_MIGRATIONS_TABLE, CLUSTER, database),
+    return [create_database(database, CLUSTER), *statements(MIGRATIONS_TABLE, CLUSTER, database),
             *(s for m in load_migrations() for st in m.statements
               for s in statements(st, CLUSTER, database))]
 

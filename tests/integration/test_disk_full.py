@@ -15,7 +15,7 @@ import pytest
 from ingest.batch import encode_batch
 from ingest.units import SECOND as SEC
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from tests.conftest import KafkaService, SettingsFactory
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_columns

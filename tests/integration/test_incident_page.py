@@ -30,7 +30,7 @@ from ingest.units import SECOND as S
 from rankwatch import stack
 from rankwatch.commands import export, report
 from rankwatch.commands.sql import execute
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from tests.conftest import KafkaService, free_ports
 from tests.unit.notify_fixtures import version
 

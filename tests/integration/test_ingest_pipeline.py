@@ -32,7 +32,7 @@ from ingest.publish import BatchPublisher
 from ingest.records import Communicator, JobTopology
 from ingest.synthetic import ops_columns
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from rankwatch.settings import Settings
 from tests.conftest import KafkaService, SettingsFactory
 

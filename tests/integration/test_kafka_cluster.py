@@ -19,7 +19,8 @@ from ingest.batch import encode_batch
 from ingest.publish import BatchPublisher
 from ingest.synthetic import ops_columns
 from rankwatch import stack
-from rankwatch.kafka_broker import Daemon, KafkaCluster, local_nodes
+from rankwatch.daemon import Daemon
+from rankwatch.kafka.broker import KafkaCluster, local_nodes
 from rankwatch.settings import Settings
 from tests.conftest import SettingsFactory
 

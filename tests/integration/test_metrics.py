@@ -15,7 +15,7 @@ from ingest.batch import encode_batch
 from ingest.publish import BatchPublisher
 from ingest.synthetic import ops_columns
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from tests.conftest import KafkaService, free_ports
 from tests.integration.services import prometheus
 

@@ -20,7 +20,7 @@ from ingest.batch import TIME_COLUMN, BatchError, decode_batch, encode_batch, en
 from ingest.records import COLUMNS, MODELS, Communicator, JobTopology
 from ingest.units import SECOND as SEC
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from streams.raw_sink import TimeBounds
 from tests.conftest import KafkaService, SettingsFactory
 from tests.integration.test_ingest_pipeline import Pipeline

@@ -15,7 +15,7 @@ from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
 from ingest.units import SECOND as SEC
 from rankwatch import stack
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from streams.windows import WatermarkParams
 from tests.conftest import KafkaService, SettingsFactory
 from tests.integration.test_ingest_pipeline import Pipeline

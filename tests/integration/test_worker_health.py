@@ -23,7 +23,7 @@ import pytest
 from ingest.batch import encode_batch
 from rankwatch import stack
 from rankwatch.commands.stack import format_status
-from rankwatch.kafka_broker import delete_topics
+from rankwatch.kafka.admin import delete_topics
 from rankwatch.settings import Settings
 from tests.integration.test_disk_full import fill, small_disk  # noqa: F401 (a fixture)
 from tests.integration.test_ingest_pipeline import Pipeline

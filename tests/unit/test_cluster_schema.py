@@ -12,9 +12,9 @@ from clickhouse_connect.driver.client import Client
 
 from rankwatch.settings import Settings, SettingsError
 from streams.cluster import ClusterFormError, create_database, statements
-from streams.db import _MIGRATIONS_TABLE, Database, cluster_settings, load_migrations, parse_url
+from streams.db import MIGRATIONS_TABLE, Database, cluster_settings, load_migrations, parse_url
 
-ALL = [_MIGRATIONS_TABLE] + [st for m in load_migrations() for st in m.statements]
+ALL = [MIGRATIONS_TABLE] + [st for m in load_migrations() for st in m.statements]
 CREATES = [st for st in ALL if re.search(r"^CREATE TABLE", st, re.M)]
 
 
@@ -79,7 +79,7 @@ def test_every_job_table_is_sharded_by_its_job() -> None:
         dist = statements(sql, "rw", "rankwatch")[1]
         if re.search(r"^\s+job_id\s", sql, re.M):
             assert dist.endswith("cityHash64(job_id))"), dist
-    assert statements(_MIGRATIONS_TABLE, "rw", "db")[1].endswith("cityHash64(version))")
+    assert statements(MIGRATIONS_TABLE, "rw", "db")[1].endswith("cityHash64(version))")
 
 
 def test_alters_and_views() -> None:

@@ -1,4 +1,4 @@
-"""The configuration of a local Kafka cluster's nodes (rankwatch.kafka_broker): pure, nothing
+"""The configuration of a local Kafka cluster's nodes (rankwatch.kafka.broker): pure, nothing
 started; tests/integration/test_kafka_cluster.py runs the cluster."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.kafka_broker import Broker, BrokerError, KafkaCluster, local_nodes, replication
+from rankwatch.kafka import BrokerError
+from rankwatch.kafka.admin import replication
+from rankwatch.kafka.broker import Broker, KafkaCluster, local_nodes
 from rankwatch.settings import Settings
 
 
@@ -84,7 +86,7 @@ def test_up_refuses_a_bad_broker_count(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_a_cluster_of_another_size_is_refused(tmp_path: Path) -> None:
-    from rankwatch.kafka_broker import BrokerError
+    from rankwatch.kafka import BrokerError
 
     for i in (1, 2, 3):
         (tmp_path / "kafka-cluster" / f"node-{i}").mkdir(parents=True)
