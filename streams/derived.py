@@ -19,7 +19,11 @@ Flow per tick (a Faust timer, every `tick_s`):
    thus reaches the triggers when its last record is stored instead of after its 10 s window
    closes. Frames of previews reach `preview_reach_ns` back, so steps longer than that are only
    in the window's rows; once a window of the job has closed they start instead at the ranks'
-   last known step ends (`_bounds`, docs/architecture.md "Iteration previews").
+   last known step ends (`DerivedJob.bounds`, docs/architecture.md "Iteration previews").
+
+What the runner keeps of a job between ticks is one `DerivedJob`; the decisions made from it
+(`replaying`, `frame_reach`, `preview_range`, `frame_start`, `encoded_parts`) are functions of
+explicit values and clock readings.
 
 Restart: the checkpoint says which windows are closed; every raw row is durable before it is
 observed, so the windows after the checkpoint are computed from complete raw data. The checkpoints
@@ -48,8 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -245,11 +248,12 @@ class RunnerStats:
     rows: dict[str, int] = field(default_factory=dict)
     late_recomputed: int = 0
     previews: int = 0
-    #: Preview ticks whose frame started at the ranks' last known step ends (`_bounds`).
+    #: Preview ticks whose frame started at the ranks' last known step ends (`frame_start`).
     prior_frames: int = 0
-    #: Ticks whose preview was skipped because the job's event time ran ahead (`_replaying`).
+    #: Ticks whose preview was skipped because the job's event time ran ahead (`replaying`).
     previews_skipped: int = 0
-    #: Iteration windows computed from a frame reaching back `_reach` (short) / max_step_ns.
+    #: Iteration windows computed from a frame reaching back `frame_reach` (short) /
+    #: max_step_ns.
     short_frames: int = 0
     full_frames: int = 0
     errors: int = 0
@@ -272,6 +276,117 @@ def _last_steps(known: Bounds | None, rows: dict[str, np.ndarray]) -> Bounds:
     return rank[last], step[last], end[last]
 
 
+#: (wall clock, largest event time) of a job at its recent previews, oldest first
+PaceSamples = Sequence[tuple[int, int]]
+
+
+def pace_samples(seen: PaceSamples, now: int, newest: int, span_ns: int
+                 ) -> list[tuple[int, int]]:
+    """`seen` with (`now`, `newest`) appended, less the samples older than needed to measure the
+    pace over the last `span_ns`: the oldest one kept is the newest at least `span_ns` old (two
+    samples are always kept), so the samples are bounded by the span, not the job's age."""
+    kept = [*seen, (now, newest)]
+    first = 0
+    while len(kept) - first > 2 and now - kept[first + 1][0] >= span_ns:
+        first += 1
+    return kept[first:]
+
+
+def replaying(seen: PaceSamples, *, span_ns: int, max_pace: float) -> bool:
+    """Whether a job's largest event time advanced more than `max_pace` times faster than the
+    wall clock over the samples `seen` (`pace_samples`, the last one now), once they cover at
+    least half of `span_ns` (before that a job counts as live).
+
+    A preview publishes a step's row before its window closes, which for a live job is up to a
+    window (10 s) earlier. When a worker catches up on a backlog, or a job is replayed, windows
+    close at the pace records are read and a preview is published a tick or two before the
+    window's own rows, from a frame the close reads again (in a replay, half of the iteration
+    frames read: docs/architecture.md, "Iteration previews")."""
+    (wall0, event0), (now, newest) = seen[0], seen[-1]
+    if now - wall0 < span_ns // 2:
+        return False
+    return newest - event0 > max_pace * (now - wall0)
+
+
+def frame_reach(recent_step: int | None, max_step_ns: int) -> int:
+    """How far before a window its frame of records starts: twice the longest step of the job's
+    last window (`recent_step`) plus a second, at most `max_step_ns` (unknown: `max_step_ns`)."""
+    if recent_step is None:
+        return max_step_ns
+    return min(max_step_ns, 2 * recent_step + SEC)
+
+
+@dataclass
+class Preview:
+    """How far the open iterations window of a job has been previewed."""
+
+    window: int  #: the window's start (ns)
+    cut: int  #: steps ending before this (ns) were looked for
+    seen: set[int]  #: (rank << 32 | step) of the rows already published
+
+
+def preview_range(done: Preview | None, ws: int, max_ns: int, window_ns: int
+                  ) -> tuple[int, int, set[int]]:
+    """(from, cut, rows published) of the next preview of the open iterations window `ws`: steps
+    ending in [from, cut) are new; the cut is the job's largest event time (`max_ns`) + 1, at most
+    the window's end. A preview of an earlier window counts for nothing. Nothing to do when
+    cut <= from."""
+    cut = min(max_ns + 1, ws + window_ns)
+    if done is None or done.window != ws:
+        return ws, cut, set()
+    return done.cut, cut, done.seen
+
+
+def frame_start(done: int, reach_ns: int, prior: Bounds | None) -> tuple[int, Bounds | None]:
+    """Where a preview's frame of records starts, and the step bounds it starts from: `reach_ns`
+    before `done`, or later, at the ranks' earliest known step end when `prior` (each rank's last
+    known step) has one past that — every rank's next step starts after its known end. The
+    bounds are None when the frame does not start at them."""
+    lo = done - reach_ns
+    if prior is not None and len(prior[0]) and int(prior[2].min()) > lo:
+        return int(prior[2].min()), prior
+    return lo, None
+
+
+def encoded_parts(kind: str, job: str, ws: int, cols: dict[str, np.ndarray], *, rows: int,
+                  max_bytes: int) -> Iterator[bytes]:
+    """rw.<kind> messages of `cols`, in row order: at most `rows` rows and `max_bytes` encoded
+    each (a part over the size is halved until it fits: wide rows, e.g. long kernel names); a
+    single row over the size goes alone."""
+    n = len(cols["rank"])
+    todo = [(lo, min(n, lo + rows)) for lo in range(0, n, rows)]
+    while todo:
+        lo, hi = todo.pop(0)
+        part = {k: v[lo:hi] for k, v in cols.items()}
+        data = encode_batch(kind, job, part, producer="rankwatch/streams", seq=ws // SEC,
+                            validate=False)
+        if len(data) > max_bytes and hi - lo > 1:
+            mid = (lo + hi) // 2
+            todo[:0] = [(lo, mid), (mid, hi)]
+            continue
+        yield data
+
+
+@dataclass
+class DerivedJob:
+    """What the runner keeps of one job between ticks; dropped whole with the job."""
+
+    #: how far the open iterations window has been previewed
+    preview: Preview | None = None
+    #: (wall clock, largest event time) at recent previews, oldest first (`pace_samples`)
+    pace: list[tuple[int, int]] = field(default_factory=list)
+    #: from the job's first closed iterations window on: each rank's last step known (rank
+    #: ascending, step, end ns) — where previews' frames start (`frame_start`)
+    bounds: Bounds | None = None
+    #: the longest step of the job's last iterations window (ns): how far frames reach
+    recent_step: int | None = None
+    #: the job's declared communicators (ids, kind codes), once its topology arrived
+    topology: tuple[list[str], list[int]] | None = None
+    #: after failed ticks: monotonic time of the next try, and the wait that set it
+    retry_at: float = 0.0
+    retry_wait: float = 0.0
+
+
 class DerivedRunner:
     """See the module docstring. `publish` sends one encoded batch to rw.<kind> keyed by job."""
 
@@ -288,30 +403,26 @@ class DerivedRunner:
                        late_marks=True, inputs=("ops", "stages")),
             WindowSpec("kernel_summaries", cfg.kernels.window_ns, inputs=("kernels",)),
         ], cfg.lateness_ns, cfg.watermark, clock=clock)
-        #: per job: (open iterations window, preview cut, (rank << 32 | step) already previewed)
-        self._previews: dict[str, tuple[int, int, set[int]]] = {}
-        #: per job: (wall clock, largest event time) at recent previews, oldest first
-        self._pace: dict[str, deque[tuple[int, int]]] = {}
-        #: per job, from its first closed iterations window on: each rank's last step known
-        #: (rank ascending, step, end ns) — where previews' frames start (`_preview`)
-        self._bounds: dict[str, Bounds] = {}
-        #: job -> the longest step of its last iterations window (ns): how far frames reach
-        self._recent_step: dict[str, int] = {}
+        #: job id -> what the runner keeps of it between ticks
+        self.jobs: dict[str, DerivedJob] = {}
         self.progress = ProgressFeed(db, cfg.progress)
         self.kernels = KernelSummarizer(db, cfg.kernels)
         self.stats = RunnerStats()
-        self._topology: dict[str, tuple[list[str], list[int]]] = {}
         self._lock = asyncio.Lock()
-        #: job -> (monotonic time of its next try, the wait that set it) after failed ticks
-        self._backoff: dict[str, tuple[float, float]] = {}
+
+    def job_state(self, job: str) -> DerivedJob:
+        """The runner's state of `job`, new when it has none."""
+        got = self.jobs.get(job)
+        if got is None:
+            got = self.jobs[job] = DerivedJob()
+        return got
 
     async def restore(self) -> None:
         """Resume from the stored checkpoints of the jobs owned (again after each rebalance;
         otherwise later calls, and the first tick, find them loaded)."""
         await restore_windows(self.db, self.windows, self.ownership)
         held = self.windows.jobs
-        for per_job in (self._previews, self._pace, self._bounds, self._recent_step,
-                        self._backoff, self.kernels.buffer.jobs):
+        for per_job in (self.jobs, self.kernels.buffer.jobs):
             for job in [j for j in per_job if j not in held]:
                 del per_job[job]
 
@@ -324,25 +435,26 @@ class DerivedRunner:
             done = 0
             now = time.monotonic()
             for job in list(self.windows.jobs):
-                retry_at, wait = self._backoff.get(job, (0.0, 0.0))
-                if now < retry_at:
+                state = self.job_state(job)
+                if now < state.retry_at:
                     continue
                 try:
                     done += await self._job(job)
-                    self._backoff.pop(job, None)
+                    state.retry_at, state.retry_wait = 0.0, 0.0
                 except Exception as e:  # a failing job must not stall the others
                     log.debug("derived failure", exc_info=True)
                     self.stats.errors += 1
                     self.stats.last_error = f"{job}: {type(e).__name__}: {e}"
                     # a lasting failure must not recompute the job's windows on every tick
-                    wait = min(self.cfg.max_retry_s, max(self.cfg.tick_s, 2 * wait))
-                    self._backoff[job] = (time.monotonic() + wait, wait)
+                    wait = min(self.cfg.max_retry_s, max(self.cfg.tick_s, 2 * state.retry_wait))
+                    state.retry_at, state.retry_wait = time.monotonic() + wait, wait
                     log.warning("derived windows of %s failed (%s); retrying in %.2g s",
                                 job, self.stats.last_error, wait)
             return done
 
     async def _job(self, job: str) -> int:
         w, limit, done = self.windows, self.cfg.max_windows_per_tick, 0
+        state = self.job_state(job)
         for ws in w.due(job, "progress", limit):
             await self._emit("progress", job, ws, await self.progress.compute(job, ws))
             w.closed(job, "progress", ws)
@@ -351,15 +463,15 @@ class DerivedRunner:
         for ws in w.late(job, "iterations", limit):
             rows = await self._iterations(job, ws)
             await self._emit("iterations", job, ws, rows, token_suffix=f":late:{self.clock()}")
-            if job in self._bounds:
-                self._bounds[job] = _last_steps(self._bounds[job], rows)
+            if state.bounds is not None:
+                state.bounds = _last_steps(state.bounds, rows)
             w.recomputed(job, "iterations", ws)
             self.stats.late_recomputed += 1
             recomputed += 1
         for ws in w.due(job, "iterations", limit):
             rows = await self._window_iterations(job, ws)
             await self._emit("iterations", job, ws, rows)
-            self._bounds[job] = _last_steps(self._bounds.get(job), rows)
+            state.bounds = _last_steps(state.bounds, rows)
             w.closed(job, "iterations", ws)
             done += 1
         if self.cfg.preview_iterations and w.fed(job, "iterations"):
@@ -377,57 +489,35 @@ class DerivedRunner:
 
     async def _preview(self, job: str) -> None:
         """Publish the open iterations window's steps that are complete (module docstring);
-        nothing while the job is replayed faster than real time (`_replaying`)."""
-        if self._replaying(job):
+        nothing while the job is replayed faster than real time (`replaying`)."""
+        state, cfg = self.job_state(job), self.cfg
+        newest = self.windows.jobs[job].max_ns
+        state.pace = pace_samples(state.pace, self.clock(), newest, cfg.pace_span_ns)
+        if replaying(state.pace, span_ns=cfg.pace_span_ns, max_pace=cfg.preview_max_pace):
             self.stats.previews_skipped += 1
             return
         ws, _ = self.windows.open_window(job, "iterations")
-        cut = min(self.windows.jobs[job].max_ns + 1, ws + self.cfg.iteration_window_ns)
-        start, done, seen = self._previews.get(job, (ws, ws, set()))
-        if start != ws:
-            done, seen = ws, set()
+        done, cut, seen = preview_range(state.preview, ws, newest, cfg.iteration_window_ns)
         if cut <= done:
             return
-        lo = done - min(self.cfg.preview_reach_ns, self._reach(job))
-        prior = self._bounds.get(job)
-        if prior is not None and len(prior[0]) and int(prior[2].min()) > lo:
-            lo = int(prior[2].min())  # every rank's next step starts after its known end
+        lo, prior = frame_start(done, min(cfg.preview_reach_ns,
+                                          frame_reach(state.recent_step, cfg.max_step_ns)),
+                                state.bounds)
+        if prior is not None:
             self.stats.prior_frames += 1
-        else:
-            prior = None
         if not await self._steps_end(job, lo, done, cut):
-            self._previews[job] = (ws, cut, seen)  # no step can end in [done, cut)
+            state.preview = Preview(ws, cut, seen)  # no step can end in [done, cut)
             return
         cols = await self._iterations(job, ws, lo=lo, we=cut, preview=True, prior=prior)
-        if job in self._bounds:
-            self._bounds[job] = _last_steps(self._bounds[job], cols)
+        if state.bounds is not None:
+            state.bounds = _last_steps(state.bounds, cols)
         keys = (cols["rank"].astype(np.int64) << 32) | cols["step"].astype(np.int64)
         new = ~np.isin(keys, np.fromiter(seen, np.int64, len(seen)))
         seen.update(keys[new].tolist())
-        self._previews[job] = (ws, cut, seen)
+        state.preview = Preview(ws, cut, seen)
         if new.any():
             await self._publish("iterations", job, ws, {k: v[new] for k, v in cols.items()})
             self.stats.previews += 1
-
-    def _replaying(self, job: str) -> bool:
-        """Whether the job's largest event time advanced more than `preview_max_pace` times
-        faster than the wall clock over the last `pace_span_ns` (at least half of it observed).
-
-        A preview publishes a step's row before its window closes, which for a live job is up
-        to a window (10 s) earlier. When a worker catches up on a backlog, or a job is replayed,
-        windows close at the pace records are read and a preview is published a tick or two
-        before the window's own rows, from a frame the close reads again: on `rankwatch bench
-        streams --only ops` (a replay at ~5x real time) half of the iteration frames read were
-        such previews."""
-        now, newest = self.clock(), self.windows.jobs[job].max_ns
-        seen = self._pace.setdefault(job, deque())
-        seen.append((now, newest))
-        while len(seen) > 2 and now - seen[1][0] >= self.cfg.pace_span_ns:
-            seen.popleft()
-        wall0, event0 = seen[0]
-        if now - wall0 < self.cfg.pace_span_ns // 2:
-            return False
-        return newest - event0 > self.cfg.preview_max_pace * (now - wall0)
 
     async def _steps_end(self, job: str, lo: int, t0: int, t1: int) -> bool:
         """Whether a stored record can end a step in [t0, t1): a DP gradient collective or a
@@ -440,17 +530,9 @@ class DerivedRunner:
             "job": job, "lo": lo, "t0": t0, "t1": t1, "ids": ids, "codes": codes})
         return bool(int(got["ops"][0]) or int(got["stages"][0]))
 
-    def _reach(self, job: str) -> int:
-        """How far before a window its frame of records starts: twice the longest step of the
-        job's last window plus a second, at most `max_step_ns` (unknown: `max_step_ns`)."""
-        recent = self._recent_step.get(job)
-        if recent is None:
-            return self.cfg.max_step_ns
-        return min(self.cfg.max_step_ns, 2 * recent + SEC)
-
     async def _window_iterations(self, job: str, ws: int) -> dict[str, np.ndarray]:
         """The rows of iterations window `ws`, as from a frame reaching `max_step_ns` back, but
-        read from a short frame (`_reach`) when that yields the same rows: every row's start is
+        read from a short frame (`frame_reach`) when that yields the same rows: every row's start is
         exact in it (no rank's first step is estimated: the rank's previous step boundary is in
         the frame, so are all ops of its steps), and no op or stage record that starts before
         the frame ends in the window (`REACH_SQL`, a count on two columns). Otherwise the full
@@ -458,7 +540,8 @@ class DerivedRunner:
         instead of 70 s. (One case is not checked: with several gradient buckets per step, a
         bucket that starts before the frame and ends after the frame's last bucket of the
         previous step but before the window would move that step's end.)"""
-        reach = self._reach(job)
+        state = self.job_state(job)
+        reach = frame_reach(state.recent_step, self.cfg.max_step_ns)
         rows: dict[str, np.ndarray] | None = None
         if reach < self.cfg.max_step_ns:
             report: dict[str, int] = {}
@@ -476,7 +559,7 @@ class DerivedRunner:
         else:
             self.stats.short_frames += 1
         if len(rows["step_ns"]):
-            self._recent_step[job] = int(rows["step_ns"].max())
+            state.recent_step = int(rows["step_ns"].max())
         return rows
 
     async def _iterations(self, job: str, ws: int, *, lo: int | None = None,
@@ -508,7 +591,8 @@ class DerivedRunner:
             report=report, prior=prior)
 
     async def _comm_kinds(self, job: str) -> tuple[list[str], list[int]]:
-        got = self._topology.get(job)
+        state = self.job_state(job)
+        got = state.topology
         if got is None:
             res = await self.db.aquery(TOPOLOGY_SQL, {"job": job})
             ids: list[str] = []
@@ -517,7 +601,7 @@ class DerivedRunner:
                 ids, codes = declared_codes(zip(comm_ids, kinds, strict=False))
             got = (ids, codes)
             if ids:  # cache only once the topology arrived
-                self._topology[job] = got
+                state.topology = got
         return got
 
     async def _emit(self, kind: str, job: str, ws: int, cols: dict[str, np.ndarray],
@@ -530,20 +614,10 @@ class DerivedRunner:
         self.stats.rows[kind] = self.stats.rows.get(kind, 0) + len(cols["rank"])
 
     async def _publish(self, kind: str, job: str, ws: int, cols: dict[str, np.ndarray]) -> None:
-        """rw.<kind> messages of at most `publish_rows` rows and `publish_max_bytes` encoded (a
-        part over the size is halved until it fits: wide rows, e.g. long kernel names)."""
-        step = self.cfg.publish_rows
-        n = len(cols["rank"])
-        todo = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
-        while todo:
-            lo, hi = todo.pop(0)
-            part = {k: v[lo:hi] for k, v in cols.items()}
-            data = encode_batch(kind, job, part, producer="rankwatch/streams", seq=ws // SEC,
-                                validate=False)
-            if len(data) > self.cfg.publish_max_bytes and hi - lo > 1:
-                mid = (lo + hi) // 2
-                todo[:0] = [(lo, mid), (mid, hi)]
-                continue
+        """rw.<kind> messages of at most `publish_rows` rows and `publish_max_bytes` encoded
+        (`encoded_parts`)."""
+        for data in encoded_parts(kind, job, ws, cols, rows=self.cfg.publish_rows,
+                                  max_bytes=self.cfg.publish_max_bytes):
             await self.publish(kind, job, data)
 
     async def _insert(self, table: str, job: str, cols: dict[str, np.ndarray], token: str) -> None:

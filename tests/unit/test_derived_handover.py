@@ -56,17 +56,22 @@ def test_a_rebalance_drops_lost_jobs_loads_gained_ones_and_keeps_the_rest() -> N
     asyncio.run(runner.restore())
     assert set(runner.windows.jobs) == {kept, moved} and stored.reads == 1
     runner.windows.closed(kept, "progress", 100 * SEC)  # live progress past its checkpoint
+    for job in (kept, moved):  # what the runner learned of each job between ticks
+        runner.job_state(job).recent_step = 2 * SEC
     asyncio.run(runner.restore())
     assert stored.reads == 1  # unchanged ownership: nothing read
 
     own.assign([0], 2)  # the other partition went to another worker
     asyncio.run(runner.restore())
     assert set(runner.windows.jobs) == {kept}
+    assert set(runner.jobs) == {kept}  # the lost job's state went with it, all of it
+    assert runner.jobs[kept].recent_step == 2 * SEC
     assert runner.windows.jobs[kept].kinds["progress"].next_start == 101 * SEC  # live, kept
 
     own.assign([0, 1], 2)  # and came back: its stored checkpoint, not what was held before
     asyncio.run(runner.restore())
     assert set(runner.windows.jobs) == {kept, moved}
+    assert runner.job_state(moved).recent_step is None  # learned again, not what it was
     assert runner.windows.jobs[moved].kinds["progress"].next_start == 200 * SEC
     assert runner.windows.jobs[kept].kinds["progress"].next_start == 101 * SEC
 

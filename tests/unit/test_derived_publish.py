@@ -1,21 +1,20 @@
-"""The derived runner's rw.<kind> messages stay under the size limit, whatever the row width.
-
-A 1,024-rank job's kernel summaries (60 s window, long kernel names) once made one 20,000-row
-message of 1.35 MB, over the Faust producer's request limit: the window's publish failed on every
-tick and its kernel_windows row was never written (found by `rankwatch bench streams`).
+"""The derived runner's rw.<kind> messages stay under the size limit, whatever the row width
+(`encoded_parts`: wide rows, e.g. a 1,024-rank job's kernel summaries with long kernel names,
+would otherwise make one message over the Faust producer's request limit, and the window's
+publish would fail on every tick); and a job whose windows keep failing is retried with backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from ingest.batch import decode_batch
 from streams.db import Database
-from streams.derived import DerivedConfig, DerivedRunner
+from streams.derived import DerivedConfig, DerivedRunner, encoded_parts
 
 
 def summaries(n: int) -> dict[str, np.ndarray]:
@@ -33,15 +32,11 @@ def summaries(n: int) -> dict[str, np.ndarray]:
 
 def publish(cols: dict[str, np.ndarray], *, publish_rows: int, publish_max_bytes: int
             ) -> list[bytes]:
-    sent: list[bytes] = []
-
-    async def capture(kind: str, job: str, data: bytes) -> None:
-        assert (kind, job) == ("kernel_summaries", "j")
-        sent.append(data)
-
-    runner = DerivedRunner(cast(Database, None), capture, DerivedConfig(
-        publish_rows=publish_rows, publish_max_bytes=publish_max_bytes))
-    asyncio.run(runner._publish("kernel_summaries", "j", 60 * 10**9, cols))
+    sent = list(encoded_parts("kernel_summaries", "j", 60 * 10**9, cols, rows=publish_rows,
+                              max_bytes=publish_max_bytes))
+    for m in sent:
+        b = decode_batch(m)
+        assert (b.kind, b.job_id) == ("kernel_summaries", "j")
     return sent
 
 
@@ -62,6 +57,14 @@ def test_small_batches_go_in_row_chunks_as_before() -> None:
     assert [len(decode_batch(m).cols["rank"]) for m in sent] == [100, 100, 50]
 
 
+class NoCheckpoints:
+    """A store with no `stream_state` rows: the runner's only read before its jobs' windows."""
+
+    async def aquery_columns(self, sql: str, params: Any = None) -> dict[str, np.ndarray]:
+        return {"job_id": np.array([], object), "kind": np.array([], object),
+                "next_start": np.array([], np.int64), "max_ns": np.array([], np.int64)}
+
+
 async def discard(kind: str, job: str, data: bytes) -> None:
     """A publish that sends nothing."""
 
@@ -72,10 +75,9 @@ def test_a_job_whose_windows_keep_failing_is_retried_with_backoff(
     max_retry_s, not recomputed on every tick; the other jobs go on."""
     now = [1000.0]
     monkeypatch.setattr("streams.derived.time.monotonic", lambda: now[0])
-    runner = DerivedRunner(cast(Database, None), discard,
+    runner = DerivedRunner(cast(Database, NoCheckpoints()), discard,
                            DerivedConfig(tick_s=0.25, max_retry_s=2.0))
-    runner.windows.restored = True  # nothing stored to restore (no database here)
-    runner.windows.owner_generation = runner.ownership.generation
+    asyncio.run(runner.restore())
     runner.windows.observe("bad", 10**9, 2 * 10**9)
     runner.windows.observe("good", 10**9, 2 * 10**9)
     calls: list[tuple[float, str]] = []
