@@ -13,7 +13,7 @@ Known traps this module is built around (faust-streaming 0.15.3, chdb 26.9):
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import os
 import time
@@ -26,6 +26,7 @@ import orjson
 from faust.streams import Stream
 from faust.types import StreamT
 
+from ingest.backoff import Backoff, retry
 from ingest.batch import BatchError, decode_batch
 from ingest.records import MODELS
 from ingest.topics import MAX_MESSAGE_BYTES, Topics
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 #: Exit code when the worker stops with rows it could not store (offsets left uncommitted).
 EXIT_UNSTORED = 75
+#: Waits (s) between tries of a topology insert or a dead letter's publish while the store or
+#: the broker is out: the first, and the most (ingest.backoff).
+RETRY_S = (0.2, 10.0)
 
 
 @dataclass(frozen=True)
@@ -188,22 +192,32 @@ class StreamsApp:
                                                      m.value or b"")])
 
     async def _retrying(self, write: Any) -> None:
-        delay = 0.2
-        while True:
-            try:
-                await write()
-                return
-            except Exception as e:
-                if refused_by_store(e):
-                    raise _Refused(e) from e
-                if self.stopping:
-                    raise
-                log.warning("jobs: storing topologies failed (%s: %s); retrying in %.1fs",
-                            type(e).__name__, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        """`write()`, retried while the store is out; _Refused when the store refuses the rows."""
+
+        def again(e: Exception, wait: float) -> bool:
+            if refused_by_store(e):
+                raise _Refused(e) from e
+            if self.stopping:
+                return False
+            log.warning("jobs: storing topologies failed (%s: %s); retrying in %.1fs",
+                        type(e).__name__, e, wait)
+            return True
+
+        await retry(write, Backoff(*RETRY_S), again)
 
     # -- dead letters and lifecycle --------------------------------------------------------
+
+    async def _send_dead_letter(self, key: bytes, value: bytes) -> None:
+        fut = await self.dlq_topic.send(key=key, value=value)
+        await fut
+
+    def _broker_again(self, e: Exception, wait: float) -> bool:
+        """Whether to publish a dead letter again after `e` (not once the worker stops)."""
+        if self.stopping:
+            return False
+        log.warning("publishing a dead letter failed (%s: %s); retrying in %.1fs",
+                    type(e).__name__, e, wait)
+        return True
 
     async def _dead_letters(self, dead: Sequence[DeadLetter]) -> None:
         """Durable in the DLQ topic before the source offsets are committed; also in SQL. A
@@ -212,21 +226,9 @@ class StreamsApp:
         stops: then the caller exits uncommitted and the message comes again)."""
         for d in dead:
             log.warning("dead letter %s[%d]@%d: %s", d.topic, d.partition, d.offset, d.reason())
-            value = orjson.dumps(d.to_json())
-            delay = 0.2
-            while True:
-                try:
-                    fut = await self.dlq_topic.send(key=f"{d.topic}:{d.partition}".encode(),
-                                                    value=value)
-                    await fut
-                    break
-                except Exception as e:
-                    if self.stopping:
-                        raise
-                    log.warning("publishing a dead letter failed (%s: %s); retrying in %.1fs",
-                                type(e).__name__, e, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 10.0)
+            send = functools.partial(self._send_dead_letter, f"{d.topic}:{d.partition}".encode(),
+                                     orjson.dumps(d.to_json()))
+            await retry(send, Backoff(*RETRY_S), self._broker_again)
         self.dead_lettered += len(dead)
         try:  # the topic has them: the table is a convenience and must not stop the stream
             await self.store.write_dead_letters(dead)

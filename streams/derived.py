@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ingest.backoff import Backoff
 from ingest.batch import TIME_COLUMN, Coded, RecordBatch, encode_batch
 from ingest.inflight import superseded
 from ingest.records import comm_kind_code_sql, declared_codes
@@ -371,6 +372,8 @@ def encoded_parts(kind: str, job: str, ws: int, cols: dict[str, np.ndarray], *, 
 class DerivedJob:
     """What the runner keeps of one job between ticks; dropped whole with the job."""
 
+    #: waits between tries of the job while its windows fail (tick_s doubling to max_retry_s)
+    backoff: Backoff
     #: how far the open iterations window has been previewed
     preview: Preview | None = None
     #: (wall clock, largest event time) at recent previews, oldest first (`pace_samples`)
@@ -382,9 +385,8 @@ class DerivedJob:
     recent_step: int | None = None
     #: the job's declared communicators (ids, kind codes), once its topology arrived
     topology: tuple[list[str], list[int]] | None = None
-    #: after failed ticks: monotonic time of the next try, and the wait that set it
+    #: after failed ticks: monotonic time of the next try
     retry_at: float = 0.0
-    retry_wait: float = 0.0
 
 
 class DerivedRunner:
@@ -414,7 +416,8 @@ class DerivedRunner:
         """The runner's state of `job`, new when it has none."""
         got = self.jobs.get(job)
         if got is None:
-            got = self.jobs[job] = DerivedJob()
+            got = self.jobs[job] = DerivedJob(
+                backoff=Backoff(self.cfg.tick_s, self.cfg.max_retry_s))
         return got
 
     async def restore(self) -> None:
@@ -440,14 +443,15 @@ class DerivedRunner:
                     continue
                 try:
                     done += await self._job(job)
-                    state.retry_at, state.retry_wait = 0.0, 0.0
+                    state.retry_at = 0.0
+                    state.backoff.reset()
                 except Exception as e:  # a failing job must not stall the others
                     log.debug("derived failure", exc_info=True)
                     self.stats.errors += 1
                     self.stats.last_error = f"{job}: {type(e).__name__}: {e}"
                     # a lasting failure must not recompute the job's windows on every tick
-                    wait = min(self.cfg.max_retry_s, max(self.cfg.tick_s, 2 * state.retry_wait))
-                    state.retry_at, state.retry_wait = time.monotonic() + wait, wait
+                    wait = state.backoff.next()
+                    state.retry_at = time.monotonic() + wait
                     log.warning("derived windows of %s failed (%s); retrying in %.2g s",
                                 job, self.stats.last_error, wait)
             return done

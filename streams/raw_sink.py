@@ -60,6 +60,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ingest.backoff import Backoff, retry
 from ingest.batch import TIME_COLUMN, BatchError, RecordBatch, decode_batch
 from ingest.units import SECOND as _NS
 from streams.writer import dedup_token, dedup_token_ranges
@@ -382,26 +383,28 @@ class RawSink:
 
     async def _write(self, batches: list[RecordBatch], token: str,
                      sources: list[tuple[int, int]]) -> int:
-        """One insert, retried while the store is out; raises _Refused when the store refuses
-        the rows themselves (`refused_by_store`)."""
-        delay = self.retry_initial_s
-        while True:
-            try:
-                n = await self.store.write(self.kind, batches, token, sources=sources)
-                self.stats.inserts += 1
-                return n
-            except Exception as e:  # the store's errors are many; see refused_by_store
-                self.stats.last_error = f"{type(e).__name__}: {e}"
-                if refused_by_store(e):
-                    self.stats.refused_inserts += 1
-                    raise _Refused(e) from e
-                self.stats.insert_retries += 1
-                if self.stopping():
-                    raise
-                log.warning("insert into %s failed (%s); retrying in %.1fs",
-                            self.table, self.stats.last_error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.retry_max_s)
+        """One insert, retried while the store is out (waits from `retry_initial_s` doubling up
+        to `retry_max_s`); raises _Refused when the store refuses the rows themselves
+        (`refused_by_store`)."""
+
+        async def insert() -> int:
+            return await self.store.write(self.kind, batches, token, sources=sources)
+
+        def again(e: Exception, wait: float) -> bool:  # the store's errors are many
+            self.stats.last_error = f"{type(e).__name__}: {e}"
+            if refused_by_store(e):
+                self.stats.refused_inserts += 1
+                raise _Refused(e) from e
+            self.stats.insert_retries += 1
+            if self.stopping():
+                return False
+            log.warning("insert into %s failed (%s); retrying in %.1fs",
+                        self.table, self.stats.last_error, wait)
+            return True
+
+        n = await retry(insert, Backoff(self.retry_initial_s, self.retry_max_s), again)
+        self.stats.inserts += 1
+        return n
 
 
 class _Refused(Exception):
