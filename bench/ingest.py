@@ -21,18 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from rankwatch import stack
+from rankwatch import http, stack
 from rankwatch.settings import Settings
 
 
 def sql(settings: Settings, query: str) -> str:
-    req = urllib.request.Request(f"http://{settings.bind_host}:{settings.sql_port}/",
-                                 data=query.encode(), method="POST")
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return str(resp.read().decode()).strip()
+    return http.post(f"http://{settings.bind_host}:{settings.sql_port}/", query.encode(),
+                     timeout=30).body.decode().strip()
 
 
 def run(records: int, batch_rows: int, home: Path, log: bool) -> dict[str, float]:

@@ -9,7 +9,6 @@ port, to make a receiver really unreachable (connection refused) for a while.
 
 from __future__ import annotations
 
-import http.server
 import json
 import random
 import shutil
@@ -17,12 +16,14 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from rankwatch import http
 
 
 class MissingService(RuntimeError):
@@ -57,10 +58,9 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: flo
         if proc.poll() is not None:
             raise RuntimeError(f"exited {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
+            if http.get(url, timeout=1).status == 200:
+                return
+        except OSError:  # http.HTTPFailure is one
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} not ready in {timeout} s: {log.read_text()[-2000:]}")
@@ -89,9 +89,9 @@ class Alertmanager:
 
     def alerts(self, **params: str) -> list[dict[str, Any]]:
         q = "&".join(f"{k}={v}" for k, v in params.items())
-        with urllib.request.urlopen(f"{self.url}/api/v2/alerts?{q}", timeout=5) as r:
-            out: list[dict[str, Any]] = json.loads(r.read())
-            return out
+        out: list[dict[str, Any]] = json.loads(
+            http.get(f"{self.url}/api/v2/alerts?{q}", timeout=5).body)
+        return out
 
 
 @contextmanager
@@ -143,7 +143,7 @@ class Receiver:
     status: int = 202
     port: int = field(default_factory=free_port)
     seen: list[Seen] = field(default_factory=list)
-    _server: http.server.ThreadingHTTPServer | None = None
+    _server: ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -153,7 +153,7 @@ class Receiver:
     def start(self) -> Receiver:
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 n = int(self.headers.get("Content-Length", "0"))
                 body = self.rfile.read(n)
@@ -167,8 +167,8 @@ class Receiver:
             def log_message(self, *_a: object) -> None:
                 pass
 
-        http.server.ThreadingHTTPServer.allow_reuse_address = True
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        ThreadingHTTPServer.allow_reuse_address = True
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
 

@@ -30,7 +30,6 @@ import signal
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation
 from ingest.topics import MAX_MESSAGE_BYTES
 from ingest.units import SECOND as SEC
-from rankwatch import stack
+from rankwatch import http, stack
 from rankwatch.kafka.broker import Broker
 from rankwatch.settings import Settings
 
@@ -300,11 +299,9 @@ STORM_SQL = "SELECT count() FROM system.numbers WHERE sipHash64(number) = 0"
 def _storm(settings: Settings, stop: threading.Event, soak: Soak) -> None:
     """Heavy queries through the SQL endpoint, one after another, until `stop`."""
     while not stop.is_set():
-        req = urllib.request.Request(f"http://{settings.bind_host}:{settings.sql_port}/",
-                                     data=STORM_SQL.encode(), method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=settings.sql_max_execution_time_s + 60):
-                pass
+            http.post(f"http://{settings.bind_host}:{settings.sql_port}/", STORM_SQL.encode(),
+                      timeout=settings.sql_max_execution_time_s + 60)
         except Exception:  # the time limit's error, or the worker being restarted
             soak.storm_queries += 1
             time.sleep(0.5)

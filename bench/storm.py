@@ -39,8 +39,6 @@ import re
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +52,7 @@ from ingest.batch import decode_batch
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation
 from ingest.topics import MAX_MESSAGE_BYTES
-from rankwatch import stack
+from rankwatch import http, stack
 from rankwatch.settings import Settings
 
 SEC = 1_000_000_000
@@ -113,8 +111,7 @@ class Storm:
 def counter(settings: Settings, pattern: re.Pattern[str]) -> int:
     """The sum over kinds of one of the worker's /metrics counters."""
     url = f"http://{settings.bind_host}:{settings.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as r:
-        text = r.read().decode()
+    text = http.get(url, timeout=30).body.decode()
     return int(sum(float(v) for v in pattern.findall(text)))
 
 
@@ -235,10 +232,9 @@ def pinger(settings: Settings, stop: threading.Event, run: Run, times: list[floa
     while not stop.is_set():
         t0 = time.monotonic()
         try:
-            with urllib.request.urlopen(url, timeout=10):
-                pass
+            http.get(url, timeout=10)
             times.append(time.monotonic() - t0)
-        except urllib.error.HTTPError:
+        except http.StatusError:
             times.append(time.monotonic() - t0)
             run.pings_unhealthy += 1
         except OSError:
@@ -250,13 +246,11 @@ def storm_thread(settings: Settings, name: str, sql: str, stop: threading.Event,
                  lock: threading.Lock) -> None:
     url = f"{stack.sql_endpoint(settings)}/"
     while not stop.is_set():
-        req = urllib.request.Request(url, data=sql.encode(), method="POST")
         code, t0 = 200, time.monotonic()
         try:
-            with urllib.request.urlopen(req, timeout=settings.sql_max_execution_time_s + 300):
-                pass
-        except urllib.error.HTTPError as e:
-            code = e.code
+            http.post(url, sql.encode(), timeout=settings.sql_max_execution_time_s + 300)
+        except http.StatusError as e:
+            code = e.status
         except OSError:
             code = 0
         with lock:

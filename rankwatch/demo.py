@@ -19,10 +19,9 @@ import sys
 import tempfile
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
-from rankwatch import stack
+from rankwatch import http, stack
 from rankwatch.settings import Settings
 
 FAULT = "hang rank=141 stage=bwd mb=2 at=12s"
@@ -31,10 +30,8 @@ JOB = ["--tp", "8", "--pp", "4", "--dp", "8", "--steps", "40", "--job-id", "demo
 
 
 def _sql(settings: Settings, query: str) -> str:
-    req = urllib.request.Request(stack.sql_endpoint(settings) + "/?default_format=PrettyCompact",
-                                 data=query.encode(), method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return str(r.read().decode())
+    return http.post(stack.sql_endpoint(settings) + "/?default_format=PrettyCompact",
+                     query.encode(), timeout=30).body.decode()
 
 
 def _report(settings: Settings, incident_id: str) -> str:

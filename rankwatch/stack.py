@@ -13,23 +13,20 @@ SIGTERM) → broker.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import random
 import secrets
 import socket
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
 
-from rankwatch import notify_service
+from rankwatch import http, notify_service
 from rankwatch.daemon import Daemon, Progress, connect_host, port_open, tail
 from rankwatch.kafka.admin import ensure_topics, probe
 from rankwatch.kafka.broker import KafkaCluster, local_nodes
@@ -134,10 +131,9 @@ def ping_store(settings: Settings, timeout: float = 1.0) -> str:
     """"" when the store's endpoint answers ``/ping``, else why not."""
     url = f"http://127.0.0.1:{settings.store_port}/ping"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = r.read(64).decode(errors="replace").strip()
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        return f"{url}: {getattr(e, 'reason', e)}"
+        body = http.get(url, timeout=timeout, limit=64).body.decode(errors="replace").strip()
+    except http.HTTPFailure as e:
+        return f"{url}: {e.reason}"
     return "" if body == "Ok." else f"{url} answered {body!r}"
 
 
@@ -166,12 +162,11 @@ def ping_worker(settings: Settings, timeout: float = 1.0) -> str:
     worker's own account when it answers that it is unhealthy)."""
     url = f"{sql_endpoint(settings)}/ping"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = r.read(4096).decode(errors="replace").strip()
-    except urllib.error.HTTPError as e:
-        return e.read(4096).decode(errors="replace").strip() or f"{url}: HTTP {e.code}"
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        return f"{url}: {getattr(e, 'reason', e)}"
+        body = http.get(url, timeout=timeout, limit=4096).body.decode(errors="replace").strip()
+    except http.StatusError as e:
+        return e.body.decode(errors="replace").strip() or f"{url}: HTTP {e.status}"
+    except http.Unreachable as e:
+        return f"{url}: {e.reason}"
     return "" if body == "Ok." else f"{url} answered {body!r}"
 
 

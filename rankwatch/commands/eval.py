@@ -308,7 +308,7 @@ LAG_SQL = {
 def feed_lags(endpoint: str, job_id: str) -> dict[str, dict[str, float]]:
     """p50/p90 (s) of each stage's storage lag for one job, through the worker's SQL endpoint
     (module docstring); a stage the endpoint cannot answer is left out."""
-    import urllib.request
+    from rankwatch import http
 
     out: dict[str, dict[str, float]] = {}
     job = "'" + job_id.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -316,10 +316,9 @@ def feed_lags(endpoint: str, job_id: str) -> dict[str, dict[str, float]]:
         q = (f"SELECT quantiles(0.5, 0.9)(lag) AS q, count() AS n FROM ({sql.format(job=job)}) "
              "FORMAT JSONEachRow")
         try:
-            req = urllib.request.Request(endpoint + "/", data=q.encode(), method="POST")
-            with urllib.request.urlopen(req, timeout=30) as r:
-                row = json.loads(r.read().decode().splitlines()[0])
-        except (OSError, ValueError, IndexError):
+            row = json.loads(http.post(endpoint + "/", q.encode(), timeout=30)
+                             .body.decode().splitlines()[0])
+        except (OSError, ValueError, IndexError):  # http.HTTPFailure is an OSError
             continue
         if int(row["n"]):
             out[name] = {"p50": round(row["q"][0] / 1e9, 3), "p90": round(row["q"][1] / 1e9, 3)}

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
+from rankwatch import http
 from rankwatch.settings import Settings
 
 #: Wait at most this long for the worker to accept the connection; the query itself may run for
@@ -58,20 +57,15 @@ def query_endpoint(url: str, sql: str, fmt: str, timeout: float = CONNECT_TIMEOU
     headers = {"Content-Type": "text/plain; charset=utf-8"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(f"{url}?{urllib.parse.urlencode({'default_format': fmt})}",
-                                 data=sql.encode(), method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body: bytes = r.read()
-            return body
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(e.read().decode(errors="replace").strip() or str(e)) from None
-    except urllib.error.URLError as e:
+        return http.post(f"{url}?{urllib.parse.urlencode({'default_format': fmt})}",
+                         sql.encode(), headers=headers, timeout=timeout).body
+    except http.StatusError as e:
+        raise RuntimeError(e.body.decode(errors="replace").strip() or str(e)) from None
+    except http.Unreachable as e:
         if isinstance(e.reason, ConnectionRefusedError | FileNotFoundError):
             raise NoEndpoint(f"{url}: {e.reason}") from None
         raise RuntimeError(f"{url}: {e.reason}") from None
-    except ConnectionRefusedError as e:
-        raise NoEndpoint(f"{url}: {e}") from None
 
 
 def query_direct(settings: Settings, sql: str, fmt: str) -> bytes:
