@@ -20,7 +20,7 @@ from diagnosis.conclusion import Conclusion
 from diagnosis.model import Diagnosis, Evidence, Status, Suspect, TriggerRef, confidence_label
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
-from ingest.records import comm_name_sql
+from ingest.records import COMM_KIND_CODES, comm_kind_code_sql, kind_code_sql
 
 Analysis = Callable[[Window, int], Conclusion | None]
 
@@ -48,6 +48,16 @@ def _q(s: str) -> str:
     return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def declared_codes_sql(job: str, source: str = "jobs FINAL") -> tuple[str, str]:
+    """ClickHouse SQL: the (`ids`, `codes`) arrays `comm_kind_code_sql` takes, read from the
+    topology of job `job` (an SQL string literal) in `source` (a table or subquery with the jobs
+    table's job_id, comm_ids and comm_kinds; empty arrays while the job has none): for a query
+    that stands alone, as an operator's does."""
+    where = f"FROM {source} WHERE job_id = {job}"
+    return (f"(SELECT any(comm_ids) {where})",
+            f"(SELECT any(arrayMap(k -> {kind_code_sql('k')}, comm_kinds)) {where})")
+
+
 def operator_sql(job_id: str, c: Conclusion, start_ns: int) -> list[str]:
     """Queries an operator would run next to see the evidence rows."""
     j = _q(job_id)
@@ -67,6 +77,10 @@ def operator_sql(job_id: str, c: Conclusion, start_ns: int) -> list[str]:
         out.append(f"SELECT rank, max(ts) AS last_beat FROM beats WHERE job_id = {j} AND rank IN "
                    f"({ranks}) GROUP BY rank")
     else:
+        # the job's dp communicators, decided as everywhere else (ingest.records, "Which kind
+        # of communicator a comm_id is"): its topology, else the comm_id's name
+        dp = (f"{comm_kind_code_sql('comm_id', *declared_codes_sql(j))} = "
+              f"{COMM_KIND_CODES['dp']}")
         out.append(f"SELECT rank, round(avg(data_next_wait) / 1e6, 2) AS data_ms, "
                    "round(avg(model_fwd_loss) / 1e6, 2) AS fwd_ms, round(avg(model_backward) / "
                    "1e6, 2) AS bwd_ms, round(avg(callbacks) / 1e6, 2) AS cb_ms, "
@@ -79,7 +93,7 @@ def operator_sql(job_id: str, c: Conclusion, start_ns: int) -> list[str]:
                    "ORDER BY rank, kernel")
         out.append(f"SELECT comm_id, op_seq, min(t_end - t_start) AS transfer_s, "
                    f"max(t_end - t_start) AS longest_wait_s FROM ops WHERE job_id = {j} AND "
-                   f"t_start >= {since} AND {comm_name_sql()} = 'dp' AND "
+                   f"t_start >= {since} AND {dp} AND "
                    "toUnixTimestamp64Nano(t_end) > 0 GROUP BY comm_id, op_seq "
                    "ORDER BY transfer_s DESC LIMIT 20")
     return out

@@ -14,11 +14,12 @@ the DP index in that case (cp > 1 is not modelled by any rule yet).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from ingest.records import JobTopology
+from ingest.records import JobTopology, comm_kind, comm_kinds
 
 Array = np.ndarray
 
@@ -34,12 +35,23 @@ class Grid:
     dp_index: Array
     tp_index: Array
     hosts: tuple[str, ...]
-    comm_kind: dict[str, str]  # comm_id -> kind
+    #: comm_id -> kind, as the topology declares (or the synthesized communicators are);
+    #: which kind any comm_id is: `kind_of`
+    comm_kind: dict[str, str]
     comm_members: dict[str, Array]  # comm_id -> member ranks in communicator order
 
     @property
     def world(self) -> int:
         return int(self.stage.size)
+
+    def kind_of(self, comm_id: str) -> str:
+        """The kind of a communicator ("" when unknown): the one decision, ingest.records
+        `comm_kind` — the kind declared here, else the kind the comm_id's name gives."""
+        return comm_kind(comm_id, self.comm_kind)
+
+    def kinds_of(self, comm_ids: Iterable[object]) -> Array:
+        """`kind_of` each of distinct comm_ids (object array)."""
+        return comm_kinds(comm_ids, self.comm_kind)
 
     def comms(self, kind: str) -> list[str]:
         """comm_ids of one kind, in topology order."""

@@ -19,7 +19,7 @@ from diagnosis.columns import Columns, codes, col, distinct, group_key, ints, la
 from diagnosis.groups import Grid, grid_of
 from diagnosis.rules.pipeline_ops import PipelineSpec
 from ingest.inflight import superseded
-from ingest.records import JobTopology, comm_kinds
+from ingest.records import JobTopology
 
 Array = np.ndarray
 KINDS = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")
@@ -92,7 +92,7 @@ class Window:
         if not ops:
             return np.zeros(0, dtype=object)
         uniq, inv = codes(col(ops, "comm_id"))
-        kinds = comm_kinds(uniq, self.grid.comm_kind)
+        kinds = self.grid.kinds_of(uniq)
         return np.asarray(kinds[inv], dtype=object)
 
     @cached_property
@@ -110,7 +110,7 @@ class Window:
                 # the first rank's rows of that step only (kinds per distinct comm_id)
                 mine = np.flatnonzero((rank == int(rank[0])) & (step == s))
                 uniq, inv = codes(col(ops, "comm_id"))
-                kinds = comm_kinds(uniq, self.grid.comm_kind)
+                kinds = self.grid.kinds_of(uniq)
                 kind = kinds[inv[mine]]
                 done = ints(ops, "t_end")[mine] > 0
                 k = int(((kind == "tp") & done).sum()) // max(2 * m, 1)

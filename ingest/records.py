@@ -234,7 +234,9 @@ class JobTopology(BaseModel):
 # ---------------------------------------------------------------------------------------------
 # Which kind of communicator a comm_id is
 #
-# One decision, used by the derived streams (numpy and ClickHouse SQL) and by diagnosis:
+# One decision, used by the derived streams (numpy and ClickHouse SQL), by diagnosis (the rules
+# through `diagnosis.groups.Grid.kind_of`) and by the operator's queries (the SQL, reading the
+# topology from the jobs table):
 #   1. the kind the job's topology declares for the comm_id (`Communicator.kind`);
 #   2. else the comm_id's name: its part before the first ':' when that part is a kind (the
 #      naming the simulator, the topology synthesis and the pipeline inference use:
@@ -283,15 +285,22 @@ def comm_name_sql(column: str = "comm_id") -> str:
     return f"splitByChar('{COMM_KIND_SEP}', toString({column}))[1]"
 
 
+def kind_code_sql(kind: str) -> str:
+    """ClickHouse SQL: the code (COMM_KIND_CODES, else COMM_KIND_OTHER) of the kind the SQL
+    expression `kind` names."""
+    known = ", ".join(f"'{k}'" for k in COMM_KIND_CODES)
+    code = ", ".join(str(c) for c in COMM_KIND_CODES.values())
+    return f"transform({kind}, [{known}], [{code}], {COMM_KIND_OTHER})"
+
+
 def comm_kind_code_sql(column: str = "comm_id", ids: str = "{ids:Array(String)}",
                        codes: str = "{codes:Array(Int8)}") -> str:
     """ClickHouse SQL: the kind code (as `comm_kind_codes`) of `column`, given the topology's
     declared comm_ids and their codes as two arrays (`ids`, `codes`: query parameters by
-    default, aligned with `declared_codes`)."""
-    known = ", ".join(f"'{k}'" for k in COMM_KIND_CODES)
-    code = ", ".join(str(c) for c in COMM_KIND_CODES.values())
+    default, aligned with `declared_codes`; or SQL that reads them from the jobs table,
+    diagnosis.engine.declared_codes_sql)."""
     return (f"toInt8(transform(toString({column}), {ids}, {codes}, "
-            f"transform({comm_name_sql(column)}, [{known}], [{code}], {COMM_KIND_OTHER})))")
+            f"{kind_code_sql(comm_name_sql(column))}))")
 
 
 def declared_codes(communicators: Iterable[tuple[str, str]]) -> tuple[list[str], list[int]]:

@@ -53,6 +53,7 @@ import numpy as np
 from scipy.stats import binom
 
 from diagnosis.rules.base import Finding
+from ingest.records import comm_kind
 
 RULE = "venustrace.arrival_order"
 #: communicator kind -> the stage its calls are (diagnosis vocabulary)
@@ -86,7 +87,7 @@ def _groups(rank: np.ndarray, comm: np.ndarray, seq: np.ndarray, t: np.ndarray,
             members: Mapping[str, np.ndarray], kinds: Mapping[str, str]) -> list[_Group]:
     out = []
     for c in np.unique(comm):
-        kind, m = kinds.get(str(c), ""), members.get(str(c))
+        kind, m = comm_kind(str(c), kinds), members.get(str(c))
         if kind not in STAGE or m is None or m.size < 2:
             continue
         rows = np.flatnonzero(comm == c)
@@ -112,7 +113,8 @@ def last_arrivers(rank: np.ndarray, comm: np.ndarray, seq: np.ndarray, op: np.nd
                   t_start: np.ndarray, members: Mapping[str, np.ndarray],
                   kinds: Mapping[str, str], hosts: Sequence[str] = (),
                   cfg: ArrivalConfig = DEFAULT) -> list[Finding]:
-    """Findings for the persistent last arrivers (module docstring), strongest first."""
+    """Findings for the persistent last arrivers (module docstring), strongest first.
+    `members` and `kinds`: the topology's communicators (comm_id -> ranks, declared kind)."""
     coll = ~np.isin(op.astype(str), ("Send", "Recv"))
     groups = [g for g in _groups(rank[coll], comm[coll], seq[coll], t_start[coll], members,
                                  kinds) if g.t.shape[0] >= cfg.min_calls]

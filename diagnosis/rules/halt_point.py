@@ -57,7 +57,7 @@ Array = np.ndarray
 def _is_dp(ops: Columns, grid: Grid, comm_codes: tuple[Array, Array] | None = None) -> Array:
     """Row mask of ops on `dp` communicators (one dictionary lookup per distinct comm_id)."""
     uniq, inv = codes(col(ops, "comm_id")) if comm_codes is None else comm_codes
-    kind = np.asarray([grid.comm_kind.get(str(c), "") == "dp" for c in uniq], dtype=bool)
+    kind = np.asarray([k == "dp" for k in grid.kinds_of(uniq)], dtype=bool)
     return kind[inv] if inv.size else np.zeros(0, dtype=bool)
 
 

@@ -122,7 +122,7 @@ def late_starts(ops: Columns, grid: Grid, now_ns: int,
         med_lag = float(np.median(lag[mine]))
         med_launch = float(np.median(launch[mine]))
         software = med_launch >= 0.5 * med_lag
-        kinds = sorted({grid.comm_kind.get(c, "world") for c, _, _ in hits},
+        kinds = sorted({_kind_label(grid, c) for c, _, _ in hits},
                        key=lambda k: KIND_ORDER.get(k, 9))
         comp: Component = "host_software" if software else "gpu_compute"
         out.append(Finding(
@@ -162,6 +162,13 @@ def _collapse_replicas(found: list[Finding], grid: Grid) -> list[Finding]:
     return sorted(out, key=lambda f: (KIND_ORDER.get(_first_kind(f), 9), -f.score))
 
 
+def _kind_label(grid: Grid, comm: str) -> str:
+    """How a finding names a communicator's kind: its kind (`Grid.kind_of`), and "world" for
+    one of no known kind — a group of ranks the job did not say more about (KIND_ORDER puts it
+    last)."""
+    return grid.kind_of(comm) or "world"
+
+
 def _first_kind(f: Finding) -> str:
     kinds = f.evidence.get("kinds")
     return str(kinds[0]) if isinstance(kinds, list) and kinds else "world"
@@ -193,7 +200,7 @@ def late_ends(ops: Columns, grid: Grid, now_ns: int,
         mine = late & (rank == r) & (comm == c)
         out.append(Finding(
             rule="mycroft.table3.late_end", culprit_ranks=(r,), kind="slowdown",
-            stage=f"{grid.comm_kind.get(c, 'world')} collectives", component=None, score=frac,
+            stage=f"{_kind_label(grid, c)} collectives", component=None, score=frac,
             labels=("late_end",), onset_ns=int(end[mine].min()),
             evidence={"comm_id": c, "late_fraction": round(frac, 3), "ops": n,
                       "median_end_lag_ns": float(np.median(lag[mine])),

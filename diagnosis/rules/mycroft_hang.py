@@ -67,7 +67,7 @@ class HangConfig:
 
 def op_stage(grid: Grid, comm: str, op: str) -> str:
     """The diagnosis stage of a call: "dp_allreduce" on a dp communicator, else "<kind> <op>"."""
-    kind = grid.comm_kind.get(comm, "")
+    kind = grid.kind_of(comm)
     if kind == "dp":
         return "dp_allreduce"
     return f"{kind} {op}".strip()
@@ -185,8 +185,7 @@ def _stalled_chunks(chunks: Columns, ops_key: set[tuple[str, int]], ranks: list[
         return {k: np.asarray(v)[:0] for k, v in chunks.items()}
     span = int(max(int(q.max()), max(k for _, k in wanted))) + 1
     keep = np.isin(cc * span + q, [c * span + k for c, k in wanted])
-    coll = np.asarray([grid.comm_kind.get(str(u), "") in COLLECTIVE_KINDS for u in uniq],
-                      dtype=bool)
+    coll = np.asarray([k in COLLECTIVE_KINDS for k in grid.kinds_of(uniq)], dtype=bool)
     keep &= coll[cc] | np.isin(ints(chunks, "rank"), ranks)
     return {k: np.asarray(v)[keep] for k, v in chunks.items()}
 

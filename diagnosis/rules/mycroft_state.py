@@ -160,8 +160,7 @@ def collective_rows(comm: Array, grid: Grid | None) -> Array:
     if grid is None or comm.size == 0:
         return np.zeros(comm.size, dtype=bool)
     uniq, inv = codes(comm)
-    coll = np.asarray([grid.comm_kind.get(str(c), "") in COLLECTIVE_KINDS for c in uniq],
-                      dtype=bool)
+    coll = np.asarray([k in COLLECTIVE_KINDS for k in grid.kinds_of(uniq)], dtype=bool)
     return np.asarray(coll[inv], dtype=bool)
 
 

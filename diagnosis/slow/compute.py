@@ -180,9 +180,9 @@ def _pass_of(ctx: Ctx, x: int, step: Array, t: Array) -> tuple[Array, Array]:
     ops = ctx.w.get("ops")
     grid = ctx.w.grid
     pp_comm = next((cm for cm, mem in grid.comm_members.items()
-                    if grid.comm_kind[cm] == "pp" and x in mem), "")
+                    if grid.kind_of(cm) == "pp" and x in mem), "")
     tp_comm = next((cm for cm, mem in grid.comm_members.items()
-                    if grid.comm_kind[cm] == "tp" and x in mem), None)
+                    if grid.kind_of(cm) == "tp" and x in mem), None)
     if not ops or tp_comm is None or ctx.w.spec.tp_ops_per_pass < 1:
         return kind, mb
     index = OpsIndex(ops, ranks=np.asarray([x]))

@@ -1,5 +1,6 @@
 """The one communicator-kind decision (ingest.records): numpy, the ClickHouse SQL generated from
-the same table, and how it relates to the rules it replaced."""
+the same table (the derived streams' and the operator's query), the diagnosis grid's accessor the
+rules read it through, and how it relates to the rules it replaced."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import numpy as np
 import orjson
 import pytest
 
+from diagnosis.conclusion import Conclusion
+from diagnosis.engine import declared_codes_sql, operator_sql
+from diagnosis.groups import Grid
 from ingest.records import (
     COMM_KIND_CODES,
     COMM_KIND_OTHER,
@@ -19,7 +23,6 @@ from ingest.records import (
     comm_kind_code_sql,
     comm_kind_codes,
     comm_kinds,
-    comm_name_sql,
     declared_codes,
 )
 
@@ -117,15 +120,41 @@ def test_sql_expression_decides_as_numpy(chdb_query: Query, declared: dict[str, 
         "comm_id", ids=f"CAST([{', '.join(map(_sql_str, ids))}] AS Array(String))",
         codes=f"CAST([{', '.join(map(str, codes))}] AS Array(Int8))")
     values = ", ".join(_sql_str(c) for c in IDS)
+    # the operator's query reads the topology from the jobs table (here: a row like its rows;
+    # without a topology, no row for the job at all)
+    source = (f"(SELECT 'j' AS job_id, CAST([{', '.join(map(_sql_str, declared))}] AS "
+              f"Array(String)) AS comm_ids, CAST([{', '.join(map(_sql_str, declared.values()))}]"
+              " AS Array(LowCardinality(String))) AS comm_kinds)")
+    job = "'j'" if declared else "'another job'"
+    operator = comm_kind_code_sql("comm_id", *declared_codes_sql(job, source))
     rows = chdb_query(f"SELECT comm_id, {expr} AS kind, toTypeName(kind) AS t, "
-                      f"{comm_name_sql()} = 'dp' AS named_dp FROM (SELECT toLowCardinality("
-                      f"arrayJoin([{values}])) AS comm_id) ORDER BY comm_id")
+                      f"{operator} = {COMM_KIND_CODES['dp']} AS operator_dp FROM (SELECT "
+                      f"toLowCardinality(arrayJoin([{values}])) AS comm_id) ORDER BY comm_id")
     got = {str(r[0]): (int(str(r[1])), str(r[2]), bool(r[3])) for r in rows}
     assert set(got) == set(IDS)
     want = dict(zip(IDS, comm_kind_codes(np.array(IDS, dtype=object), declared).tolist(),
                     strict=True))
     assert {c: k for c, (k, _, _) in got.items()} == want
     assert {t for _, t, _ in got.values()} == {"Int8"}
-    # the operator's query (diagnosis.engine.operator_sql): rule 2 alone
-    assert {c for c, (_, _, dp) in got.items() if dp} == {c for c in IDS
-                                                         if comm_kind_by_name(c) == "dp"}
+    # the operator's query (diagnosis.engine.operator_sql) picks the same dp communicators
+    assert {c for c, (_, _, dp) in got.items() if dp} == {c for c, k in want.items()
+                                                         if k == COMM_KIND_CODES["dp"]}
+
+
+def test_the_operators_dp_query_uses_the_decision() -> None:
+    c = Conclusion(kind="slowdown", ranks=(3,), stage="dp_allreduce", component=None,
+                   confidence=0.5)
+    dp_query = operator_sql("job-1", c, 10**18)[-1]
+    expr = comm_kind_code_sql("comm_id", *declared_codes_sql("'job-1'"))
+    assert f"{expr} = {COMM_KIND_CODES['dp']}" in dp_query and "FROM jobs FINAL" in expr
+
+
+def test_the_rules_read_kinds_through_the_grid() -> None:
+    """diagnosis rules ask the grid (`Grid.kind_of`), which asks ingest.records: on a declared
+    communicator the topology's kind, as the rules' own lookups gave."""
+    one = np.zeros(1, np.int64)
+    grid = Grid(tp=1, pp=1, dp=1, stage=one, dp_index=one, tp_index=one, hosts=("h",),
+                comm_kind=dict(DECLARED), comm_members={})
+    assert [grid.kind_of(c) for c in IDS] == [comm_kind(c, DECLARED) for c in IDS]
+    assert grid.kinds_of(IDS).tolist() == comm_kinds(IDS, DECLARED).tolist()
+    assert all(grid.kind_of(c) == k for c, k in DECLARED.items())
