@@ -28,8 +28,8 @@ def n_rows(cols: Columns) -> int:
 
 def distinct(x: Array) -> Array:
     """Sorted distinct values of a 1-D numeric array: `np.unique(x)` by one sort. numpy 2.4's
-    `np.unique` without return options takes a hashing path that is ~100× slower than a sort
-    when most values are distinct (4 M int64: 4.3 s against 0.03 s, measured here)."""
+    `np.unique` without return options takes a hashing path that is two orders of magnitude
+    slower than a sort when most of millions of values are distinct."""
     s = np.sort(np.asarray(x), kind="stable")
     if s.size < 2:
         return s

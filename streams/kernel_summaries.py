@@ -14,17 +14,17 @@ Where the events come from — memory when it provably holds the window, else th
   over two columns) and the buffer's copy is used only when its fingerprint is the same: after
   a restart (the buffer lacks what the previous worker stored), a retried write observed twice,
   or a buffer over its bound (`buffer_events` per job: the window is dropped from memory),
-  the fingerprints differ and the window is read back from the table. Reading 3.8 M events back
-  cost about as much worker CPU as storing them (the summarize stage measured 1.03 M events/s in
-  process, the KDE alone 4.3 M/s).
+  the fingerprints differ and the window is read back from the table. Memory comes first
+  because reading a large job's window of events back costs about as much worker CPU as storing
+  them (docs/architecture.md, "Kernel windows from memory"; throughput in docs/performance.md).
 - The raw table path reads rank slices of at most `max_events` events (memory bounded by that,
   not by the window or the run); the query returns cityHash64 of the kernel name and a second
   query over the same range maps the window's few distinct hashes to names.
 
 A key is `(rank · n_streams + stream code) · n_kernels + kernel code`, with stream and kernel
 codes dense per slice (a lookup table over the value range when it is small, else a sorted
-search: `np.unique` over millions of events cost 0.5 s each), so the KDE sees int64 keys and
-the names never travel per event.
+search: `np.unique` is slow over millions of events), so the KDE sees int64 keys and the names
+never travel per event.
 """
 
 from __future__ import annotations

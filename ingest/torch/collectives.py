@@ -11,10 +11,11 @@ peer, enqueue time, step) and arranges an OP_END at completion:
 - synchronous calls on gloo/CPU return complete: the end is the return time;
 - NCCL work (synchronous collectives are issued asynchronously and waited, exactly what torch
   does inside) is polled with ``Work.is_completed()``, which queries the work's CUDA end event
-  without blocking. Not its future: on a real GPU (PyTorch 2.11, NCCL 2.28, H100) an NCCL
-  future completes on the CPU as soon as the kernel is enqueued, so a callback would time every
-  collective at ~0.2 ms — a rank stuck 8 s in an AllReduce looked complete. The end is the
-  first touchpoint that sees the GPU done (a step's stages are touchpoints).
+  without blocking. Not its future: on a GPU (PyTorch 2.11, NCCL 2.28) an NCCL future
+  completes on the CPU as soon as the kernel is enqueued, so a callback would time every
+  collective at its enqueue and a rank stuck in an AllReduce would look complete
+  (native/README.md, "Status"). The end is the first touchpoint that sees the GPU done (a
+  step's stages are touchpoints).
 
 DDP's gradient all-reduces happen in C++ and bypass this API; `ddp.py` routes them through it
 with a comm hook. Calls the table below does not name (gather, scatter, object collectives built

@@ -14,9 +14,9 @@ ever *called*: the loader only has to find them. So we install
    ``*GetErrorString``/``*GetErrorName``, a message. `torch.cuda.is_available()` is then False and
    everything on the CPU (autograd, gloo) works.
 
-Cost measured here: one 539 MB download, ~25 s to install, ~2 s to build the stubs, 1.3 GB on
-disk — instead of ~2.6 GB of downloads and ~5 GB on disk with the CUDA wheels. A machine with a GPU
-should install torch normally; this is for CPU test machines and CI.
+That is the torch wheel alone — about a fifth of the CUDA build's downloads and a quarter of
+its disk — and stubs built in seconds. A machine with a GPU should install torch normally; this is
+for CPU test machines and CI.
 
 `torch_site()` returns the site directory (installing on first use, with progress on stderr) or
 None with the reason in `last_error`; callers add it to ``sys.path``/``PYTHONPATH``.

@@ -199,10 +199,10 @@ def worker_metrics(settings: Settings, sapp: StreamsApp, writer: ClickHouseWrite
 def release_free_memory() -> bool:
     """Hand the C allocator's free memory back to the system (glibc's malloc_trim; False where
     there is none). The worker's windows allocate and free hundreds of MB of arrays from several
-    threads, each with its own malloc arena, and glibc keeps what they freed: three identical
-    48-step jobs of 1,024 ranks left the worker at 944 / 1,272 / 1,626 MiB although Python and
-    numpy held under 230 MB (tracemalloc) and ClickHouse 26 MB; trimmed every 10 s, 495 / 558
-    MiB. A trim takes 10-55 ms, in a thread off the event loop."""
+    threads, each with its own malloc arena, and glibc keeps what they freed: untrimmed, the
+    worker's RSS grows with every large job although Python, numpy and ClickHouse hold far less
+    (docs/architecture.md, "Derived streams"; the worker's memory in docs/performance.md). A
+    trim can take tens of milliseconds, so the caller runs it in a thread off the event loop."""
     try:
         libc = ctypes.CDLL(None)
         trim = libc.malloc_trim
