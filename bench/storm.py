@@ -52,10 +52,10 @@ from ingest.batch import decode_batch
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation
 from ingest.topics import MAX_MESSAGE_BYTES
+from ingest.units import SECOND as SEC
 from rankwatch import http, stack
 from rankwatch.settings import Settings
 
-SEC = 1_000_000_000
 #: One block of one row: runs for seconds past a time limit of a few seconds (`{n}` elements).
 STUCK_SQL = "SELECT length(arraySort(arrayMap(x -> sipHash64(x), range({n}))))"
 _STORED = re.compile(r'^rankwatch_records_stored_total\{kind="\w+"\} (\S+)$', re.M)

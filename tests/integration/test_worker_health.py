@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from ingest.batch import encode_batch
+from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.commands.stack import format_status
 from rankwatch.kafka.admin import delete_topics
@@ -29,7 +30,6 @@ from tests.integration.test_disk_full import fill, small_disk  # noqa: F401 (a f
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_columns
 
-SEC = 1_000_000_000
 #: One block of one row: the engine checks its time limit between blocks, so this runs for
 #: seconds past a 1 s limit (~10 s on a loaded 2-core machine).
 STUCK_SQL = "SELECT length(arraySort(arrayMap(x -> sipHash64(x), range(20000000))))"

@@ -11,11 +11,10 @@ from typing import Any, cast
 
 import numpy as np
 
+from ingest.units import SECOND as SEC
 from streams.db import Database
 from streams.derived import DerivedRunner
 from streams.ownership import Ownership, job_partition
-
-SEC = 1_000_000_000
 
 
 class StoredState:

@@ -7,9 +7,9 @@ import numpy as np
 from diagnosis.groups import grid_of
 from diagnosis.rules.mycroft_flow import late_ends, late_starts, slow_flows
 from ingest.units import MILLISECOND as MS
+from ingest.units import SECOND as S
 from tests.unit.topo_fixtures import megatron_topology
 
-S = 1000 * MS
 GRID = grid_of(megatron_topology(1, 1, 4))  # one DP group dp:pp0:tp0 = [0, 1, 2, 3]
 COMM = "dp:pp0:tp0"
 

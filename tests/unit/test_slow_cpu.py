@@ -8,8 +8,7 @@ import numpy as np
 
 from diagnosis.conclusion import Suspicion
 from diagnosis.slow import cpu
-
-S = 1_000_000_000
+from ingest.units import SECOND as S
 
 
 def beats(share: dict[int, tuple[float, float]], comms: int = 2) -> dict[str, np.ndarray]:
