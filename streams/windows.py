@@ -17,10 +17,8 @@ Contract:
   kind's watermark is the minimum over the *live* sources of its input kinds
   (`WindowSpec.inputs`; all kinds when empty) of (largest event − allowed lateness): a source
   that is behind holds the windows back, so its rows are not cut off. A source silent for more
-  than `silent_gaps` of its own recent gaps between batches (within [`min_silent_ns`,
-  `silent_ns`] of wall clock; `silent_ns` while warming up) is not live: a dead host, or a
-  hung job that stops producing op records, cannot stall the windows (the heartbeat and
-  snapshot sources keep them moving), and a source that sends every 0.1 s is judged by that.
+  than `silent_ns` of wall clock is not live: a dead host, or a hung job that stops producing
+  op records, cannot stall the windows (the heartbeat and snapshot sources keep them moving).
   With no live input source the windows' inputs are as complete as they will be waited for,
   and the live sources of other kinds only say how far event time got: the windows close up to
   the job's largest event − `min_lateness_ns` (a late heartbeat in them only makes a liveness
@@ -71,7 +69,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ingest.units import SECOND as SEC
 
@@ -112,37 +110,23 @@ class WatermarkParams:
     learn_batches: int = 64
     warmup_batches: int = 8
     silent_ns: int = 2 * SEC
-    min_silent_ns: int = SEC // 2
-    silent_gaps: float = 4.0
     idle_ns: int = 10 * SEC
 
 
 @dataclass
 class Source:
-    """One (producer, raw kind) of a job: its largest event time, learned disorder and learned
-    cadence (wall time between its batches)."""
+    """One (producer, raw kind) of a job: its largest event time and learned disorder."""
 
     max_ns: int
     seen_wall_ns: int
     batches: int = 0
     disorder: deque[int] = field(default_factory=deque)
-    gaps: deque[int] = field(default_factory=deque)
 
     def lateness(self, p: WatermarkParams) -> int:
         if self.batches < p.warmup_batches:
             return p.lateness_ns
         learned = max(self.disorder, default=0) + p.margin_ns
         return min(p.lateness_ns, max(p.min_lateness_ns, learned))
-
-    def silent_after(self, p: WatermarkParams) -> int:
-        """Wall ns without a batch after which the source is not live: `silent_gaps` × the
-        longest of its recent gaps, within [`min_silent_ns`, `silent_ns`]; `silent_ns` while
-        warming up. A host agent sending every 0.1 s is silent after 0.5 s — a hang's last
-        op batch stops holding the windows back 1.5 s sooner — one whose jobs' steps take
-        seconds keeps the full `silent_ns`."""
-        if self.batches < p.warmup_batches or not self.gaps:
-            return p.silent_ns
-        return min(p.silent_ns, max(p.min_silent_ns, int(p.silent_gaps * max(self.gaps))))
 
 
 @dataclass
@@ -187,8 +171,9 @@ class Windows:
             if s.width_ns <= 0:
                 raise ValueError(f"{s.kind}: width_ns={s.width_ns} must be > 0")
         p = params or WatermarkParams()
-        self.params = replace(p, lateness_ns=lateness_ns,
-                              min_lateness_ns=min(p.min_lateness_ns, lateness_ns))
+        self.params = WatermarkParams(lateness_ns, min(p.min_lateness_ns, lateness_ns),
+                                      p.margin_ns, p.learn_batches, p.warmup_batches, p.silent_ns,
+                                      p.idle_ns)
         self.specs = {s.kind: s for s in specs}
         self.lateness_ns = lateness_ns
         self.clock = clock
@@ -239,10 +224,8 @@ class Windows:
             st.sources[key] = Source(t_max, now, 1)
             return
         src.disorder.append(max(0, src.max_ns - t_min))
-        src.gaps.append(max(0, now - src.seen_wall_ns))
         if len(src.disorder) > self.params.learn_batches:
             src.disorder.popleft()
-            src.gaps.popleft()
         src.max_ns = max(src.max_ns, t_max)
         src.seen_wall_ns = now
         src.batches += 1
@@ -266,8 +249,7 @@ class Windows:
             return -1
         inputs = self.specs[kind].inputs if kind is not None else ()
         now, p = self.clock(), self.params
-        live = {key: s for key, s in st.sources.items()
-                if now - s.seen_wall_ns <= s.silent_after(p)}
+        live = {key: s for key, s in st.sources.items() if now - s.seen_wall_ns <= p.silent_ns}
         mine = [s.max_ns - s.lateness(p) for (_, k), s in live.items() if not inputs or k in inputs]
         newest = max((s.seen_wall_ns for s in st.sources.values()),
                      default=st.restored_wall_ns)

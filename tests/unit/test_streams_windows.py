@@ -240,20 +240,3 @@ def test_a_start_not_yet_closed_is_checkpointed_open_and_restored_movable() -> N
     again.restore(rows + later)  # stream_state keeps both rows: the closed one wins
     again.observe("j", 90 * S, 91 * S)
     assert again.open_window("j", "p")[0] == 103 * S
-
-
-def test_a_source_is_silent_after_a_few_of_its_own_gaps() -> None:
-    """A source that sends every 0.1 s stops holding the windows back after 0.5 s of silence
-    (4 gaps, floored at min_silent_ns); one that sends every 1.5 s is waited for the whole
-    silent_ns (2 s). The beats go on meanwhile (a hang: no ops, beats)."""
-    for gap, quiet, live in ((S // 10, 6 * S // 10, False), (3 * S // 2, 3 * S // 2, True)):
-        wall = Wall()
-        w = learning(wall)
-        for i in range(8):  # ops: event time follows the wall clock
-            w.observe("j", 100 * S + i * gap, 100 * S + i * gap, source="h1", kind="ops")
-            wall.ns += gap
-        last_op = 100 * S + 7 * gap
-        wall.ns += quiet - gap
-        w.observe("j", last_op + quiet, last_op + quiet, source="h1", kind="beats")
-        held = w.watermark("j", "p") <= last_op
-        assert held == live, (gap, w.watermark("j", "p") - last_op)
