@@ -78,10 +78,12 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus.sort(key=lambda s: -s.score)
     sus, explained = _explained_links(sus, cfg)
     sus += explained
-    sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]))
+    sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]), ctx.lo_ns)
     top = sus[0]
-    kind: Kind = "jitter" if top.how == "sparse" or "intermittent" in top.summary \
-        else "slowdown"
+    # a rank starved of CPU over the whole span since the onset (`cpu.refine`) is a sustained
+    # slowdown, however spiky the stage it showed in
+    spiky = top.how == "sparse" or "intermittent" in top.summary
+    kind: Kind = "jitter" if spiky and cpu.RULE not in top.rules else "slowdown"
     stages = tuple(dict.fromkeys(s.stage for s in sus if s.stage))[:3]
     front = _frontier(ctx, top)
     argus = kernel_dist.confirm(ctx, top)

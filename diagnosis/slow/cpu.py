@@ -12,8 +12,14 @@ work, and on a GPU host it separates a starved launcher from a slower GPU.
 onset, its wait share is at least `min_share`, at least `rise` × its own share before the onset
 plus `margin`, and at least `rise` × its peers' median share since the onset plus `margin`
 (peers under the same contention — more runnable processes than cores everywhere — are not
-starved *relative* to each other: no re-label). Needs beats with counters on both sides of the
-onset; otherwise the suspect is returned as it is.
+starved *relative* to each other: no re-label). "Before" is the time of the judged baseline
+steps (from `base_from_ns`, the first judged step's start, taken from the last beat at or
+before it): the same steps the slowdown verdict compared against. A baseline reaching back to
+the process's start-up — imports, communicator set-up, every rank runnable at once — would
+measure the start-up's contention, not the rank's steady state (on a real 4-rank job, 0.51 of
+the wall clock waiting in the first seconds against 0.06 in the steps before the onset), and
+hide a starved rank behind it. Needs beats with counters on both sides of the onset;
+otherwise the suspect is returned as it is.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ RISE = 2.0
 MARGIN = 0.05
 
 
-def wait_shares(beats: Columns, since_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def wait_shares(beats: Columns, since_ns: int, base_from_ns: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ranks, wait share before `since_ns`, wait share from it) per rank with counters on
-    both sides (nan where a side has fewer than two beats). One beat row per communicator
-    repeats the same counters: rows are reduced to one per (rank, ts)."""
+    both sides (nan where a side has fewer than two beats). With `base_from_ns`, "before"
+    starts at each rank's last beat at or before it (module docstring). One beat row per
+    communicator repeats the same counters: rows are reduced to one per (rank, ts)."""
     wait = ints(beats, "sched_wait_ns", -1)
     ok = wait >= 0
     if not ok.any():
@@ -47,7 +55,10 @@ def wait_shares(beats: Columns, since_ns: int) -> tuple[np.ndarray, np.ndarray, 
     bounds = [*first.tolist(), rank.size]
     for i in range(ranks.size):  # per rank (not per record): a few thousand at most
         t, wt = ts[bounds[i]:bounds[i + 1]], wait[bounds[i]:bounds[i + 1]]
-        for out, sel in ((before, t < since_ns), (after, t >= since_ns)):
+        first = t.min()
+        if base_from_ns is not None and (t <= base_from_ns).any():
+            first = t[t <= base_from_ns].max()
+        for out, sel in ((before, (t < since_ns) & (t >= first)), (after, t >= since_ns)):
             if sel.sum() >= 2:
                 tt, ww = t[sel], wt[sel]
                 span = int(tt[-1] - tt[0])
@@ -56,13 +67,14 @@ def wait_shares(beats: Columns, since_ns: int) -> tuple[np.ndarray, np.ndarray, 
     return ranks, before, after
 
 
-def refine(beats: Columns, top: Suspicion, since_ns: int | None) -> Suspicion:
+def refine(beats: Columns, top: Suspicion, since_ns: int | None,
+           base_from_ns: int | None = None) -> Suspicion:
     """`top`, re-labelled as its host's CPU when its one rank was starved since `since_ns`
-    (module docstring); unchanged otherwise."""
+    against the baseline from `base_from_ns` (module docstring); unchanged otherwise."""
     if not beats or since_ns is None or len(top.ranks) != 1 or top.stage == "host cpu" \
             or "sched_wait_ns" not in beats:
         return top
-    ranks, before, after = wait_shares(beats, since_ns)
+    ranks, before, after = wait_shares(beats, since_ns, base_from_ns)
     x = top.ranks[0]
     hit = np.flatnonzero(ranks == x)
     if not hit.size:

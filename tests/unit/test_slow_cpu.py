@@ -51,3 +51,25 @@ def test_no_relabel_without_a_rise_against_peers_and_itself() -> None:
     assert cpu.refine(beats({1: (0.05, 0.6)}), TOP, None) == TOP
     host = Suspicion((0, 1), "data", "data_loader", 30e6)
     assert cpu.refine(beats({1: (0.05, 0.6)}), host, 10 * S) == host
+
+
+def test_the_baseline_is_the_judged_steps_not_the_start_up() -> None:
+    """Every rank waited 75 % of the time for its first 6 s (processes starting on shared
+    cores), then 5 %; from 10 s rank 1 waits 40 %. Judged from the start-up on, its baseline
+    (about 0.47) hides the rise; judged from the first baseline step (7 s) it is starved."""
+    ts = np.arange(0, 20 * S + 1, S // 2)
+    rows: list[tuple[int, int, int]] = []
+    for r in range(4):
+        after = 0.4 if r == 1 else 0.05
+        rate = np.where(ts < 6 * S, 0.75, np.where(ts < 10 * S, 0.05, after))
+        wait = np.concatenate([[0], np.cumsum(rate[:-1] * np.diff(ts))]).astype(np.int64)
+        rows += [(r, int(t), int(w)) for t, w in zip(ts, wait, strict=True)]
+    rank, t, w = (np.array(x) for x in zip(*rows, strict=True))
+    b = {"rank": rank, "ts": t, "sched_wait_ns": w, "sched_run_ns": t - w}
+    assert cpu.refine(b, TOP, 10 * S) == TOP  # the start-up in the baseline
+    out = cpu.refine(b, TOP, 10 * S, 7 * S)
+    assert (out.stage, out.component) == ("host cpu", "host_software")
+    _, before, _ = cpu.wait_shares(b, 10 * S, 7 * S)
+    assert np.allclose(before, 0.05)
+    # a baseline start before every beat: from the first beat, as without one
+    assert cpu.refine(b, TOP, 10 * S, -S) == TOP
