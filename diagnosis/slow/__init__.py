@@ -78,7 +78,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus.sort(key=lambda s: -s.score)
     sus, explained = _explained_links(sus, cfg)
     sus += explained
-    sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]), ctx.lo_ns)
+    sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]), ctx.lo_ns,
+                        ctx.step_ns)
     top = sus[0]
     # a rank starved of CPU over the whole span since the onset (`cpu.refine`) is a sustained
     # slowdown, however spiky the stage it showed in

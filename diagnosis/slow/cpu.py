@@ -9,8 +9,11 @@ does not. Nothing else in the records separates the two on a host whose "device"
 work, and on a GPU host it separates a starved launcher from a slower GPU.
 
 `refine` re-labels a slowdown suspect "host cpu" / host_software when, over the steps since its
-onset, its wait share is at least `min_share`, at least `rise` × its own share before the onset
-plus `margin`, and at least `rise` × its peers' median share since the onset plus `margin`
+onset, its wait share is at least `rise` × its own share before the onset plus `margin` and at
+least `rise` × its peers' median share since the onset plus `margin`, and the extra waiting
+accounts for at least half of the suspect's excess time per step (the cause must be big enough
+to be the cause: a rank of 50 ms steps waiting 20 % of the time where its peers wait 3 % lost
+about 9 ms a step to its CPU; a fixed floor on the share would miss it on short steps)
 (peers under the same contention — more runnable processes than cores everywhere — are not
 starved *relative* to each other: no re-label). "Before" is the time of the judged baseline
 steps (from `base_from_ns`, the first judged step's start, taken from the last beat at or
@@ -33,6 +36,7 @@ from diagnosis.conclusion import Suspicion
 
 RULE = "rankwatch.cpu_starved"
 MIN_SHARE = 0.2
+EXPLAIN = 0.5
 RISE = 2.0
 MARGIN = 0.05
 
@@ -68,9 +72,12 @@ def wait_shares(beats: Columns, since_ns: int, base_from_ns: int | None = None
 
 
 def refine(beats: Columns, top: Suspicion, since_ns: int | None,
-           base_from_ns: int | None = None) -> Suspicion:
+           base_from_ns: int | None = None, step_ns: float | None = None) -> Suspicion:
     """`top`, re-labelled as its host's CPU when its one rank was starved since `since_ns`
-    against the baseline from `base_from_ns` (module docstring); unchanged otherwise."""
+    against the baseline from `base_from_ns` (module docstring); unchanged otherwise. With the
+    job's step time `step_ns`, "starved" also means its extra waiting per step explains at least
+    `EXPLAIN` of the suspect's excess (`top.score`, ns per step); without it, a share of at
+    least `MIN_SHARE`."""
     if not beats or since_ns is None or len(top.ranks) != 1 or top.stage == "host cpu" \
             or "sched_wait_ns" not in beats:
         return top
@@ -86,8 +93,13 @@ def refine(beats: Columns, top: Suspicion, since_ns: int | None,
     if np.isnan(mine) or np.isnan(base) or not peers.size:
         return top
     peer = float(np.median(peers))
-    if mine < MIN_SHARE or mine < RISE * base + MARGIN or mine < RISE * peer + MARGIN:
+    if mine < RISE * base + MARGIN or mine < RISE * peer + MARGIN:
         return top
+    if step_ns is None:
+        if mine < MIN_SHARE:
+            return top
+    elif (mine - max(base, peer)) * step_ns < EXPLAIN * top.score:
+        return top  # its extra waiting is too small a part of its excess to be the cause
     return replace(top, stage="host cpu", component="host_software",
                    rules=(*top.rules, RULE),
                    summary=f"{top.summary}; rank {x} waited for a CPU {mine:.0%} of the time "

@@ -73,3 +73,19 @@ def test_the_baseline_is_the_judged_steps_not_the_start_up() -> None:
     assert np.allclose(before, 0.05)
     # a baseline start before every beat: from the first beat, as without one
     assert cpu.refine(b, TOP, 10 * S, -S) == TOP
+
+
+def test_with_the_step_time_the_extra_waiting_must_explain_the_excess() -> None:
+    """TOP's excess is 30 ms a step. At 100 ms steps, waiting 20 % of the time where it and its
+    peers waited 5 % costs 15 ms a step: half the excess, starved (a share the fixed 20 % floor
+    alone would not have admitted at 19 %). At 100 ms steps a rise from 5 % to 15 % costs
+    10 ms: a third of the excess, not its cause."""
+    out = cpu.refine(beats({1: (0.05, 0.2)}), TOP, 10 * S, step_ns=100e6)
+    assert (out.stage, out.component) == ("host cpu", "host_software")
+    assert cpu.refine(beats({1: (0.05, 0.19)}), TOP, 10 * S) == TOP  # no step time: the floor
+    assert cpu.refine(beats({1: (0.05, 0.15)}), TOP, 10 * S, step_ns=100e6) == TOP
+    # a longer step makes the same shares a bigger cost
+    assert cpu.refine(beats({1: (0.05, 0.16)}), TOP, 10 * S, step_ns=400e6).stage == "host cpu"
+    # every rank starved alike is still no relabel, whatever the cost
+    alike = beats({r: (0.05, 0.6) for r in range(4)})
+    assert cpu.refine(alike, TOP, 10 * S, step_ns=400e6) == TOP
