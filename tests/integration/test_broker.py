@@ -325,6 +325,7 @@ def test_a_stale_pid_file_reads_as_stopped(settings_factory):
 FAKE_WORKER = textwrap.dedent('''
     """Stands in for `rankwatch worker`: records the settings it sees, answers /ping."""
     import sys
+    import time
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     from rankwatch.settings import Settings
@@ -332,6 +333,10 @@ FAKE_WORKER = textwrap.dedent('''
     s = Settings.load()
     if "--fail" in sys.argv:
         sys.exit("boom: the fake worker refuses to start")
+    if "--never-ready" in sys.argv:  # still joining its consumer group: no SQL endpoint yet
+        print("fake worker: joining the consumer group", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
     (s.home / "worker-settings.json").write_text(s.model_dump_json())
 
 
@@ -348,14 +353,15 @@ FAKE_WORKER = textwrap.dedent('''
 
 @pytest.fixture
 def fake_worker(tmp_path, monkeypatch):
-    """Make `stack.up` start FAKE_WORKER; returns a function to make it fail instead."""
+    """Make `stack.up` start FAKE_WORKER; returns a function to make it fail instead (or,
+    given "--never-ready", keep starting and never answer /ping)."""
     script = tmp_path / "fake_worker.py"
     script.write_text(FAKE_WORKER)
     flags: list[str] = []
     # The marker argument lets the stack's pid check recognise it as a worker.
     monkeypatch.setattr(stack, "worker_command",
                         lambda s: [sys.executable, str(script), "--as", "rankwatch.cli", *flags])
-    return lambda: flags.append("--fail")
+    return lambda flag="--fail": flags.append(flag)
 
 
 def test_up_status_down_through_the_cli_functions(settings_factory, fake_worker):
@@ -392,6 +398,39 @@ def test_up_shows_the_log_of_a_worker_that_fails(settings_factory, fake_worker):
         assert stack.status(s)["kafka"]["healthy"]  # the broker stays up for `down`
     finally:
         stack.down(s, progress=lambda _: None)
+
+
+def test_up_gives_up_on_a_worker_never_ready_and_leaves_it_running(settings_factory, kafka,
+                                                                  fake_worker):
+    """A worker still starting (rejoining its group after an unclean stop can take the session
+    timeout) is not killed when `up` stops waiting: that would only start the rejoin over."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    s = settings_factory(kafka_bootstrap=kafka.bootstrap, topic_prefix=prefix)
+    fake_worker("--never-ready")
+    d = stack.worker_daemon(s)
+    pid = None
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(stack.StackError) as err:
+            stack.up(s, progress=lambda _: None, timeout=3)
+        waited = time.monotonic() - t0
+        pid = d.pid()
+        assert pid is not None, "the starting worker was stopped"
+        msg = str(err.value)
+        assert msg.startswith("worker: not ready within 3 s")
+        assert f"still running (pid {pid}) and was not stopped" in msg
+        assert "rankwatch status" in msg and "rankwatch down" in msg
+        assert "fake worker: joining the consumer group" in msg  # the end of its log
+        assert 3 <= waited < 30, waited
+        time.sleep(1)
+        assert d.is_alive(pid)
+        st = stack.status(s)["worker"]
+        assert st["running"] and not st["healthy"] and st["pid"] == pid
+    finally:
+        stack.down(s, progress=lambda _: None)
+        delete_topics(kafka.bootstrap, [t.name for t in s.topics.specs(s.kafka_partitions)])
+    assert pid is not None and not d.is_alive(pid)
+    assert d.pid() is None
 
 
 def test_storage_formats_with_a_cluster_id_that_starts_with_a_dash(settings_factory, monkeypatch):

@@ -2,7 +2,8 @@
 URLs and other servers reached, limits raised, session state left behind, the engine's own
 operations, several statements in one request. Each must be refused by the engine (readonly=1 on
 a fresh session, the engine's parser), the writer must keep its pace under heavy queries, and
-anywhere but loopback a token is required."""
+anywhere but loopback a token is required. The probes go both to an endpoint started in this
+process and through a real worker's endpoint (`rankwatch up`)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ingest.batch import encode_batch
+from rankwatch import stack
 from rankwatch.commands import sql as sql_command
 from streams.db import Database, SqlLimits
 from streams.sql_endpoint import start_sql_endpoint
 from tests.integration.conftest import SqlEndpoint, serve_sql
+from tests.integration.test_ingest_pipeline import Pipeline, pipeline  # noqa: F401 (a fixture)
 from tests.integration.test_sql_endpoint import http
+from tests.unit.test_poison_decode import valid_columns
 
 HEAVY = "SELECT count() FROM system.numbers WHERE sipHash64(number) = 0"
 
@@ -72,6 +77,32 @@ def test_hostile_probes_are_refused(sql_endpoint: SqlEndpoint, tmp_path: Path) -
                 "getSetting('max_result_rows'), getSetting('readonly')") == (
                     200, "0\t10000000\t1\n")
     assert http(sql_endpoint.url, "SELECT count() FROM beats") == (200, "1\n")
+
+
+def test_hostile_probes_are_refused_by_a_real_worker(pipeline: Pipeline,  # noqa: F811
+                                                     tmp_path: Path) -> None:
+    """The same probes through the SQL endpoint of a worker `rankwatch up` started, with its
+    own database and default settings: each refused, no file written, nothing left in the
+    session, and the worker unharmed (same process, healthy, still storing)."""
+    s = pipeline.settings
+    pid = stack.worker_daemon(s).pid()
+    assert pid is not None
+    url = stack.sql_endpoint(s) + "/"
+    for sql, code in probes(tmp_path, s.sql_port):  # url() aims at the worker's own endpoint
+        status, body = http(url, sql)
+        assert status == 400 and f"({code})" in body, (sql, status, body)
+        assert "Traceback" not in body
+    assert not any(tmp_path.iterdir())  # no file written
+    assert not list(s.home.rglob("f"))  # nor beside the worker (its working directory)
+    assert http(url, "SELECT currentDatabase() = 'system', getSetting('readonly')") == (
+        200, "0\t1\n")
+    pub = pipeline.publisher()
+    pub.publish("ops", encode_batch("ops", "after-probes",
+                                    valid_columns("ops", 100, time.time_ns())))
+    assert pub.flush(30) == 0
+    assert pipeline.wait_count("ops", 100, "job_id = 'after-probes'") == 100
+    assert stack.worker_daemon(s).pid() == pid
+    assert http(url + "ping") == (200, "Ok.\n")
 
 
 def test_memory_and_result_limits_hold(clickhouse_db: Database) -> None:
