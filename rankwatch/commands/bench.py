@@ -25,6 +25,7 @@ BENCHES = {
     "soak": "bench.soak",
     "scale": "bench.scale",
     "storm": "bench.storm",
+    "decode": "bench.decode",
 }
 
 
