@@ -98,18 +98,32 @@ def _inside_stage(w: Window, rank: int, step: int, now_ns: int | None = None
     where the rank is now — also when that is a step before the one its peers wait in (a rank
     stopped in its optimizer while its peers began the next step). In a pipeline, with
     `now_ns`, the pass's microbatch comes from the rank's own calls (`_pass_microbatch`):
-    "bwd mb=1 pp=1"."""
-    pos = current_stage(w.get("beats"), rank)
+    "bwd mb=1 pp=1"; a job without a pipeline or gradient accumulation runs one pass of each
+    kind a step, microbatch 0."""
+    pos = current_stage(w.get("beats"), rank, now_ns)
     if pos is None or pos[1] not in POSITION_STAGE:
         return None
     name, comp = POSITION_STAGE[pos[1]]
     name = name.format(pp=int(w.grid.stage[rank]))
+    if name.startswith(("fwd ", "bwd ")) and w.grid.pp <= 1 and w.topo.microbatches <= 1 \
+            and not _sends_p2p(w, rank):
+        return f"{name[:3]} mb=0 {name[4:]}", comp  # one pass a step: microbatch 0
     if name.startswith(("fwd ", "bwd ")) and now_ns is not None:
         m = _pass_microbatch(w, rank, pos[0] if pos[0] >= 0 else step, name.startswith("fwd"),
                              now_ns)
         if m is not None:
             name = f"{name[:3]} mb={m} {name[4:]}"
     return name, comp
+
+
+def _sends_p2p(w: Window, rank: int) -> bool:
+    """Whether `rank` issued point-to-point calls in the window: a pipeline stage, also where
+    the topology declares no pipeline (then its pass's stage index and microbatch are not
+    known from the topology)."""
+    ops = w.get("ops")
+    if not ops or "peer" not in ops:
+        return False
+    return bool(((ints(ops, "rank") == rank) & (ints(ops, "peer", -1) >= 0)).any())
 
 
 def _pass_microbatch(w: Window, rank: int, step: int, forward: bool, now_ns: int) -> int | None:
@@ -436,7 +450,8 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
         placed = hp is not None and w.grid.pp > 1 and (inside is None or stage == hp.stage) \
             and not {"ambiguous_fwd_bwd", "data_or_fwd"} & set(hp.labels)
         observed = inside is not None and stage == inside[0] and (
-            w.grid.pp <= 1 or " mb=" in inside[0] or not inside[0].startswith(("fwd", "bwd")))
+            (w.grid.pp <= 1 and not _sends_p2p(w, x)) or " mb=" in inside[0]
+            or not inside[0].startswith(("fwd", "bwd")))
         conf = 0.95 if placed or observed else 0.75
     ranks = tuple(sorted({int(r) for f in min_op for r in f.culprit_ranks}))
     labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))

@@ -14,9 +14,12 @@ import numpy as np
 from diagnosis.columns import Columns, col, ints
 
 
-def current_stage(beats: Columns, rank: int) -> tuple[int, str, int] | None:
-    """(step, stage, stage_ts) of `rank` from its newest beat that carries a position, or None
-    when none of its beats does (no beats, an old producer, a rank without a stage clock).
+def current_stage(beats: Columns, rank: int, at_ns: int | None = None
+                  ) -> tuple[int, str, int] | None:
+    """(step, stage, stage_ts) of `rank` from its newest beat that carries a position (with
+    `at_ns`: the newest at or before it — where the rank was at that moment, e.g. inside a stall
+    that has since ended), or None when none of its beats does (no beats, an old producer, a
+    rank without a stage clock).
 
     `stage` is "" when the rank was between stages (then `stage_ts` is when it left the last
     one); `step` is -1 when the rank times stages without numbering steps. Among beats of the
@@ -24,7 +27,10 @@ def current_stage(beats: Columns, rank: int) -> tuple[int, str, int] | None:
     if not beats or "rank" not in beats or "stage_ts" not in beats:
         return None
     stage_ts = ints(beats, "stage_ts", 0)
-    mine = np.flatnonzero((ints(beats, "rank") == rank) & (stage_ts > 0))
+    sel = (ints(beats, "rank") == rank) & (stage_ts > 0)
+    if at_ns is not None:
+        sel &= ints(beats, "ts", 0) <= at_ns
+    mine = np.flatnonzero(sel)
     if not mine.size:
         return None
     ts = ints(beats, "ts", 0)[mine]

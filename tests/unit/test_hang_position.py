@@ -144,3 +144,18 @@ def test_a_rank_that_joined_the_stuck_collective_just_now_waits_with_the_others(
     c = hang_rca.analyze(Window(dp_pair(), {"ops": collective(rows), "beats": beats}, 0, now),
                          now)
     assert c is not None and c.ranks == (1,) and "collective_desync" in c.labels
+
+
+def test_a_data_parallel_pass_is_microbatch_0_unless_the_rank_sends_p2p() -> None:
+    """Without a pipeline or gradient accumulation a rank runs one backward a step: its
+    position names microbatch 0. A rank that sends point to point is a pipeline stage the
+    topology does not declare: its pass's index and microbatch are unknown."""
+    b = beat(2, 9, "model.backward", 800 * MS)
+    b["rank"] = np.array([2])
+    c = collective([(r, "dp", 0, 10 * MS, 11 * MS) for r in range(4)])
+    w = Window(dp_pair(), {"ops": c, "beats": b}, 0, 900 * MS)
+    assert hang_rca._inside_stage(w, 2, 9, 900 * MS) == ("bwd mb=0 pp=0", "gpu_compute")
+    p2p = {k: np.concatenate([v, v[:1]]) for k, v in c.items()}
+    p2p["rank"][-1], p2p["peer"][-1], p2p["op"][-1] = 2, 3, "Send"
+    w = Window(dp_pair(), {"ops": p2p, "beats": b}, 0, 900 * MS)
+    assert hang_rca._inside_stage(w, 2, 9, 900 * MS) == ("bwd pp=0", "gpu_compute")

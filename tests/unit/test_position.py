@@ -39,3 +39,12 @@ def test_ties_on_ts_take_the_latest_entry() -> None:
 def test_old_beats_without_position_columns() -> None:
     assert current_stage({"rank": np.array([0]), "ts": np.array([1])}, 0) is None
     assert current_stage({}, 0) is None
+
+
+def test_position_at_a_moment_reads_no_later_beat() -> None:
+    """A stall that has ended is judged as of a moment inside it: where the rank was then."""
+    b = beats([(0, 100, 7, "data.next_wait", 60), (0, 200, 7, "data.next_wait", 60),
+               (0, 300, 7, "model.backward", 260)])
+    assert current_stage(b, 0, 250) == (7, "data.next_wait", 60)
+    assert current_stage(b, 0) == (7, "model.backward", 260)
+    assert current_stage(b, 0, 50) is None
