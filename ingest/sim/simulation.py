@@ -24,12 +24,74 @@ from ingest.batch import encode_batch, encode_topology
 from ingest.records import MODELS, JobTopology
 from ingest.sim.config import JobConfig
 from ingest.sim.emit import Clock, Cols, StepEmitter, anonymous_topology, comm_dictionary
-from ingest.sim.engine import Engine, OpGroup, StepResult, fault_onsets
+from ingest.sim.engine import PASS_F, PASS_OPT, Engine, OpGroup, StepResult, fault_onsets
 from ingest.sim.faults import Fault, FaultSet, parse_fault
 from ingest.sim.progress import ChunkSnapshots, Timeline, ticks_between, wr_events
 from ingest.sim.truth import TruthRecord, truth_records
 
 Record = tuple[float, str, Cols]
+
+#: the stage names a beat's position uses (ingest.records.Beat.stage; "" between stages)
+POSITION_STAGES = ("", "data.next_wait", "model.fwd_loss", "model.backward", "callbacks",
+                   "optim.step")
+_DATA, _FWD, _BWD, _CB, _OPT = 1, 2, 3, 4, 5
+
+
+class Positions:
+    """Each rank's position over time, as its stage clock publishes it into every beat
+    (ingest.records.Beat `step`, `stage`, `stage_ts`): a transition when the rank enters the
+    data stage (its step's start), a forward or backward pass (the pass's first compute
+    segment; the DP all-reduce after the last backward pass stays in backward, as DDP's does),
+    the optimizer and then callbacks. A rank hung inside a stage keeps its last transition;
+    transitions no beat can need any more are dropped as windows close."""
+
+    def __init__(self) -> None:
+        self.rank = np.zeros(0, np.int64)
+        self.t = np.zeros(0)
+        self.step = np.zeros(0, np.int64)
+        self.stage = np.zeros(0, np.int64)
+
+    def observe(self, res: StepResult, ranks: np.ndarray) -> None:
+        parts = [(ranks, res.t0.ravel(), _DATA)]
+        for g in res.segments:
+            if g.kind == PASS_OPT:
+                parts += [(ranks[g.pos], g.start, _OPT), (ranks[g.pos], g.start + g.dur, _CB)]
+            elif g.index == 0:
+                parts.append((ranks[g.pos], g.start, _FWD if g.kind == PASS_F else _BWD))
+        r = np.concatenate([p[0] for p in parts])
+        t = np.concatenate([p[1] for p in parts])
+        c = np.concatenate([np.full(p[0].size, p[2], np.int64) for p in parts])
+        ok = np.isfinite(t)
+        self.rank = np.concatenate([self.rank, r[ok]])
+        self.t = np.concatenate([self.t, t[ok]])
+        self.stage = np.concatenate([self.stage, c[ok]])
+        self.step = np.concatenate([self.step, np.full(int(ok.sum()), res.step, np.int64)])
+
+    def at(self, ranks: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(step, stage code, time entered) of each (rank, ts): the rank's last transition at
+        or before ts; (-1, 0, nan) where it has none yet."""
+        span = 1.0 + float(max(np.abs(self.t).max(initial=0.0), np.abs(ts).max(initial=0.0)))
+        key = self.rank * span + self.t
+        order = np.argsort(key, kind="stable")
+        i = np.searchsorted(key[order], ranks * span + ts, side="right") - 1
+        j = order[np.maximum(i, 0)]
+        ok = (i >= 0) & (self.rank[j] == ranks) if self.rank.size else np.zeros(ranks.size, bool)
+        return (np.where(ok, self.step[j] if self.rank.size else -1, -1),
+                np.where(ok, self.stage[j] if self.rank.size else 0, 0),
+                np.where(ok, self.t[j] if self.rank.size else np.nan, np.nan))
+
+    def forget_before(self, t: float) -> None:
+        """Drop transitions before `t` except each rank's last one before it."""
+        old = self.t < t
+        if not old.any():
+            return
+        idx = np.flatnonzero(old)
+        order = idx[np.lexsort((self.t[idx], self.rank[idx]))]
+        last = order[np.r_[self.rank[order][1:] != self.rank[order][:-1], True]]
+        keep = ~old
+        keep[last] = True
+        self.rank, self.t = self.rank[keep], self.t[keep]
+        self.step, self.stage = self.step[keep], self.stage[keep]
 
 
 class Simulation:
@@ -52,6 +114,7 @@ class Simulation:
         self.seq_lines = {k: Timeline(world, 1, "last") for k in self.kinds}
         self.wr_line = Timeline(world, 2, "sum")
         self.stuck: list[OpGroup] = []
+        self.positions = Positions()
         self.steps_done = 0
         self.stalled_at: float | None = None
         self.t_last = 0.0
@@ -98,6 +161,7 @@ class Simulation:
     def _observe(self, res: StepResult) -> float:
         """Feed timelines from a step; returns the step's release time."""
         step_max = -math.inf
+        self.positions.observe(res, self.ranks)
         for g in res.ops:
             alive = np.isfinite(g.t_start) & (g.t_start < self.emitter.death[g.pos])
             ranks = self.ranks[g.pos]
@@ -139,13 +203,19 @@ class Simulation:
         if not len(ranks):
             return
         host_ts = self.clock.ns(ts, ranks)
+        step, stage, entered = self.positions.at(ranks, ts)
+        known = np.isfinite(entered)
+        position = {"step": step, "stage": (stage, list(POSITION_STAGES)),
+                    "stage_ts": np.where(known, self.clock.ns(entered, ranks), 0)}
+        self.positions.forget_before(w0)
         for kind in self.kinds:
             seq = self.seq_lines[kind].sample(ranks, ts, w1)[:, 0]
             pos = np.empty(self.layout.world, np.int64)
             pos[self.ranks] = np.arange(self.layout.world)
             codes = self.comm_codes[kind][pos[ranks]]
             yield release, "beats", {"rank": ranks, "ts": host_ts,
-                                     "comm_id": (codes, self.comm_names), "last_op_seq": seq}
+                                     "comm_id": (codes, self.comm_names), "last_op_seq": seq,
+                                     **position}
 
     def _wr(self, w0: float, w1: float, release: float) -> Iterator[Record]:
         ranks, ts = self._tick_rows(w0, w1, self.cfg.wr_interval_ms / 1e3)
