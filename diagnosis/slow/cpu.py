@@ -10,19 +10,19 @@ work, and on a GPU host it separates a starved launcher from a slower GPU.
 
 `refine` re-labels a slowdown suspect "host cpu" / host_software when, over the steps since its
 onset, its wait share is at least `rise` × its own share before the onset plus `margin` and at
-least `rise` × its peers' median share since the onset plus `margin`, and the extra waiting
-accounts for at least half of the suspect's excess time per step (the cause must be big enough
-to be the cause: a rank of 50 ms steps waiting 20 % of the time where its peers wait 3 % lost
-about 9 ms a step to its CPU; a fixed floor on the share would miss it on short steps)
-(peers under the same contention — more runnable processes than cores everywhere — are not
-starved *relative* to each other: no re-label). "Before" is the time of the judged baseline
-steps (from `base_from_ns`, the first judged step's start, taken from the last beat at or
-before it): the same steps the slowdown verdict compared against. A baseline reaching back to
-the process's start-up — imports, communicator set-up, every rank runnable at once — would
-measure the start-up's contention, not the rank's steady state (on a real 4-rank job, 0.51 of
-the wall clock waiting in the first seconds against 0.06 in the steps before the onset), and
-hide a starved rank behind it. Needs beats with counters on both sides of the onset;
-otherwise the suspect is returned as it is.
+least `rise` × its peers' median share since the onset plus `margin` (peers under the same
+contention — more runnable processes than cores everywhere — are not starved *relative* to
+each other: no re-label), and its extra waiting accounts for at least half of its excess time
+per step: the cause must be big enough to be the cause (a rank of 50 ms steps waiting 20 % of
+the time where its peers wait 3 % loses about 9 ms a step to its CPU; a fixed floor on the
+share would miss it on short steps and admit noise on long ones). "Before" is the time of the
+judged baseline steps (from `base_from_ns`, the first judged step's start, taken from the
+last beat at or before it): the same steps the slowdown verdict compared against. A baseline
+reaching back to the process's start-up — imports, communicator set-up, every rank runnable
+at once — would measure the start-up's contention, not the rank's steady state (on a real
+4-rank job, 0.51 of the wall clock waiting in the first seconds against 0.06 in the steps
+before the onset), and hide a starved rank behind it. Needs beats with counters on both sides
+of the onset; otherwise the suspect is returned as it is.
 """
 
 from __future__ import annotations
