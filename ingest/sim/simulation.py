@@ -70,15 +70,17 @@ class Positions:
     def at(self, ranks: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(step, stage code, time entered) of each (rank, ts): the rank's last transition at
         or before ts; (-1, 0, nan) where it has none yet."""
-        span = 1.0 + float(max(np.abs(self.t).max(initial=0.0), np.abs(ts).max(initial=0.0)))
-        key = self.rank * span + self.t
+        if not self.rank.size:
+            return (np.full(ranks.size, -1, np.int64), np.zeros(ranks.size, np.int64),
+                    np.full(ranks.size, np.nan))
+        span = 1.0 + float(max(np.abs(self.t).max(), np.abs(ts).max(initial=0.0)))
+        key = self.rank * span + self.t  # one sorted axis: rank-major, then time
         order = np.argsort(key, kind="stable")
         i = np.searchsorted(key[order], ranks * span + ts, side="right") - 1
         j = order[np.maximum(i, 0)]
-        ok = (i >= 0) & (self.rank[j] == ranks) if self.rank.size else np.zeros(ranks.size, bool)
-        return (np.where(ok, self.step[j] if self.rank.size else -1, -1),
-                np.where(ok, self.stage[j] if self.rank.size else 0, 0),
-                np.where(ok, self.t[j] if self.rank.size else np.nan, np.nan))
+        ok = (i >= 0) & (self.rank[j] == ranks)
+        return (np.where(ok, self.step[j], -1), np.where(ok, self.stage[j], 0),
+                np.where(ok, self.t[j], np.nan))
 
     def forget_before(self, t: float) -> None:
         """Drop transitions before `t` except each rank's last one before it."""

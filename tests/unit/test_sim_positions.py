@@ -33,6 +33,8 @@ def test_a_hung_rank_beats_the_stage_it_is_inside() -> None:
 
 def test_positions_take_the_last_transition_and_forget_only_what_no_beat_needs() -> None:
     p = Positions()
+    step, stage, t = p.at(np.array([0, 1]), np.array([1.0, 2.0]))  # nothing observed yet
+    assert step.tolist() == [-1, -1] and stage.tolist() == [0, 0] and np.isnan(t).all()
     p.rank = np.array([0, 0, 0, 1, 1])
     p.t = np.array([1.0, 2.0, 3.0, 1.5, 2.5])
     p.step = np.array([0, 0, 0, 0, 0])
