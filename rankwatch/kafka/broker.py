@@ -139,6 +139,11 @@ class Broker:
             "group.initial.rebalance.delay.ms": "0",
             # Record batches aim at 64 KiB–1 MiB compressed; headroom as in docker-compose.yml.
             "message.max.bytes": str(MAX_MESSAGE_BYTES),
+            # The log cleaner (compacted topics: consumer offsets, Faust changelogs, all small
+            # key sets) allocates its dedupe buffer at start, 128 MiB by default: one
+            # contiguous block that a small heap (RANKWATCH_KAFKA_HEAP=256m) cannot always
+            # place, and the node dies of "Java heap space". 16 MiB holds ~700 k keys.
+            "log.cleaner.dedupe.buffer.size": str(16 << 20),
             "num.network.threads": "2",
             "num.io.threads": "4",
         }

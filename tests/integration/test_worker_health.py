@@ -43,13 +43,14 @@ def ping(settings: Settings) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-def wait_ping(settings: Settings, status: int, timeout: float, saying: str = ""
+def wait_ping(settings: Settings, status: int, timeout: float, *saying: str
               ) -> tuple[int, str]:
-    """Poll /ping until it answers `status` with `saying` in its body (or `timeout` s)."""
+    """Poll /ping until it answers `status` with every one of `saying` in its body (or
+    `timeout` s)."""
     deadline, got = time.monotonic() + timeout, (0, "")
     while time.monotonic() < deadline:
         got = ping(settings)
-        if got[0] == status and saying in got[1]:
+        if got[0] == status and all(s in got[1] for s in saying):
             return got
         time.sleep(0.2)
     return got
@@ -104,9 +105,10 @@ def test_a_stalled_consumer_is_reported_and_recovery_clears_it(disk_settings: Se
     for i in range(3):
         pub.publish("ops", encode_batch("ops", "during", valid_columns("ops", 100, t0 + i * SEC)))
     assert pub.flush(30) == 0
-    # the insert retrying for worker_stall_s, then (the health check sees the partition's
-    # commit stand still from its first look on) no commit for worker_stall_s
-    code, body = wait_ping(disk_settings, 503, 60, saying="consumer stalled on")
+    # both clocks run out within a second or so of each other, in either order: the insert
+    # retrying for worker_stall_s, and the partition's commit standing still for worker_stall_s
+    # from the health check's first look on
+    code, body = wait_ping(disk_settings, 503, 60, "consumer stalled on", "ingest of ops stalled")
     assert code == 503 and "consumer stalled on" in body, body
     assert "ingest of ops stalled" in body and "NOT_ENOUGH_SPACE" in body, body
     exit_code, text, js = status_cli(disk_settings)
