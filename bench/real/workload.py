@@ -61,6 +61,7 @@ import ingest.torch as rwt
 from bench.real.catalog import HOG
 from bench.real.labels import expected
 from ingest.torch import stages
+from ingest.torch.comms import host_name
 
 # a busy process that ends once its parent (the rank) is gone
 # emulated accelerator time per step (ms); the pipeline splits fwd/bwd over its microbatches
@@ -119,7 +120,7 @@ class Fault:
         self.started = True
         self.doc = {"job": self.args.job, "shape": self.args.shape, "world": self.world,
                     **self.info, "fault": self.kind, "spec": self.spec, "ranks": [self.rank],
-                    "host": socket.gethostname(), "pid": os.getpid(), "onset_ns": time.time_ns(),
+                    "host": host_name(), "pid": os.getpid(), "onset_ns": time.time_ns(),
                     "end_ns": 0, "onset_step": self.step0,
                     **expected(self.kind, self.stage, self.args.shape, pp_stage, mb)}
         if self.truth is not None:
@@ -162,11 +163,26 @@ class Fault:
         if self.kind == "slow" and stage == self.stage and self.active(step):
             time.sleep((self.factor - 1.0) * (time.perf_counter_ns() - t0_ns) / 1e9)
 
-    def link_delay(self, step: int) -> None:
-        """Before one of this rank's sends."""
-        if self.kind == "link" and self.active(step):
-            self.begin()
-            time.sleep(float(self.spec.get("delay_ms", 20.0)) / 1000)
+    def slow_link(self, job: Job, call: str, groups: tuple[Any, ...] = ()) -> None:
+        """A slower link on the culprit: from its fault step on, each of its process groups'
+        `call`s (``send``: p2p; ``allreduce``), on `groups` only when given, hands its data to
+        the transport ``delay_ms`` late. The delay is inside the traced call, as a slower wire
+        is: the op record spans it and the peer's matching call waits for it, while the rank's
+        compute stays as fast as before."""
+        if self.kind != "link" or not self.mine:
+            return
+        from torch._C._distributed_c10d import ProcessGroup
+        orig = getattr(ProcessGroup, call)
+        delay_s = float(self.spec.get("delay_ms", 20.0)) / 1000
+        fault = self
+
+        def late(pg: Any, *args: Any, **kwargs: Any) -> Any:
+            if fault.active(job.step) and (not groups or any(pg is g for g in groups)):
+                fault.begin()
+                time.sleep(delay_s)
+            return orig(pg, *args, **kwargs)
+
+        setattr(ProcessGroup, call, late)
 
     def side_group(self, groups: list[list[int]], mine: int) -> Any:
         """For ``desync``: a copy of the DP groups (every rank creates all of them, in order),
@@ -271,11 +287,11 @@ def train_ddp(job: Job) -> None:
     model = nn.parallel.DistributedDataParallel(mlp(a.width, 3))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     side = f.side_group([list(range(job.world))], 0)
+    f.slow_link(job, "allreduce")
     if f.kind == "link" or f.kind == "desync":
-        def hook(state: Any, bucket: Any) -> Any:  # the default all-reduce, late on the culprit
+        def hook(state: Any, bucket: Any) -> Any:  # the default all-reduce, from Python
             buf = bucket.buffer()
             buf.div_(job.world)
-            f.link_delay(job.step)
             f.desync(job.step, side)
             work = dist.all_reduce(buf, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
@@ -326,8 +342,9 @@ def train_pipeline(job: Job) -> None:
     fwd_s, bwd_s = job.dev["fwd"] / m, job.dev["bwd"] / m
     sends: list[Any] = []
 
+    f.slow_link(job, "send")
+
     def send(t: torch.Tensor, peer: int, step: int) -> None:
-        f.link_delay(step)
         sends.append((dist.isend(t.contiguous(), peer), t))
 
     def forward(i: int, step: int, xs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -394,8 +411,6 @@ def train_pipeline(job: Job) -> None:
         job.step_ns.append(time.perf_counter_ns() - t_step)
 
 
-# called before each TP all-reduce (the culprit's slow link delays them)
-_before_tp_reduce: list[Any] = [lambda: None]
 
 
 class _Reduce(torch.autograd.Function):  # type: ignore[misc]
@@ -404,7 +419,6 @@ class _Reduce(torch.autograd.Function):  # type: ignore[misc]
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.clone()
-        _before_tp_reduce[0]()
         dist.all_reduce(x, group=group)
         return x
 
@@ -424,7 +438,6 @@ class _Copy(torch.autograd.Function):  # type: ignore[misc]
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         g = g.clone()
-        _before_tp_reduce[0]()
         dist.all_reduce(g, group=ctx.group)
         return g, None
 
@@ -456,7 +469,7 @@ def train_tp(job: Job) -> None:
     rwt.name_group(tp_group, "tp")
     rwt.name_group(dp_group, "dp")
     side = f.side_group([[r * tp + t for r in range(dp)] for t in range(tp)], rank % tp)
-    _before_tp_reduce[0] = lambda: f.link_delay(job.step)
+    f.slow_link(job, "allreduce", (tp_group,))
     torch.manual_seed(rank % tp)  # the same shards on every replica
     model = nn.Sequential(TPBlock(a.width, tp, tp_group), TPBlock(a.width, tp, tp_group))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -486,9 +499,24 @@ def train_tp(job: Job) -> None:
         job.step_ns.append(time.perf_counter_ns() - t_step)
 
 
+def virtual_host(args: argparse.Namespace, rank: int, world: int) -> str:
+    """The host this rank reports (``RANKWATCH_HOST``), laid out as such a job is on a cluster:
+    each pipeline stage on a host of its own (PP hops cross a network), each TP group on one
+    (its collectives stay inside a host), a DDP job on this machine alone. The ranks all run
+    here; the names only give the diagnosis the layout it would see."""
+    me = socket.gethostname()
+    if args.shape == "pipeline" and args.pp > 1 and world % args.pp == 0:
+        return f"{me}-s{rank // (world // args.pp)}"
+    if args.shape == "tp" and args.tp > 1:
+        return f"{me}-t{rank // args.tp}"
+    return me
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch.set_num_threads(1)
+    os.environ["RANKWATCH_HOST"] = virtual_host(args, int(os.environ.get("RANK", "0")),
+                                                int(os.environ.get("WORLD_SIZE", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     info: dict[str, Any] = {"pp": args.pp if args.shape == "pipeline" else 1,
@@ -506,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.truth_dir:
         _write(Path(args.truth_dir) / "run.json", {
             "job": args.job, "shape": args.shape, "world": world, **info, "steps": args.steps,
-            "host": socket.gethostname(), "start_ns": t0, "end_ns": time.time_ns(),
+            "host": host_name(), "start_ns": t0, "end_ns": time.time_ns(),
             "step_ns": job.step_ns, "traced": rwt.active_tracer() is not None})
     dist.destroy_process_group()
 

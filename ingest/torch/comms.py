@@ -67,11 +67,19 @@ class CommTable:
 
     def write(self) -> None:
         doc = {"job_id": self.job_id, "rank": self.rank, "world_size": self.world_size,
-               "host": socket.gethostname(), "pid": os.getpid(), "parallel": self.parallel,
+               "host": host_name(), "pid": os.getpid(), "parallel": self.parallel,
                "comms": self.comms, "hosts": self.hosts}
         tmp = self.sidecar.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.sidecar)
+
+
+def host_name() -> str:
+    """The host a rank reports: ``RANKWATCH_HOST`` when set (the node's name where a rank's
+    container has a hostname of its own, e.g. a Kubernetes pod given the node name through the
+    downward API), else the machine's host name. Diagnoses name culprit hosts by it, and the
+    PP-link rule compares only hops between different hosts."""
+    return os.environ.get("RANKWATCH_HOST", "").strip() or socket.gethostname()
 
 
 class HostGather:
@@ -88,7 +96,7 @@ class HostGather:
     def __init__(self, store: Any, table: CommTable) -> None:
         self.store, self.table = store, table
         self.keys = [f"rankwatch/host/{r}" for r in range(table.world_size)]
-        store.set(self.keys[table.rank], socket.gethostname())
+        store.set(self.keys[table.rank], host_name())
 
     def poll(self) -> bool:
         """True when done (gathered, or given up)."""
