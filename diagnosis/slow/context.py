@@ -23,9 +23,9 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     own work that at least doubled (`absorbed_ratio`) and rose by `absorbed_z` × `z_change` of
     its own σ is named "absorbed" too while the job's step time does not move: the pipeline
     or the shared cores hide it today, its rank is still the one to look at — and
-    links are judged only in a peer set of `min_peers` (a gloo ring's transfer time moves with
-    the load of the few ranks it joins: on real 2-ring jobs under CPU contention one ring
-    "changed" beyond its own noise);
+    links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
+    time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
+    contention one ring "changed" beyond its own noise while the job's step time did not);
   - an *outlier* (`outlier`, persistent since before the window): only in a peer set of at
     least `min_peers` units, the unit's mean is `z_peers` robust deviations above its peers'
     means, and above the reference on at least 80 % of the steps. Two DP rings or two ranks of a
@@ -214,6 +214,32 @@ def _nanmedian(x: Array, axis: int = 0) -> Array:
         return np.asarray(np.nanmedian(x, axis=axis))
 
 
+#: a link's own rise is common to the job's links when the median rise of the others over the
+#: same steps reaches this share of it (a machine-wide stall lengthens every transfer)
+COMMON = 0.5
+
+
+def _common(m: Array, x: int, since: int, group: Array) -> bool:
+    """Whether unit `x`'s rise over its last `since` steps (median after − median before) is
+    shared by the other units over the same steps — its own peers (same `group`) or the job's
+    units at large: two links cannot say which one changed by themselves, but a change its
+    peer shows too, or most links show, is no one link's (a machine-wide stall)."""
+    if since >= m.shape[0] or m.shape[1] < 2:
+        return False
+    with np.errstate(all="ignore"):
+        rise = np.nanmedian(m[-since:], axis=0) - np.nanmedian(m[:-since], axis=0)
+    own = float(rise[x])
+    if not own > 0:
+        return False
+    others = np.arange(m.shape[1]) != x
+    for pick in (others & (group == group[x]), others):
+        r = rise[pick]
+        r = r[~np.isnan(r)]
+        if r.size and float(np.median(r)) >= COMMON * own:
+            return True
+    return False
+
+
 def job_change(ctx: Ctx, since: int) -> float:
     """How many standard errors the job's median step time over its last `since` steps lies
     above its median over the steps before (0 when there are too few of either): the robust
@@ -289,13 +315,26 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     else:
         tail = np.zeros(u, dtype=bool)
     # a link (job_gate off) in a peer set too small: its transfer time moves with the load
-    # of the few ranks it joins, and two rings cannot say which one changed — no verdict
-    tail &= job_gate | (peers >= cfg.min_peers)
+    # of the few ranks it joins, and two links cannot say which one changed by themselves —
+    # its change counts only when the job's step time rose with it (the gate of ranks), and
+    # it is a change of its own time, not of its excess over a peer (a peer that got faster
+    # because its other end now arrives late is no evidence against this one)
+    few = (not job_gate) & (peers < cfg.min_peers)
+    if few.any():  # judged on the link's newest known steps (a pair whose send has not
+        #            completed yet is unknown)
+        with np.errstate(all="ignore"):
+            base0 = _nanmedian(m[: n // 2], axis=0)
+            newest = ~np.isnan(m) & (np.cumsum(~np.isnan(m[::-1]), axis=0)[::-1] <= k + 2)
+            tail = np.where(few, (_nanmedian(np.where(newest, m, np.nan), axis=0)
+                                  > base0 + floor) & (newest.sum(axis=0) >= k), tail)
     for x in np.flatnonzero(~flag & present & tail).tolist():
-        res = _change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min)
+        res = (_change(ctx, m[:, x], m[:, x], None, floor, ratio_min) if few[x] else
+               _change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min))
         if res is None:
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
+        if few[x] and (not job_moved or _common(m, x, res[3], gi)):
+            continue
         hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change
         if job_moved or not job_gate or hidden:
             flag[x], exc[x], ratio[x], z[x] = True, res[0], res[1], res[2]
@@ -331,7 +370,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     return Verdict(flag, exc, ratio, z, how, since)
 
 
-def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
+def _change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
             ratio_min: float) -> tuple[float, float, float, int] | None:
     """(excess, ratio, z, steps since the onset) of a unit whose excess series `d` rose beyond
     its own noise over its newest steps; else None (the job's step time is the caller's to
@@ -339,20 +378,21 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
     is tried: the split counts when at least 80 % of the newest steps lie above the baseline's
     median + 2σ (σ: 1.4826 × the baseline's MAD, the unit's own noise) and their median rose
     by `z_change` σ and by the materiality floor; of those, the one whose rise is largest in
-    standard errors of the two medians is the onset."""
+    standard errors of the two medians is the onset. With `ref` None, `d` is the unit's own
+    quantity (`m`): its baseline is its reference, the excess its rise over it."""
     cfg = ctx.cfg
     k = cfg.onset_steps
     ok = ~np.isnan(d)
-    dd, mm, rr = d[ok], m[ok], ref[ok]
+    dd, mm = d[ok], m[ok]
     n = dd.size
     best: tuple[float, int, float] | None = None
     for length in range(k, n - k + 1):
         before, after = dd[:-length], dd[-length:]
         mb = float(np.median(before))
+        base = mb if ref is None else float(np.median(ref[ok][:-length]))
         # σ is at least 1 % of the reference and 0.1 % of the step: a quantity that is ~0 on
         # every peer (a stage made only of waiting) has no noise to measure a rise against
-        sd = max(_spread(before), 0.01 * float(np.median(rr[:-length])), 1e-3 * ctx.step_ns,
-                 1.0)
+        sd = max(_spread(before), 0.01 * base, 1e-3 * ctx.step_ns, 1.0)
         if np.mean(after > mb + 2 * sd) < 0.8:
             continue
         rise = float(np.median(after)) - mb
@@ -366,11 +406,17 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float,
     if best is None:
         return None
     _, run, zx = best
+    steps_since = d.size - int(np.flatnonzero(ok)[n - run])  # judged steps, gaps included
     with np.errstate(all="ignore"):
-        ratio = float(np.mean(mm[-run:]) / np.mean(rr[-run:]))
+        if ref is None:
+            before = float(np.median(mm[:-run]))
+            ratio = float(np.mean(mm[-run:]) / before) if before > 0 else float("inf")
+            if ratio < ratio_min:
+                return None
+            return float(np.mean(mm[-run:])) - before, ratio, zx, steps_since
+        ratio = float(np.mean(mm[-run:]) / np.mean(ref[ok][-run:]))
     if ratio < ratio_min:
         return None
-    steps_since = d.size - int(np.flatnonzero(ok)[n - run])  # judged steps, gaps included
     return float(np.mean(np.maximum(dd[-run:], 0.0))), ratio, zx, steps_since
 
 

@@ -2,7 +2,8 @@
 shorter of the two calls' times — the later poster's; the other includes waiting for it (the
 AR node argument of VenusTrace §3.2.2 applied to a p2p pair) — summed per (step, link), and
 compared with the links between the same pair of stages (`judge`: no cross-link verdict in a
-peer set smaller than `min_peers`, only a change against the link's own noise).
+peer set smaller than `min_peers`, only a change against the link's own noise, and there only
+while the job's step time rose with it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     reference is the lower quartile over links of the same (sender stage, receiver stage);
     only hops between hosts are examined (a NIC carries them); thresholds as for the DP rings.
     A flagged link names its sender, whose NIC posts the data (component nic_rdma; stage
-    dp_allreduce, the convention for a NIC culprit: the ring its NIC also carries) when its
+    pp_p2p, where the slower transfers were seen) when its
     typical (median) transfer is slower by `net_ratio`, else its proxy (host_software: a few
     transfers stall, Mycroft #7's intermittent late start), unless
     another suspect already names the rank — a slower GPU or PCIe path of a rank is that
@@ -33,12 +34,17 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     ops = ctx.w.get("ops")
     if not ops or "peer" not in ops:
         return []
-    rows = np.flatnonzero(ctx.ops_of_kind("pp") & ctx.ops_recent())
-    if rows.size == 0:
-        return []
+    # a PP transfer is a Send or Recv between ranks of different stages, on whichever
+    # communicator the job sends it (its PP group, or the default group as plain
+    # torch.distributed.isend does)
     uniq, code = codes(col(ops, "op"))
-    send_code = int(np.searchsorted(uniq, "Send"))
+    send_code, recv_code = (int(np.searchsorted(uniq, name)) for name in ("Send", "Recv"))
     if send_code >= uniq.size or str(uniq[send_code]) != "Send":
+        return []
+    has_recv = recv_code < uniq.size and str(uniq[recv_code]) == "Recv"
+    p2p_op = (code == send_code) | ((code == recv_code) if has_recv else False)
+    rows = np.flatnonzero(p2p_op & ctx.ops_recent())
+    if rows.size == 0:
         return []
     send = code[rows] == send_code
     world = ctx.w.grid.world
@@ -46,8 +52,9 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     peer = ints(ops, "peer")[rows]
     src, dst = np.where(send, rank, peer), np.where(send, peer, rank)
     hosts = host_codes(ctx.w)
-    ok = (peer >= 0) & (peer < world) & (rank < world)
-    ok[ok] = hosts[src[ok]] != hosts[dst[ok]]  # a NIC carries the hop
+    ok = (peer >= 0) & (peer < world) & (rank >= 0) & (rank < world)
+    ok[ok] = (hosts[src[ok]] != hosts[dst[ok]]) & (  # a NIC carries the hop
+        ctx.stage_of[src[ok]] != ctx.stage_of[dst[ok]])
     rows, send, src, dst, rank = rows[ok], send[ok], src[ok], dst[ok], rank[ok]
     if rows.size == 0:
         return []
@@ -102,7 +109,7 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
         like = tr[cols[cls == cls[i]]][:, hot]
         typical = float(np.nanmedian(tr[cols[i]][hot])) / max(float(np.nanmedian(like)), 1.0)
         nic = typical >= ctx.cfg.net_ratio
-        out.append(Suspicion((x,), "dp_allreduce", "nic_rdma" if nic else "host_software",
+        out.append(Suspicion((x,), "pp_p2p", "nic_rdma" if nic else "host_software",
                              float(exc[i]), ("venustrace.ar_node",),
                              f"rank {x}: its PP transfers to rank {int(ld[i])} take "
                              f"{ratio[i]:.2f}x those of like links, +{exc[i] / 1e6:.1f} ms/step "

@@ -341,3 +341,59 @@ def test_argus_l3_on_the_kernel_summaries_confirms_a_slower_kernel() -> None:
     plain = slow.analyze(w, now)  # no summaries stored: ARGUS did not run, and says so
     assert plain is not None and "argus.l3" not in {f.rule for f in plain.findings}
     assert c.confidence >= plain.confidence
+
+
+def _links(rng: np.random.Generator, steps: int = 40) -> np.ndarray:
+    """Four p2p links (two per pair of stages: groups [0, 0, 1, 1]), 12 ms per step each."""
+    return 12e6 * (1 + 0.05 * rng.standard_normal((steps, 4)))
+
+
+def test_a_link_in_a_small_peer_set_counts_only_by_its_own_rise_with_the_job() -> None:
+    """Two links per pair of stages are too few to compare. A link whose own transfer time
+    rose beyond its own noise, while the job's step time rose with it and its peer link did
+    not move, is named; its peer, whose excess over the pair's reference rose only because
+    the slower link's other end now arrives late and the third link got faster, is not."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(11)
+    m = _links(rng)
+    m[-10:, 1] += 34e6  # the slow link
+    m[-10:, 3] *= 0.3  # the reverse hop: its receiver is now late, the data is there
+    groups = np.array([0, 0, 1, 1])
+    job = np.full(40, 70e6) + rng.normal(0, 2e6, 40)
+    job[-10:] += 28e6
+    v = context.judge(_ctx(w, 40, job, step_ns=70e6), m, 1.2, groups, floor=2e6, job_gate=False)
+    assert v.flag.tolist() == [False, True, False, False]
+    assert v.how[1] == "change" and v.exc[1] > 30e6 and v.ratio[1] > 3
+    # the same rise while the job's step time stays flat: no verdict in a peer set of two
+    flat = np.full(40, 70e6) + rng.normal(0, 2e6, 40)
+    assert not context.judge(_ctx(w, 40, flat, step_ns=70e6), m, 1.2, groups, floor=2e6,
+                             job_gate=False).flag.any()
+
+
+def test_a_rise_every_link_shows_is_no_links() -> None:
+    """A machine-wide stall lengthens every transfer for a few steps: the job slowed, each
+    link rose beyond its own noise, but its peer link rose as well — no link is named."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(12)
+    m = _links(rng)
+    m[-6:] += np.array([30e6, 40e6, 15e6, 12e6])
+    job = np.full(40, 70e6) + rng.normal(0, 2e6, 40)
+    job[-6:] += 45e6
+    v = context.judge(_ctx(w, 40, job, step_ns=70e6), m, 1.2, np.array([0, 0, 1, 1]),
+                      floor=2e6, job_gate=False)
+    assert not v.flag.any()
+
+
+def test_a_links_change_is_seen_through_its_newest_steps_not_known_yet() -> None:
+    """A link's newest steps may be unknown (nan: pairs whose send has not completed): its
+    change is judged on the newest steps that are known."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(14)
+    m = _links(rng)
+    m[-12:, 1] += 34e6
+    m[-4:, :] = np.nan
+    job = np.full(40, 70e6) + rng.normal(0, 2e6, 40)
+    job[-12:] += 28e6
+    v = context.judge(_ctx(w, 40, job, step_ns=70e6), m, 1.2, np.array([0, 0, 1, 1]),
+                      floor=2e6, job_gate=False)
+    assert v.flag.tolist() == [False, True, False, False]
