@@ -22,7 +22,6 @@ import pytest
 from confluent_kafka import Consumer
 
 from diagnosis.model import Diagnosis
-from ingest.records import MODELS
 from rankwatch import stack
 from rankwatch.commands.stack import format_status
 from rankwatch.daemon import Daemon
@@ -31,6 +30,7 @@ from rankwatch.settings import Settings
 from streams.db import Database
 from streams.ownership import job_partition
 from tests.conftest import free_ports
+from tests.integration.job_checks import derived, poll_diagnosis, published_rows, wait_stored
 
 PARTITIONS = 4
 _ASSIGNED = re.compile(r"assigned partitions \[([0-9, ]*)\] of (\d+) of (\S+?):")
@@ -102,50 +102,29 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
     got: list[Diagnosis] = []
     killed_at = None
     db = Database(stack.store_url(settings), settings.clickhouse_database, create=False)
+
+    def rows(sql: str) -> list[tuple[int, ...]]:
+        return [tuple(r) for r in db.query(sql).result_rows]
+
     try:
         deadline = time.monotonic() + 80
         # until the job ends, or later while no incident was announced yet (a loaded machine)
         while time.monotonic() < deadline and (sim.poll() is None or killed_at is None):
-            m = c.poll(0.5)
-            if m is not None and not m.error():
-                d = Diagnosis.model_validate_json(m.value() or b"{}")
-                if d.job_id == job:
-                    got.append(d)
+            if (d := poll_diagnosis(c, job, 0.5)) is not None:
+                got.append(d)
             if got and killed_at is None:  # the incident is open: kill its owner
                 pid = daemons[owner].pid()
                 assert pid is not None
                 Daemon._signal(pid, signal.SIGKILL)
                 killed_at = time.monotonic()
         out, _ = sim.communicate(timeout=30)
-        summary = json.loads(out)
+        want = published_rows(json.loads(out))
         # every raw row stored once: wait for the survivor to drain the job's partition
-        want = {k: summary["rows_by_kind"].get(k, 0) for k in MODELS}
-        stored: dict[str, int] = {}
-        while time.monotonic() < deadline + 30:
-            stored = {k: int(db.query(f"SELECT count() FROM {k} WHERE job_id = {{j:String}}",
-                                      {"j": job}).result_rows[0][0]) for k in want}
-            if stored == want:
-                break
-            time.sleep(1)
+        stored = wait_stored(rows, job, want, deadline + 30 - time.monotonic())
         for _ in range(8):  # later versions (re-checks on the survivor), if any
-            m = c.poll(0.5)
-            if m is not None and not m.error():
-                d = Diagnosis.model_validate_json(m.value() or b"{}")
-                if d.job_id == job:
-                    got.append(d)
-        progress = db.query(
-            "SELECT count(DISTINCT window_end), toUnixTimestamp64Nano(min(window_end)), "
-            "toUnixTimestamp64Nano(max(window_end)) FROM progress WHERE job_id = {j:String}",
-            {"j": job}).result_rows[0]
-        missing_steps = db.query(
-            "SELECT count() FROM (SELECT DISTINCT rank, step FROM stages WHERE "
-            "job_id = {j:String} AND t_start < "
-            "(SELECT max(t_end) FROM iterations WHERE job_id = {j:String})"
-            " - INTERVAL 10 SECOND) AS s LEFT ANTI JOIN (SELECT DISTINCT rank, step FROM "
-            "iterations WHERE job_id = {j:String}) AS i USING (rank, step)",
-            {"j": job}).result_rows[0][0]
-        steps_done = db.query("SELECT count() FROM (SELECT DISTINCT rank, step FROM iterations "
-                              "WHERE job_id = {j:String})", {"j": job}).result_rows[0][0]
+            if (d := poll_diagnosis(c, job, 0.5)) is not None:
+                got.append(d)
+        gaps = derived(rows, job).problems(min_windows=21)
     finally:
         sim.kill()
         c.close()
@@ -164,6 +143,4 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
     assert re.search(rf"assigned partitions \[[0-9, ]*\b{home}\b", log.split("took over")[0]) \
         or home in (assignments(survivor, settings.topics.ops) or set())
     assert stored == want, f"raw rows stored {stored}, published {want}"
-    n, lo, hi = progress
-    assert n > 20 and n == (hi - lo) // 1_000_000_000 + 1, f"progress windows: gap: {progress}"
-    assert steps_done > 0 and missing_steps == 0, f"{missing_steps} (rank, step) rows missing"
+    assert not gaps, f"derived rows incomplete: {gaps}"
