@@ -500,7 +500,7 @@ def train_tp(job: Job) -> None:
 
 
 def virtual_host(args: argparse.Namespace, rank: int, world: int) -> str:
-    """The host this rank reports (``RANKWATCH_HOST``), laid out as such a job is on a cluster:
+    """The host this rank reports (``RANKWATCH_NODE_NAME``), laid out as such a job is on a cluster:
     each pipeline stage on a host of its own (PP hops cross a network), each TP group on one
     (its collectives stay inside a host), a DDP job on this machine alone. The ranks all run
     here; the names only give the diagnosis the layout it would see."""
@@ -515,7 +515,7 @@ def virtual_host(args: argparse.Namespace, rank: int, world: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch.set_num_threads(1)
-    os.environ["RANKWATCH_HOST"] = virtual_host(args, int(os.environ.get("RANK", "0")),
+    os.environ["RANKWATCH_NODE_NAME"] = virtual_host(args, int(os.environ.get("RANK", "0")),
                                                 int(os.environ.get("WORLD_SIZE", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -75,11 +75,11 @@ class CommTable:
 
 
 def host_name() -> str:
-    """The host a rank reports: ``RANKWATCH_HOST`` when set (the node's name where a rank's
+    """The host a rank reports: ``RANKWATCH_NODE_NAME`` when set (the node's name where a rank's
     container has a hostname of its own, e.g. a Kubernetes pod given the node name through the
     downward API), else the machine's host name. Diagnoses name culprit hosts by it, and the
     PP-link rule compares only hops between different hosts."""
-    return os.environ.get("RANKWATCH_HOST", "").strip() or socket.gethostname()
+    return os.environ.get("RANKWATCH_NODE_NAME", "").strip() or socket.gethostname()
 
 
 class HostGather:
