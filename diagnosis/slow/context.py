@@ -223,8 +223,11 @@ def _common(m: Array, x: int, since: int, group: Array) -> bool:
     """Whether unit `x`'s rise over its last `since` steps (median after − median before) is
     shared by the other units over the same steps — its own peers (same `group`) or the job's
     units at large: two links cannot say which one changed by themselves, but a change its
-    peer shows too, or most links show, is no one link's (a machine-wide stall)."""
-    if since >= m.shape[0] or m.shape[1] < 2:
+    peer shows too, or most links show, is no one link's (a machine-wide stall). A unit with
+    no other to compare (a DDP job's one ring) cannot show it is not common: True."""
+    if m.shape[1] < 2:
+        return True
+    if since >= m.shape[0]:
         return False
     with np.errstate(all="ignore"):
         rise = np.nanmedian(m[-since:], axis=0) - np.nanmedian(m[:-since], axis=0)

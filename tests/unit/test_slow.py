@@ -382,6 +382,11 @@ def test_a_rise_every_link_shows_is_no_links() -> None:
     v = context.judge(_ctx(w, 40, job, step_ns=70e6), m, 1.2, np.array([0, 0, 1, 1]),
                       floor=2e6, job_gate=False)
     assert not v.flag.any()
+    # a job's only ring has nothing to show its rise is its own: no verdict either
+    one = _links(rng)[:, :1]
+    one[-10:] += 34e6
+    assert not context.judge(_ctx(w, 40, job, step_ns=70e6), one, 1.2, np.zeros(1, np.int64),
+                             floor=2e6, job_gate=False).flag.any()
 
 
 def test_a_links_change_is_seen_through_its_newest_steps_not_known_yet() -> None:
