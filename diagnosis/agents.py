@@ -90,6 +90,8 @@ KERNEL_WINDOW_S = 40.0
 #: How long the feed agents wait to fill a buffer: the feeds carry a few messages a second, so
 #: a long wait is pure latency (Faust's take_events waits this long unless the buffer fills).
 FEED_WITHIN_S = 0.05
+#: stored beats batches the trigger may fall behind by (one per host agent and second)
+BEATS_QUEUE = 1024
 #: The newest version of every incident of the last day whose newest version is not resolved.
 OPEN_INCIDENTS_SQL = """
 SELECT argMax(json, version) FROM diagnoses FINAL
@@ -206,6 +208,10 @@ class DiagnosisAgents:
         app.agent(self.t_iterations, name="rankwatch.diagnosis.iterations")(self._on_iterations)
         app.agent(self.t_triggers, name="rankwatch.diagnosis.root_cause")(self._on_triggers)
         app.timer(tick_s)(self._tick)
+        #: stored beats batches waiting for the trigger (`on_stored`); full: dropped, counted
+        self._beats: asyncio.Queue[RecordBatch] = asyncio.Queue(maxsize=BEATS_QUEUE)
+        self.beats_dropped = 0
+        app.task(self._on_beats)
 
     # -- I/O helpers -------------------------------------------------------------------------
 
@@ -358,6 +364,29 @@ class DiagnosisAgents:
             steps = iterations_as_steps(b.cols)
             now = self.watermark.get(b.job_id) or int(steps["t_end"].max(initial=0))
             await self._publish_triggers(w.observe(now, steps=steps))
+
+    def on_stored(self, kind: str, batch: RecordBatch) -> None:
+        """A raw batch of an owned job is stored (streams.derived.ObservingStore's listener):
+        beats go to the trigger, which reads the ranks' op counters in them without waiting
+        for the progress feed's windows (heartbeat.beat_progress_trigger)."""
+        if kind != "beats":
+            return
+        try:
+            self._beats.put_nowait(batch)
+        except asyncio.QueueFull:  # the trigger is behind: the progress feed still covers it
+            self.beats_dropped += 1
+
+    async def _on_beats(self) -> None:
+        while True:
+            b = await self._beats.get()
+            try:
+                if not self.ownership.owns(b.job_id):
+                    continue
+                w = await self._watch(b.job_id)
+                if w is not None:
+                    await self._publish_triggers(w.observe_beats(b.cols))
+            except Exception:  # never stop reading beats for one bad batch or a broker blip
+                log.exception("beats trigger failed for %s", b.job_id)
 
     async def _on_triggers(self, stream: StreamT[Any]) -> None:
         async for events in cast(Stream[bytes], stream).take_events(16, FEED_WITHIN_S):

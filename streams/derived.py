@@ -122,6 +122,9 @@ class ObservingStore(ClickHouseStore):
         super().__init__(writer)
         self.windows, self.kernels = windows, kernels
         self.ownership = ownership or Ownership()
+        #: called with (kind, batch) for every stored batch of an owned job (the diagnosis
+        #: agents read the beats this way); each must be quick and must not block
+        self.listeners: list[Callable[[str, RecordBatch], None]] = []
 
     async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
                     sources: Sequence[tuple[int, int]]) -> int:
@@ -150,6 +153,13 @@ class ObservingStore(ClickHouseStore):
                     self.kernels.add(b)
         except Exception:
             log.exception("derived windows: observing a %s write failed", kind)
+        for fn in self.listeners:
+            for b in batches:
+                if self.ownership.owns(b.job_id):
+                    try:
+                        fn(kind, b)
+                    except Exception:  # a listener's bug must not fail (and stop) the raw sink
+                        log.exception("a listener of stored %s batches failed", kind)
         for job in sorted(changed):  # a failure here fails the write: the batch comes again
             rows = self.windows.checkpoint(job)  # stamped by the runner's clock, as its own are
             await self.writer.db.ainsert("stream_state",

@@ -7,9 +7,11 @@ expected step (iteration) time, learned as in VenusTrace Alg. 2 lines 2-10: the 
 initializes it, later steps within ±α (5 %) update it (`diagnosis.expectation.Expectation`).
 
 What counts as progress: a new op call or completion (an `ops` row's t_enqueue or t_end) — the
-papers' NCCL API log. Heartbeat records (`beats`) do *not* reset the timer: a host agent keeps
-beating while the training process is stuck in a kernel, which is exactly the live hang we want
-to see. Beats are tracked separately as liveness, so the trigger's evidence can tell a live hang
+papers' NCCL API log. A heartbeat record (`beats`) by itself does *not* reset the timer: a host
+agent keeps beating while the training process is stuck in a kernel, which is exactly the live
+hang we want to see; only the newer op counter a beat may carry does (`beat_progress_trigger`,
+the same timer read from the beats, which reach the trigger without the progress feed's lag).
+Beats are tracked separately as liveness, so the trigger's evidence can tell a live hang
 (beats continue, no progress) from a silent rank (no beats either: process or host gone) — the
 distinction Mycroft Alg. 2 and the hang rules refine.
 
@@ -138,4 +140,100 @@ def heartbeat_trigger(state: HeartbeatState, progress: Columns, beats: Columns,
         "live": [int(r) for r in w[alive]][:64],
         "silent_no_beats": [int(r) for r in w[~alive]][:64],
         "last_progress_ns_min": int(lp.min()),
+    })]
+
+
+@dataclass
+class BeatProgress:
+    """Per-rank progress read from the host agents' beats: each beat carries, per (rank,
+    communicator), the newest op sequence number the agent has drained from the rank's ring,
+    stamped with the beat's own time. The timer of a rank resets at the first beat that shows
+    a newer sequence number on any of its communicators.
+
+    Why a second reading of the same heartbeat rule: the op records reach the trigger through
+    the progress feed, whose windows close only once every source is past them (up to the
+    feed's lateness, 2 s, after the window). A beat reaches it as soon as it is stored, and
+    carries its own clock: the timer is judged in the beats' event time (`clock_ns`, the
+    newest beat of the job), so a lagging beat stream delays the verdict and never fakes one.
+    A progress observed at a beat is at most one beat interval later than the op itself: the
+    silence this measures is never longer than the true one."""
+
+    world: int
+    comms: dict[str, int] = field(default_factory=dict)
+    seq: Array = field(init=False)  # int64 [world, comms]: newest op_seq seen (-1: none)
+    changed_ns: Array = field(init=False)  # int64 [world]: beat time of the newest progress
+    beat_ns: Array = field(init=False)  # int64 [world]: the rank's newest beat
+    hung: Array = field(init=False)
+    clock_ns: int = 0
+
+    def __post_init__(self) -> None:
+        self.seq = np.full((self.world, 0), -1, dtype=np.int64)
+        self.changed_ns = np.zeros(self.world, dtype=np.int64)
+        self.beat_ns = np.zeros(self.world, dtype=np.int64)
+        self.hung = np.zeros(self.world, dtype=bool)
+
+    def _columns(self, comm: Array) -> Array:
+        """The column of each row's communicator (new ones appended)."""
+        uniq, inv = np.unique(comm.astype(str), return_inverse=True)
+        for c in uniq.tolist():
+            if c not in self.comms:
+                self.comms[c] = len(self.comms)
+        if len(self.comms) > self.seq.shape[1]:
+            grown = np.full((self.world, len(self.comms)), -1, dtype=np.int64)
+            grown[:, : self.seq.shape[1]] = self.seq
+            self.seq = grown
+        return np.asarray([self.comms[c] for c in uniq.tolist()], dtype=np.int64)[inv]
+
+
+def beat_progress_trigger(state: HeartbeatState, bp: BeatProgress, beats: Columns
+                          ) -> list[Trigger]:
+    """Fold `beats` rows (rank, ts, comm_id, last_op_seq; a rank's last beat with `exited` 1
+    says its process is gone and carries no progress) into `bp`, then report the ranks whose
+    op counters have not moved for longer than the heartbeat timeout at the newest beat time
+    (first time per episode; a rank re-arms when it progresses again)."""
+    if not beats or "last_op_seq" not in beats:
+        return []
+    rank, ts, seq = ints(beats, "rank"), ints(beats, "ts"), ints(beats, "last_op_seq")
+    comm = np.asarray(beats.get("comm_id", np.full(rank.size, "", dtype=object)))
+    exited = ints(beats, "exited", 0) if "exited" in beats else np.zeros(rank.size, np.int64)
+    ok = (rank >= 0) & (rank < bp.world) & (seq >= 0) & (exited == 0) & (comm != "")
+    if ts.size:
+        bp.clock_ns = max(bp.clock_ns, int(ts.max()))
+        valid = (rank >= 0) & (rank < bp.world) & (exited == 0)
+        np.maximum.at(bp.beat_ns, rank[valid], ts[valid])
+    if ok.any():
+        r, t, s = rank[ok], ts[ok], seq[ok]
+        c = bp._columns(comm[ok])
+        key = r * bp.seq.shape[1] + c
+        # per (rank, comm): the newest sequence number in the batch, and the first beat that
+        # showed it
+        order = np.lexsort((t, -s, key))
+        head = np.ones(order.size, dtype=bool)
+        head[1:] = key[order][1:] != key[order][:-1]
+        k, newest, first = key[order][head], s[order][head], t[order][head]
+        flat = bp.seq.reshape(-1)
+        moved = newest > flat[k]
+        flat[k[moved]] = newest[moved]
+        np.maximum.at(bp.changed_ns, k[moved] // bp.seq.shape[1], first[moved])
+    timeout = state.timeout_ns
+    started = bp.changed_ns > 0
+    silent = started & (bp.clock_ns - bp.changed_ns > timeout)
+    fire = silent & ~bp.hung
+    bp.hung = silent
+    if not fire.any():
+        return []
+    w = np.flatnonzero(silent)
+    last = bp.changed_ns[w]
+    first_silent = w[last <= last.min() + state.config.min_timeout_ns]
+    alive = bp.clock_ns - bp.beat_ns[w] <= timeout
+    return [Trigger(state.job_id, bp.clock_ns, "hang", tuple(int(x) for x in w), {
+        "rule": "venustrace.heartbeat", "progress": "op counters in the host agents' beats",
+        "timeout_ns": timeout, "n": state.config.n,
+        "expected_step_ns": None if not bool(state.expected.ready)
+        else float(state.expected.value),
+        "new_ranks": [int(x) for x in np.flatnonzero(fire)][:64],
+        "first_silent": [int(x) for x in first_silent][:64],
+        "live": [int(x) for x in w[alive]][:64],
+        "silent_no_beats": [int(x) for x in w[~alive]][:64],
+        "last_progress_ns_min": int(last.min()),
     })]

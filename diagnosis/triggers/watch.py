@@ -11,7 +11,9 @@
   per sampled (rank, comm), over spans of ≥ 3 expected steps): what the real pipeline feeds;
 - VenusTrace/MegaTrace heartbeat (`heartbeat.heartbeat_trigger`): no op call or completion for
   n × expected step time → hang; the expected time is learned from the sampled ranks' steps,
-  each step once its time is final (a later step has arrived);
+  each step once its time is final (a later step has arrived). The same timer is also read
+  from the op counters in the host agents' beats as they are stored (`observe_beats`,
+  `heartbeat.beat_progress_trigger`): the beats do not wait for the progress feed's windows;
 - ARGUS L1 on the job's step-time series (max over sampled ranks per step): a regression
   (full-scan change point) whose onset is among the last `recent` steps, and jitter (ratio-gated,
   effective width) whose onset is the newest step; plus VenusTrace's expected-time test at the
@@ -40,8 +42,10 @@ from diagnosis.columns import Columns, ints
 from diagnosis.rules.argus_l1 import L1Params, detect_jitter, detect_regression
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.heartbeat import (
+    BeatProgress,
     HeartbeatConfig,
     HeartbeatState,
+    beat_progress_trigger,
     heartbeat_trigger,
     observe_steps,
 )
@@ -81,6 +85,7 @@ class JobWatch:
     config: WatchConfig = field(default_factory=WatchConfig)
     sample: Sample = field(init=False)
     heartbeat: HeartbeatState = field(init=False)
+    beat_progress: BeatProgress = field(init=False)
     mycroft: MycroftTriggerState = field(init=False)
     progress: ProgressStragglerState = field(init=False)
     step_ns: dict[int, float] = field(default_factory=dict)  # step -> max over sampled ranks
@@ -94,6 +99,7 @@ class JobWatch:
         self.sample = sample_ranks(self.topo)
         self.heartbeat = HeartbeatState(self.topo.job_id, self.topo.world_size,
                                         self.config.heartbeat)
+        self.beat_progress = BeatProgress(self.topo.world_size)
         self.mycroft = MycroftTriggerState(self.topo.job_id, np.asarray(self.sample.ranks),
                                            MycroftTriggerConfig())
         self.progress = ProgressStragglerState(self.topo.job_id)
@@ -134,11 +140,23 @@ class JobWatch:
             out += progress_straggler_trigger(self.progress, p, now_ns, step_ns=exp,
                                               delta_ns=self.mycroft.config.delta_ns)
         hb = heartbeat_trigger(self.heartbeat, o, b, now_ns)
+        # the host agents' beats carry the ranks' op counters: the same timer, read sooner
+        hb += beat_progress_trigger(self.heartbeat, self.beat_progress, b)
         out += hb
         for t in hb:
             self._resample([int(r) for r in t.evidence.get("silent_no_beats", [])  # type: ignore[attr-defined]
                             if int(r) in self.sample.ranks])
         return out
+
+    def observe_beats(self, beats: Columns) -> list[Trigger]:
+        """The host agents' beats as they are stored (rank, ts, comm_id, last_op_seq, exited):
+        the heartbeat timer read from the op counters they carry, in the beats' own event time
+        (`heartbeat.BeatProgress`)."""
+        hb = beat_progress_trigger(self.heartbeat, self.beat_progress, self._mine(beats))
+        for t in hb:
+            self._resample([int(r) for r in t.evidence.get("silent_no_beats", [])  # type: ignore[attr-defined]
+                            if int(r) in self.sample.ranks])
+        return hb
 
     def _resample(self, dead: list[int]) -> None:
         if not dead:

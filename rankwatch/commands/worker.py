@@ -96,12 +96,13 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     derived = derived or derived_config(settings)
     ownership = Ownership(standalone=False)  # the jobs whose home partition is assigned here
     deriver = DerivedRunner(db, publish, derived, ownership=ownership)
-    sapp = StreamsApp(cfg, ObservingStore(writer, deriver.windows, deriver.kernels.buffer,
-                                          ownership=ownership), ownership)
+    store = ObservingStore(writer, deriver.windows, deriver.kernels.buffer, ownership=ownership)
+    sapp = StreamsApp(cfg, store, ownership)
     sapp.derived = deriver
     sapp.on_exit = lambda code, reason: record_exit(settings, code, reason)
     sapp.diagnosis = attach_diagnosis(  # type: ignore[attr-defined]
         sapp.app, db, settings.topics, ownership=ownership, lateness_ns=derived.lateness_ns)
+    store.listeners.append(sapp.diagnosis.on_stored)  # type: ignore[attr-defined]
     sapp.metrics = worker_metrics(settings, sapp, writer)  # type: ignore[attr-defined]
     for kind in DERIVED:
         topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",

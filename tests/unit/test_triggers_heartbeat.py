@@ -6,8 +6,10 @@ import numpy as np
 
 from diagnosis.expectation import Expectation
 from diagnosis.triggers.heartbeat import (
+    BeatProgress,
     HeartbeatConfig,
     HeartbeatState,
+    beat_progress_trigger,
     heartbeat_trigger,
     observe_steps,
 )
@@ -84,3 +86,70 @@ def test_regression_trigger_on_rebase_and_per_rank_rows_use_max():
     out = observe_steps(st, np.array([4, 5, 6]), np.array([6, 6, 6]) * S, now_ns=1)
     assert [t.kind for t in out] == ["regression"]
     assert observe_steps(st, np.array([6]), np.array([100 * S]), now_ns=2) == []  # already seen
+
+
+def counted(ranks: list[int], ts: int, seq: list[int], comm: str = "dp",
+            exited: int = 0) -> dict[str, np.ndarray]:
+    """Beats as the host agent writes them: per (rank, communicator) the newest op_seq."""
+    r = np.asarray(ranks, dtype=np.int64)
+    return {"rank": r, "ts": np.full(r.size, ts, dtype=np.int64),
+            "comm_id": np.full(r.size, comm, dtype=object),
+            "last_op_seq": np.asarray(seq, dtype=np.int64),
+            "exited": np.full(r.size, exited, dtype=np.int64)}
+
+
+def _warm(world: int) -> tuple[HeartbeatState, BeatProgress]:
+    st = HeartbeatState("j", world, HeartbeatConfig(n=2.0, min_timeout_ns=S))
+    observe_steps(st, np.arange(3), np.full(3, 100_000_000), 0)  # T_expected 100 ms: timeout 1 s
+    return st, BeatProgress(world)
+
+
+def test_beats_whose_op_counters_move_never_fire_and_a_stopped_counter_fires_once():
+    st, bp = _warm(4)
+    for i in range(6):  # one beat a second, every rank's counter moving
+        assert beat_progress_trigger(st, bp, counted([0, 1, 2, 3], i * S, [i * 10] * 4)) == []
+    # from 6 s on rank 2's counter stops; the others keep beating with theirs moving
+    out = []
+    for i in range(6, 10):
+        out += beat_progress_trigger(st, bp, counted([0, 1, 2, 3], i * S,
+                                                     [i * 10, i * 10, 50, i * 10]))
+    assert len(out) == 1
+    t = out[0]
+    # progress last seen at the 5 s beat; silent for more than 1 s at the 7 s beat
+    assert t.kind == "hang" and t.ranks == (2,) and t.ts == 7 * S
+    assert t.evidence["live"] == [2] and t.evidence["silent_no_beats"] == []
+    assert t.evidence["last_progress_ns_min"] == 5 * S
+    # it moves again: re-armed, and a new stop is a new episode
+    assert beat_progress_trigger(st, bp, counted([2], 10 * S, [60])) == []
+    again = [t for i in range(11, 14)
+             for t in beat_progress_trigger(st, bp, counted([0, 1, 2, 3], i * S,
+                                                            [i * 10, i * 10, 60, i * 10]))]
+    assert [t.ranks for t in again] == [(2,)]
+
+
+def test_a_rank_whose_beats_stop_is_silent_without_beats():
+    st, bp = _warm(2)
+    beat_progress_trigger(st, bp, counted([0, 1], 1 * S, [1, 1]))
+    out = [t for i in range(2, 5)
+           for t in beat_progress_trigger(st, bp, counted([0], i * S, [i]))]
+    assert [t.ranks for t in out] == [(1,)]
+    assert out[0].evidence["silent_no_beats"] == [1] and out[0].evidence["live"] == []
+
+
+def test_the_clock_is_the_beats_own_and_rows_without_a_counter_are_not_progress():
+    st, bp = _warm(2)
+    # a beat without a communicator (a rank before its first op), an exit beat: no progress
+    beat_progress_trigger(st, bp, counted([0, 1], 1 * S, [-1, -1], comm=""))
+    beat_progress_trigger(st, bp, counted([1], 2 * S, [5], exited=1))
+    assert not (bp.changed_ns > 0).any()
+    # several beats of one (rank, comm) in one batch: the first beat showing the newest count
+    b = counted([0, 0, 0], 0, [3, 7, 7])
+    b["ts"] = np.asarray([3 * S, 4 * S, 5 * S], dtype=np.int64)
+    beat_progress_trigger(st, bp, b)
+    assert bp.changed_ns[0] == 4 * S and bp.clock_ns == 5 * S
+    # two communicators of a rank: either moving is progress
+    beat_progress_trigger(st, bp, counted([0], 6 * S, [7], comm="tp"))
+    assert bp.changed_ns[0] == 6 * S
+    # a batch holding only older beats leaves the clock where it was
+    beat_progress_trigger(st, bp, counted([1], 1 * S, [9]))
+    assert bp.clock_ns == 6 * S
