@@ -173,6 +173,17 @@ def diagnosis_row(d: Diagnosis) -> bytes:
         "json": d.model_dump_json()})
 
 
+def beat_counters(b: RecordBatch) -> Columns:
+    """The columns of a stored beats batch the heartbeat timer reads (rank, ts, comm_id,
+    last_op_seq, exited); the raw sink decodes string columns dictionary-coded, apart from
+    `cols`."""
+    out: dict[str, np.ndarray] = {k: b.cols[k] for k in ("rank", "ts", "last_op_seq", "exited")
+                                  if k in b.cols}
+    if "comm_id" in b.cols or "comm_id" in b.strings:
+        out["comm_id"] = b.column("comm_id")
+    return out
+
+
 class DiagnosisAgents:
     """Trigger and root-cause agents on one Faust app (see the module docstring)."""
 
@@ -384,7 +395,7 @@ class DiagnosisAgents:
                     continue
                 w = await self._watch(b.job_id)
                 if w is not None:
-                    await self._publish_triggers(w.observe_beats(b.cols))
+                    await self._publish_triggers(w.observe_beats(beat_counters(b)))
             except Exception:  # never stop reading beats for one bad batch or a broker blip
                 log.exception("beats trigger failed for %s", b.job_id)
 

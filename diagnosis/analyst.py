@@ -178,7 +178,7 @@ class Analyst:
         cls = "hang" if t.kind in ("hang", "failure") else "performance"
         if self.book.is_open(t.job_id, cls) or self.book.is_open(t.job_id, "hang"):
             return []
-        at = self.event_clock(t.job_id, now_ns)
+        at = self._trigger_clock(t, now_ns, now_ns)
         w = self._window(t.job_id, at)
         if w is None:
             return []
@@ -191,13 +191,24 @@ class Analyst:
             self.pending.pop(t.job_id, None)
         return self._publish(c, w, t, now_ns, ms)
 
+    def _trigger_clock(self, t: Trigger, since_ns: int, now_ns: int) -> int:
+        """The moment a trigger's analysis reads up to: the job's event clock, or for a trigger
+        judged on the stored beats' own time (`evidence["clock"] == "beats"`: the heartbeat
+        timer read from the beats' op counters) that time, advanced by the wall time since
+        the trigger came (`since_ns`), if later — the beats are stored when it fires, while the
+        event clock follows the progress feed, which trails them by its windows' lateness."""
+        at = self.event_clock(t.job_id, now_ns)
+        if t.evidence.get("clock") == "beats":
+            at = max(at, min(now_ns, int(t.ts) + max(now_ns - since_ns, 0)))
+        return at
+
     def _retry_pending(self, job: str, now_ns: int) -> list[Diagnosis]:
         """Re-run the analysis of a hang trigger that found nothing (module docstring)."""
         t, since = self.pending[job]
         if self.book.is_open(job, "hang") or now_ns - since > self.config.pending_s * SECOND:
             del self.pending[job]
             return []
-        at = self.event_clock(job, now_ns)
+        at = self._trigger_clock(t, since, now_ns)
         w = self._window(job, at)
         if w is None:
             return []

@@ -228,6 +228,7 @@ def beat_progress_trigger(state: HeartbeatState, bp: BeatProgress, beats: Column
     alive = bp.clock_ns - bp.beat_ns[w] <= timeout
     return [Trigger(state.job_id, bp.clock_ns, "hang", tuple(int(x) for x in w), {
         "rule": "venustrace.heartbeat", "progress": "op counters in the host agents' beats",
+        "clock": "beats",
         "timeout_ns": timeout, "n": state.config.n,
         "expected_step_ns": None if not bool(state.expected.ready)
         else float(state.expected.value),

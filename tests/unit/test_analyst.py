@@ -212,3 +212,27 @@ def test_small_jobs_are_swept_often_large_ones_within_sweep_s() -> None:
     a.sweep_cost["small"], a.sweep_cost["mid"], a.sweep_cost["big"] = 0.02, 0.3, 0.9
     assert a._sweep_gap("small") == 2 and a._sweep_gap("mid") == pytest.approx(6)
     assert a._sweep_gap("big") == 10
+
+
+def test_a_trigger_judged_on_the_beats_is_analysed_at_their_time() -> None:
+    """The event clock follows the progress feed, which trails the stored beats; a hang trigger
+    the heartbeat timer fired on the beats' own clock is read up to that clock (then advancing
+    with the wall clock while it stays pending), never past the wall clock; any other trigger at
+    the event clock."""
+    from diagnosis.triggers.base import Trigger
+
+    reads: list[int] = []
+
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> None:
+        reads.append(now_ns)
+
+    lagging = 97 * S  # the progress feed's clock, 3 s behind
+    a = Analyst(read, AnalystConfig(pending_s=30), event_clock=lambda job, t: lagging)
+    beats = Trigger("j", 99 * S, "hang", (1,), {"rule": "venustrace.heartbeat", "clock": "beats"})
+    a.on_trigger(beats, 100 * S)
+    feed = Trigger("k", 99 * S, "hang", (1,), {"rule": "venustrace.heartbeat"})
+    a.on_trigger(feed, 100 * S)
+    assert reads == [99 * S, 97 * S]
+    assert a._trigger_clock(beats, 100 * S, 102 * S) == 101 * S  # pending: moves with the wall
+    assert a._trigger_clock(beats, 100 * S, 98 * S) == 98 * S  # never past the wall clock

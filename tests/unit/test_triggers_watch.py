@@ -81,3 +81,34 @@ def test_a_lagging_feed_cannot_look_like_a_hang() -> None:
         fired += w.observe(T0 + i * S, ops=ops, beats=beats)
     hang = [t for t in fired if t.kind == "hang"]
     assert len(hang) == 1 and hang[0].ts == T0 + 31 * S
+
+
+def test_stored_beats_are_read_through_their_coded_communicator_column() -> None:
+    """A beats batch as the raw sink stores it (decoded with its string columns coded): the
+    watch reads the op counters per communicator, and a rank whose counter stops for longer
+    than the timeout is a hang at the newest beat's time, whatever the progress feed says."""
+    from diagnosis.agents import beat_counters
+    from ingest.batch import decode_batch, encode_batch
+
+    w = watch()
+    w.observe(T0, steps=steps(w, 0, [0.1] * 10))  # expected step 0.1 s: timeout 1 s
+    ranks = np.asarray(w.sample.ranks, dtype=np.int64)
+    stuck = int(ranks[0])
+    fired: list[Trigger] = []
+    for i in range(8):
+        seq = np.full(ranks.size, 10 * i, dtype=np.int64)
+        seq[ranks == stuck] = min(10 * i, 30)  # its counter stops after the 3 s beat
+        data = encode_batch("beats", "w", {
+            "rank": ranks, "ts": np.full(ranks.size, T0 + i * S, dtype=np.int64),
+            "comm_id": np.full(ranks.size, "dp0", dtype=object), "last_op_seq": seq,
+            "dropped": np.zeros(ranks.size, np.int64), "step": np.full(ranks.size, i, np.int64),
+            "stage": np.full(ranks.size, "model.fwd_loss", dtype=object),
+            "stage_ts": np.full(ranks.size, T0 + i * S, dtype=np.int64),
+            "sched_run_ns": np.zeros(ranks.size, np.int64),
+            "sched_wait_ns": np.zeros(ranks.size, np.int64),
+            "exited": np.zeros(ranks.size, np.int64)})
+        b = decode_batch(data, coded=True)
+        assert "comm_id" not in b.cols  # the case the reader must handle
+        fired += w.observe_beats(beat_counters(b))
+    hang = [t for t in fired if t.kind == "hang"]
+    assert [t.ranks for t in hang] == [(stuck,)] and hang[0].ts == T0 + 5 * S
