@@ -81,6 +81,9 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]), ctx.lo_ns,
                         ctx.step_ns)
     top = sus[0]
+    # a rank whose scheduler counters cannot judge its CPU yet (one beat since the onset): a
+    # starved CPU and slower work look alike until they can
+    cpu_open = cpu.unjudged(ctx.w.get("beats"), top, _onset(ctx, top))
     # a rank starved of CPU over the whole span since the onset (`cpu.refine`) is a sustained
     # slowdown, however spiky the stage it showed in
     spiky = top.how == "sparse" or "intermittent" in top.summary
@@ -91,6 +94,9 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     rival = next((s for s in sus[1:] if s not in explained), None)
     conf = confidence(top, rival, front, cfg, argus is not None)
     labels = ["excess_over_peers", f"evidence_{top.how}" if top.how else "evidence"]
+    if cpu_open:
+        conf = min(conf, CPU_UNJUDGED_CONFIDENCE)
+        labels.append("cpu_unjudged")
     if len(top.ranks) > 1:
         labels.append("host_level")
     findings = [Finding(rule=r, culprit_ranks=s.ranks, stage=s.stage, component=s.component,
@@ -115,6 +121,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
                       onset_ns=_onset(ctx, top))
 
 
+#: the most a conclusion says while its culprit's CPU cannot be judged yet (`cpu.unjudged`)
+CPU_UNJUDGED_CONFIDENCE = 0.65
 LINK_RULES = ("venustrace.ar_node",)
 LAUNCH_RULES = ("mycroft.table3.late_start",)
 

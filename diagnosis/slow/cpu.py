@@ -105,3 +105,16 @@ def refine(beats: Columns, top: Suspicion, since_ns: int | None,
                    summary=f"{top.summary}; rank {x} waited for a CPU {mine:.0%} of the time "
                            f"since (before: {base:.0%}, its peers: {peer:.0%}): starved of CPU, "
                            "not slower work")
+
+
+def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
+    """Whether `top` is one rank whose beats carry scheduler counters but too few of them since
+    `since_ns` (fewer than two beats) for `refine` to tell a starved CPU from slower work: the
+    cause is not judged yet. (Without counters at all — the simulator, a tracer that sends
+    none — there is nothing to wait for.)"""
+    if not beats or since_ns is None or len(top.ranks) != 1 or top.stage == "host cpu" \
+            or "sched_wait_ns" not in beats:
+        return False
+    ranks, before, after = wait_shares(beats, since_ns)
+    hit = np.flatnonzero(ranks == top.ranks[0])
+    return bool(hit.size) and bool(np.isnan(after[int(hit[0])]))

@@ -89,3 +89,16 @@ def test_with_the_step_time_the_extra_waiting_must_explain_the_excess() -> None:
     # every rank starved alike is still no relabel, whatever the cost
     alike = beats({r: (0.05, 0.6) for r in range(4)})
     assert cpu.refine(alike, TOP, 10 * S, step_ns=400e6) == TOP
+
+
+def test_a_culprit_with_one_beat_since_the_onset_has_its_cpu_unjudged() -> None:
+    """With counters but a single beat since the onset, a starved CPU and slower work cannot be
+    told apart yet; with two or more they can (refine decides); without counters there is
+    nothing to wait for."""
+    b = beats({})
+    assert cpu.unjudged(b, TOP, 19_800_000_000)  # one beat (20 s) since the onset
+    assert not cpu.unjudged(b, TOP, 10 * S)  # 21 beats since
+    no_counters = {k: v for k, v in b.items() if k != "sched_wait_ns"}
+    assert not cpu.unjudged(no_counters, TOP, 19_800_000_000)
+    host = Suspicion((1, 2), "data", "data_loader", 30e6, (), "", 9.0, "change", 40)
+    assert not cpu.unjudged(b, host, 19_800_000_000)  # a host-level suspect: refine skips it
