@@ -115,6 +115,6 @@ def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
     if not beats or since_ns is None or len(top.ranks) != 1 or top.stage == "host cpu" \
             or "sched_wait_ns" not in beats:
         return False
-    ranks, before, after = wait_shares(beats, since_ns)
+    ranks, _, after = wait_shares(beats, since_ns)
     hit = np.flatnonzero(ranks == top.ranks[0])
     return bool(hit.size) and bool(np.isnan(after[int(hit[0])]))
