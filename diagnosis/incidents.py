@@ -8,8 +8,10 @@ state is durable without a store of its own.
 
 Rules:
 - `conclude`: no open incident → version 1, status "open"; open and the conclusion (kind,
-  culprit ranks, stage, component) differs → next version, status "updated"; unchanged → nothing
-  (not re-announced).
+  culprit ranks, stage, component) differs → next version, status "updated"; the same conclusion
+  whose confidence rose into "high" (≥ 0.8) from a lower label → next version too (the evidence
+  firmed up: e.g. the culprit's CPU could not be judged one beat after the onset and now is);
+  otherwise nothing (not re-announced; a confidence that falls is not news).
 - `clear`: called when a re-analysis finds nothing; after `clear_after` consecutive clears the
   incident closes with a "resolved" version carrying the last conclusion.
 """
@@ -52,7 +54,8 @@ class IncidentBook:
         if cur is None:
             self.open[key] = d
             return d
-        if cur.conclusion() == d.conclusion():
+        if cur.conclusion() == d.conclusion() and not (
+                d.confidence_label == "high" and cur.confidence_label != "high"):
             return None
         upd = d.model_copy(update={"incident_id": cur.incident_id, "version": cur.version + 1,
                                    "status": "updated", "id": f"{cur.incident_id}/"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from diagnosis import engine
 from diagnosis.incidents import IncidentBook
-from diagnosis.model import Diagnosis, Suspect, json_schemas
+from diagnosis.model import Diagnosis, Suspect, confidence_label, json_schemas
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch, steps_from_stages
 from diagnosis.window import Window
@@ -172,3 +172,20 @@ def test_an_op_published_in_flight_and_again_completed_counts_once() -> None:
     assert sorted(zip(out["rank"].tolist(), out["comm_id"].tolist(), out["t_end"].tolist(),
                       strict=True)) == [(0, "dp", 950), (1, "dp", 0), (1, "tp", 0)]
     assert latest_op_rows({}) == {}
+
+
+def test_the_same_conclusion_rising_into_high_confidence_is_an_update() -> None:
+    """A conclusion first published as a suspect (medium) whose evidence firms up into high is
+    announced again; one that falls, or moves within a label, is not."""
+    book = IncidentBook()
+    base = _d([13], "bwd mb=3 pp=3")
+
+    def at(c: float) -> Diagnosis:
+        return base.model_copy(update={"confidence": c, "confidence_label": confidence_label(c)})
+
+    assert book.conclude(at(0.65)) is not None
+    assert book.conclude(at(0.7)) is None  # still medium
+    up = book.conclude(at(0.95))
+    assert up is not None and (up.status, up.version, up.confidence) == ("updated", 2, 0.95)
+    assert book.conclude(at(0.6)) is None  # a fall is not news
+    assert book.conclude(at(0.9)) is None  # the published version is already high
