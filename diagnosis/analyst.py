@@ -66,7 +66,7 @@ from diagnosis.conclusion import Conclusion
 from diagnosis.incidents import IncidentBook, incident_class, incident_id
 from diagnosis.model import Diagnosis
 from diagnosis.triggers.base import Trigger
-from diagnosis.window import Window
+from diagnosis.window import Window, announced_ops_stored
 from ingest.units import SECOND
 
 #: The raw kinds a sweep reads: what `slow.analyze` and `hang_rca.stuck_ranks` use
@@ -98,6 +98,8 @@ class AnalystConfig:
     aftermath_s: float = 20.0
     first_recheck_s: float = 1.0
     pending_s: float = 30.0
+    #: the longest a beats-clocked hang trigger waits for the ops its beats announce
+    settle_s: float = 5.0
 
 
 @dataclass
@@ -182,6 +184,9 @@ class Analyst:
         w = self._window(t.job_id, at)
         if w is None:
             return []
+        if self._unsettled(t, w, at, now_ns, now_ns):
+            self.pending.setdefault(t.job_id, (t, now_ns))
+            return []
         c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
         if c is None:
             if cls == "hang":
@@ -202,6 +207,16 @@ class Analyst:
             at = max(at, min(now_ns, int(t.ts) + max(now_ns - since_ns, 0)))
         return at
 
+    def _unsettled(self, t: Trigger, w: Window, at: int, since_ns: int, now_ns: int) -> bool:
+        """A trigger judged on the beats' clock is analysed once the ops those beats announce
+        are stored (`window.announced_ops_stored`): read at a beat's time, the window may hold
+        a rank's beat before its newest calls, and that rank would look as if it never made
+        them (a simulated data stall was named as four waiting ranks this way). After
+        `settle_s` of waiting it is analysed as it is."""
+        return (t.evidence.get("clock") == "beats"
+                and now_ns - since_ns < self.config.settle_s * SECOND
+                and not announced_ops_stored(w.get("ops"), w.get("beats"), at))
+
     def _retry_pending(self, job: str, now_ns: int) -> list[Diagnosis]:
         """Re-run the analysis of a hang trigger that found nothing (module docstring)."""
         t, since = self.pending[job]
@@ -210,7 +225,7 @@ class Analyst:
             return []
         at = self._trigger_clock(t, since, now_ns)
         w = self._window(job, at)
-        if w is None:
+        if w is None or self._unsettled(t, w, at, since, now_ns):
             return []
         c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
         if c is None:

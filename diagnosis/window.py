@@ -266,3 +266,38 @@ def assign_steps(t: Array, rank: Array, st_rank: Array, st_step: Array,
     ok = (pos >= 0) & (sr[np.maximum(pos, 0)] == rank)
     out[ok] = ss[pos[ok]]
     return out
+
+
+def announced_ops_stored(ops: Columns, beats: Columns, at_ns: int) -> bool:
+    """Whether every op the ranks' beats up to `at_ns` announce is among the stored `ops`: per
+    (rank, communicator), the newest `last_op_seq` of its beats is at most the highest op_seq
+    stored (in flight or completed). The host agent stamps each beat with what it has drained
+    from the rank's ring, and publishes the op records of the same drain on another topic, so
+    a window read at a beat's time may hold the beat before those records: a rank whose newest
+    calls are not stored yet looks as if it never made them. True without counters in the
+    beats (nothing announced)."""
+    if not beats or "last_op_seq" not in beats:
+        return True
+    seq, ts = ints(beats, "last_op_seq"), ints(beats, "ts")
+    comm = np.asarray(col(beats, "comm_id")).astype(str) if "comm_id" in beats else None
+    if comm is None:
+        return True
+    sel = (ts <= at_ns) & (seq >= 0) & (comm != "") & (ints(beats, "rank") >= 0)
+    if not sel.any():
+        return True
+    b_rank, b_comm, b_seq = ints(beats, "rank")[sel], comm[sel], seq[sel]
+    if ops and "op_seq" in ops:
+        o_rank, o_seq = ints(ops, "rank"), ints(ops, "op_seq")
+        o_comm = np.asarray(col(ops, "comm_id")).astype(str)
+    else:
+        o_rank, o_seq, o_comm = (np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                 np.zeros(0, dtype=str))
+    names, code = np.unique(np.concatenate([b_comm, o_comm]), return_inverse=True)
+    n = names.size
+    top = int(max(b_rank.max(), o_rank.max(initial=0))) + 1
+    announced = np.full(top * n, -1, dtype=np.int64)
+    np.maximum.at(announced, b_rank * n + code[: b_rank.size], b_seq)
+    stored = np.full(top * n, -1, dtype=np.int64)
+    ok = o_rank >= 0
+    np.maximum.at(stored, (o_rank * n + code[b_rank.size:])[ok], o_seq[ok])
+    return bool((announced <= stored).all())

@@ -236,3 +236,22 @@ def test_a_trigger_judged_on_the_beats_is_analysed_at_their_time() -> None:
     assert reads == [99 * S, 97 * S]
     assert a._trigger_clock(beats, 100 * S, 102 * S) == 101 * S  # pending: moves with the wall
     assert a._trigger_clock(beats, 100 * S, 98 * S) == 98 * S  # never past the wall clock
+
+
+def test_a_window_holding_a_beat_before_its_ops_is_not_settled() -> None:
+    """A rank's beat announces the newest op_seq the agent drained per communicator; until an
+    op at least that new is stored for it, the window is incomplete for that rank."""
+    from diagnosis.window import announced_ops_stored
+
+    beats = {"rank": np.array([0, 1, 1]), "ts": np.array([10, 10, 30]) * S,
+             "comm_id": np.array(["dp", "dp", "dp"], dtype=object),
+             "last_op_seq": np.array([5, 7, 9])}
+    ops = {"rank": np.array([0, 1]), "comm_id": np.array(["dp", "dp"], dtype=object),
+           "op_seq": np.array([5, 7])}
+    assert announced_ops_stored(ops, beats, 20 * S)  # rank 1's seq 9 is announced after 20 s
+    assert not announced_ops_stored(ops, beats, 30 * S)
+    ops["op_seq"] = np.array([5, 9])  # its in-flight row, or completion, is stored
+    assert announced_ops_stored(ops, beats, 30 * S)
+    other = dict(beats, comm_id=np.array(["dp", "tp", "tp"], dtype=object))
+    assert not announced_ops_stored(ops, other, 20 * S)  # per communicator
+    assert announced_ops_stored(ops, {"rank": beats["rank"], "ts": beats["ts"]}, 30 * S)
