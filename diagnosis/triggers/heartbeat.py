@@ -120,19 +120,26 @@ def heartbeat_trigger(state: HeartbeatState, progress: Columns, beats: Columns,
         np.maximum.at(state.last_alive_ns, rank[ok], ts[ok])
     state.last_alive_ns = np.maximum(state.last_alive_ns, state.last_progress_ns)
 
+    fired, state.hung = _timer(state, now_ns, state.last_progress_ns, state.last_alive_ns,
+                               state.hung, {})
+    return fired
+
+
+def _timer(state: HeartbeatState, now_ns: int, progress_ns: Array, alive_ns: Array, hung: Array,
+           extra: dict[str, object]) -> tuple[list[Trigger], Array]:
+    """The heartbeat timeout at `now_ns` over per-rank last progress and last sign of life:
+    (the trigger, if a rank went silent since the last look; the new `hung` mask)."""
     timeout = state.timeout_ns
-    started = state.last_progress_ns > 0
-    silent = started & (now_ns - state.last_progress_ns > timeout)
-    fire = silent & ~state.hung
-    state.hung = silent
+    silent = (progress_ns > 0) & (now_ns - progress_ns > timeout)
+    fire = silent & ~hung
     if not fire.any():
-        return []
+        return [], silent
     w = np.flatnonzero(silent)
-    lp = state.last_progress_ns[w]
-    alive = (now_ns - state.last_alive_ns[w]) <= timeout
+    lp = progress_ns[w]
+    alive = (now_ns - alive_ns[w]) <= timeout
     first = w[lp <= lp.min() + state.config.min_timeout_ns]
     return [Trigger(state.job_id, now_ns, "hang", tuple(int(r) for r in w), {
-        "rule": "venustrace.heartbeat", "timeout_ns": timeout, "n": state.config.n,
+        "rule": "venustrace.heartbeat", **extra, "timeout_ns": timeout, "n": state.config.n,
         "expected_step_ns": None if not bool(state.expected.ready)
         else float(state.expected.value),
         "new_ranks": [int(r) for r in np.flatnonzero(fire)][:64],
@@ -140,7 +147,7 @@ def heartbeat_trigger(state: HeartbeatState, progress: Columns, beats: Columns,
         "live": [int(r) for r in w[alive]][:64],
         "silent_no_beats": [int(r) for r in w[~alive]][:64],
         "last_progress_ns_min": int(lp.min()),
-    })]
+    })], silent
 
 
 @dataclass
@@ -215,26 +222,7 @@ def beat_progress_trigger(state: HeartbeatState, bp: BeatProgress, beats: Column
         moved = newest > flat[k]
         flat[k[moved]] = newest[moved]
         np.maximum.at(bp.changed_ns, k[moved] // bp.seq.shape[1], first[moved])
-    timeout = state.timeout_ns
-    started = bp.changed_ns > 0
-    silent = started & (bp.clock_ns - bp.changed_ns > timeout)
-    fire = silent & ~bp.hung
-    bp.hung = silent
-    if not fire.any():
-        return []
-    w = np.flatnonzero(silent)
-    last = bp.changed_ns[w]
-    first_silent = w[last <= last.min() + state.config.min_timeout_ns]
-    alive = bp.clock_ns - bp.beat_ns[w] <= timeout
-    return [Trigger(state.job_id, bp.clock_ns, "hang", tuple(int(x) for x in w), {
-        "rule": "venustrace.heartbeat", "progress": "op counters in the host agents' beats",
-        "clock": "beats",
-        "timeout_ns": timeout, "n": state.config.n,
-        "expected_step_ns": None if not bool(state.expected.ready)
-        else float(state.expected.value),
-        "new_ranks": [int(x) for x in np.flatnonzero(fire)][:64],
-        "first_silent": [int(x) for x in first_silent][:64],
-        "live": [int(x) for x in w[alive]][:64],
-        "silent_no_beats": [int(x) for x in w[~alive]][:64],
-        "last_progress_ns_min": int(last.min()),
-    })]
+    fired, bp.hung = _timer(state, bp.clock_ns, bp.changed_ns, bp.beat_ns, bp.hung,
+                            {"progress": "op counters in the host agents' beats",
+                             "clock": "beats"})
+    return fired
