@@ -9,6 +9,7 @@ configured ports + 100·(i-1) (`node_ports`).
 from __future__ import annotations
 
 import base64
+import os
 import re
 import socket
 import subprocess
@@ -33,6 +34,25 @@ def _kafka_uuid() -> str:
     One in 64 starts with "-", which is why it is passed as `--cluster-id=<id>`, never as a
     separate argument that the tool's option parser would take for a flag."""
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+
+
+def cluster_id(id_file: Path) -> str:
+    """The id in `id_file`, made once. The nodes of a cluster format their storage in parallel
+    and must all get the same id: the file is created whole by a hard link of a written
+    temporary file, which fails if another node linked its own first (then that one is read).
+    A check-then-write let two nodes each write an id, and the cluster split on
+    INCONSISTENT_CLUSTER_ID."""
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    if not id_file.exists():
+        tmp = id_file.with_name(f".{id_file.name}.{uuid.uuid4().hex}")
+        tmp.write_text(_kafka_uuid() + "\n")
+        try:
+            os.link(tmp, id_file)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return id_file.read_text().strip()
 
 
 @dataclass(frozen=True)
@@ -188,13 +208,9 @@ log4j.logger.kafka.log.LogCleaner=WARN
         (self.dir / "log4j.properties").write_text(self._log4j_properties())
         if (self.data_dir / "meta.properties").exists():
             return conf
-        id_file = self.id_file
-        if not id_file.exists():
-            id_file.write_text(_kafka_uuid() + "\n")
-        cluster_id = id_file.read_text().strip()
         res = subprocess.run(
             self._java("kafka.tools.StorageTool", "format", "--ignore-formatted",
-                       f"--cluster-id={cluster_id}", "-c", str(conf)),
+                       f"--cluster-id={cluster_id(self.id_file)}", "-c", str(conf)),
             capture_output=True, text=True, timeout=120,
         )
         if res.returncode != 0:

@@ -11,7 +11,7 @@ import pytest
 
 from rankwatch.kafka import BrokerError
 from rankwatch.kafka.admin import replication
-from rankwatch.kafka.broker import Broker, KafkaCluster, local_nodes
+from rankwatch.kafka.broker import Broker, KafkaCluster, cluster_id, local_nodes
 from rankwatch.settings import Settings
 
 
@@ -113,3 +113,17 @@ def test_a_node_that_dies_while_the_cluster_starts_ends_the_wait_with_its_log(
     finally:
         for b in (n1, n2, n3):
             b.daemon.stop(2)
+
+
+def test_nodes_formatting_at_once_get_one_cluster_id(tmp_path: Path) -> None:
+    """The nodes of a cluster format their storage in parallel threads; every one must read
+    the same id, and the file holds it whole (never empty, never two ids)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for round_ in range(20):
+        f = tmp_path / f"c{round_}" / "cluster.id"
+        with ThreadPoolExecutor(8) as pool:
+            ids = set(pool.map(cluster_id, [f] * 8))
+        assert len(ids) == 1 and len(ids.pop()) == 22
+        assert f.read_text().strip() and not list(f.parent.glob(".cluster.id.*"))
+    assert cluster_id(f) == f.read_text().strip()  # an existing id is kept
