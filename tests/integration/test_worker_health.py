@@ -31,8 +31,10 @@ from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_columns
 
 #: One block of one row: the engine checks its time limit between blocks, so this runs for
-#: seconds past a 1 s limit (~10 s on a loaded 2-core machine).
-STUCK_SQL = "SELECT length(arraySort(arrayMap(x -> sipHash64(x), range(20000000))))"
+#: seconds past a 1 s limit — 4.8 s on a quiet core, ~1 GB (a query of half the work took
+#: 1.06 s there, too short a window to read the status while it is stuck).
+STUCK_SQL = ("SELECT length(arraySort(arrayMap(x -> sipHash64(toString(x), x), "
+             "range(40000000))))")
 
 
 def ping(settings: Settings) -> tuple[int, str]:
