@@ -303,7 +303,7 @@ def test_position_read_while_written_is_a_state_the_producer_was_in(name: str) -
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
     assert proc.stdout.readline().strip() == "ready"
-    seen, boundary = 0, 0
+    reads, seen = 0, set()
     with ring.RingReader(name) as r:
         proc.stdin.write("go\n")
         proc.stdin.flush()
@@ -314,13 +314,16 @@ def test_position_read_while_written_is_a_state_the_producer_was_in(name: str) -
             t = ts - 7
             k, rest = divmod(t, 1000)
             if k == step - 1 and stage == 0 and rest == 100 * ring.POS_STAGES + 50:
-                boundary += 1  # between a step's `step` and `left` stores
-                continue
+                continue  # between a step's `step` and `left` stores: a true state, not checked
             assert k == step, (step, stage, ts)
             if stage:
                 assert rest == 100 * stage, (step, stage, ts)
             else:
                 assert rest == 0 or rest % 100 == 50, (step, stage, ts)
-            seen += 1
+            reads += 1
+            seen.add((step, stage, ts))
     assert proc.wait() == 0
-    assert seen > 100 and boundary <= seen // 10
+    # How often a read lands between the two start stores depends on the scheduler (a preempted
+    # producer is read there many times over), so only strictly checked reads are counted: many
+    # of them, of more than one state, so the check above ran on a moving producer.
+    assert reads > 100 and len(seen) > 1, (reads, len(seen))
