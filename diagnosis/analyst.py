@@ -38,6 +38,13 @@ finished job would drift to "process died".
   tick for `pending_s` the hang analysis runs again at the advancing event clock until it
   concludes (then it opens the incident, under that trigger) or the time is up. A trigger
   fires once per episode, so without this a hang analysed a moment too early was never named.
+- a performance trigger whose analysis finds nothing stays pending too, for `slow_pending_s`:
+  it fires on the job's step time at the onset, when too few slow steps are stored for a
+  change to stand out of the noise (`slow.context`: `onset_steps` of them, stored). Until a
+  conclusion or the time is up, the analysis runs again at the advancing event clock, each
+  try no sooner than the last one's cost over `sweep_share` after it (a small job every tick,
+  a large one as seldom as its sweeps): a slowdown is named once its evidence is stored, not
+  at the next sweep, seconds later.
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
@@ -100,6 +107,8 @@ class AnalystConfig:
     pending_s: float = 30.0
     #: the longest a beats-clocked hang trigger waits for the ops its beats announce
     settle_s: float = 5.0
+    #: how long a performance trigger that found nothing is analysed again (`tick`)
+    slow_pending_s: float = 6.0
 
 
 @dataclass
@@ -120,6 +129,9 @@ class Analyst:
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
     #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived)
     pending: dict[str, tuple[Trigger, int]] = field(default_factory=dict)
+    #: job -> (performance trigger whose analysis found nothing yet, wall ns it arrived, wall
+    #: ns its next try is due)
+    pending_slow: dict[str, tuple[Trigger, int, int]] = field(default_factory=dict)
     #: job -> the newest exit beat (a rank's process ended) judged, and (wall ns, event
     #: clock) of the last look for one (`_exits`)
     exits_judged: dict[str, int] = field(default_factory=dict)
@@ -191,9 +203,37 @@ class Analyst:
         if c is None:
             if cls == "hang":
                 self.pending.setdefault(t.job_id, (t, now_ns))
+            elif t.job_id not in self.pending_slow:
+                self.pending_slow[t.job_id] = (t, now_ns, now_ns + self._retry_gap(ms))
             return []
-        if cls == "hang":
-            self.pending.pop(t.job_id, None)
+        (self.pending if cls == "hang" else self.pending_slow).pop(t.job_id, None)
+        return self._publish(c, w, t, now_ns, ms)
+
+    def _retry_gap(self, ms: float) -> int:
+        """ns until the next try of a pending performance trigger whose last try took `ms`:
+        its cost over `sweep_share`, at least `first_recheck_s`."""
+        return int(max(self.config.first_recheck_s, ms / 1e3 / self.config.sweep_share)
+                   * SECOND)
+
+    def _retry_slow(self, job: str, now_ns: int) -> list[Diagnosis]:
+        """Re-run the analysis of a performance trigger that found nothing (module
+        docstring)."""
+        t, since, due = self.pending_slow[job]
+        if self.book.is_open(job, "performance") or self.book.is_open(job, "hang") or \
+                now_ns - since > self.config.slow_pending_s * SECOND:
+            del self.pending_slow[job]
+            return []
+        if now_ns < due:
+            return []
+        at = self.event_clock(job, now_ns)
+        w = self._window(job, at)
+        if w is None:
+            return []
+        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        if c is None:
+            self.pending_slow[job] = (t, since, now_ns + self._retry_gap(ms))
+            return []
+        del self.pending_slow[job]
         return self._publish(c, w, t, now_ns, ms)
 
     def _trigger_clock(self, t: Trigger, since_ns: int, now_ns: int) -> int:
@@ -270,6 +310,8 @@ class Analyst:
         out: list[Diagnosis] = []
         for job in sorted(self.pending):
             out += self._retry_pending(job, now_ns)
+        for job in sorted(self.pending_slow):
+            out += self._retry_slow(job, now_ns)
         for job in sorted(self.jobs):
             if not self.book.is_open(job, "hang"):
                 ended = self._exits(job, now_ns)

@@ -79,6 +79,50 @@ def test_a_hang_trigger_analysed_too_early_is_retried_until_it_concludes() -> No
     assert not b.pending  # expired
 
 
+def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost() -> None:
+    """A straggler trigger fires at the onset, before enough slow steps are stored; its
+    analysis finds nothing, so it stays pending and is tried again — no sooner than
+    `first_recheck_s`, and no more often than its cost over `sweep_share` — until it concludes
+    (once) or `slow_pending_s` runs out."""
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("gpu_slow rank=9 factor=1.6 at=2s", steps=16)
+    seen = {"early": True, "reads": 0}
+
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
+        seen["reads"] += kinds is None  # the analysis's reads (not the exit beats' look)
+        return Window(w.topo, {}, start_ns, now_ns) if seen["early"] else w
+
+    a = Analyst(read, AnalystConfig(first_recheck_s=1, slow_pending_s=6, sweep_s=60,
+                                    min_sweep_s=60), event_clock=lambda job, t: now)
+    a.last_sweep[w.topo.job_id] = now + 100 * S  # no sweep in the way
+    t = Trigger(w.topo.job_id, now, "straggler", (9,), {"rule": "venustrace.expected_step"})
+    assert a.on_trigger(t, now) == [] and w.topo.job_id in a.pending_slow
+    reads = seen["reads"]
+    assert a.tick(now + S // 2) == [] and seen["reads"] == reads  # not due yet
+    assert a.tick(now + S) == [] and seen["reads"] == reads + 1  # tried again: still nothing
+    seen["early"] = False
+    out = a.tick(now + 2 * S)
+    assert [(d.status, d.culprit_ranks) for d in out] == [("open", [9])]
+    assert w.topo.job_id not in a.pending_slow
+    assert not [d for d in a.tick(now + 3 * S) if d.status == "open"]  # announced once
+
+    seen["early"] = True
+    b = Analyst(read, AnalystConfig(slow_pending_s=6), event_clock=lambda job, t: now)
+    b.last_sweep[w.topo.job_id] = now + 100 * S
+    assert b.on_trigger(t, now) == []
+    b.analysis_ms.clear()
+    job = w.topo.job_id
+    b.pending_slow[job] = (t, now, now)  # its last try cost 0.5 s: the next in 10 s
+    b._run = lambda fn, w_, n: (None, 500.0)  # type: ignore[method-assign, assignment]
+    b.tick(now + S)
+    assert b.pending_slow[job][2] == now + S + 10 * S
+    b.tick(now + 7 * S)
+    assert job not in b.pending_slow  # expired
+
+
 def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     """The sweep reads the job's window, the look for exit beats its recent beats; a job that
     ended (its event clock no longer moves) is not read again every sweep_s."""
