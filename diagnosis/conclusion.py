@@ -24,6 +24,8 @@ class Suspicion:
     z: float = 0.0  # strength of the evidence, in robust σ of the quantity's own noise
     how: str = ""  # how the excess stood out: change, outlier, sparse, confirm
     onset_step: int = -1  # the first step in excess (-1: unknown)
+    #: the ranks are a ring the evidence could not narrow to the member that slowed it
+    whole_ring: bool = False
 
 
 @dataclass(frozen=True)

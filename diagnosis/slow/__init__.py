@@ -12,7 +12,8 @@ enough to show it, a persistent outlier. Each analysis is a module with one func
   without kernel records: CPU training);
 - `phases`: data loader wait, callbacks, other, optimizer (the `stages` record);
 - `launch`: call start delay after enqueue (Mycroft Table 3);
-- `network`: DP ring transfer time, narrowed to a member (VenusTrace AR node, Mycroft Table 4);
+- `network`: DP and TP ring transfer time, narrowed to a member (VenusTrace AR node, Mycroft
+  Table 4);
 - `p2p`: PP link transfer time (its own signature: it skips ranks already named).
 
 Suspects of one host with one (stage, component) merge into a host-level suspect. The suspect
@@ -97,6 +98,10 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     if cpu_open:
         conf = min(conf, CPU_UNJUDGED_CONFIDENCE)
         labels.append("cpu_unjudged")
+    if top.whole_ring:
+        # the ring is known, not which of its members slowed it: the answer names them all
+        conf = min(conf, WHOLE_RING_CONFIDENCE)
+        labels.append("ring_member_unknown")
     if len(top.ranks) > 1:
         labels.append("host_level")
     findings = [Finding(rule=r, culprit_ranks=s.ranks, stage=s.stage, component=s.component,
@@ -123,6 +128,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
 
 #: the most a conclusion says while its culprit's CPU cannot be judged yet (`cpu.unjudged`)
 CPU_UNJUDGED_CONFIDENCE = 0.65
+#: the most a conclusion says whose culprit is a ring not narrowed to one member
+WHOLE_RING_CONFIDENCE = 0.6
 LINK_RULES = ("venustrace.ar_node",)
 LAUNCH_RULES = ("mycroft.table3.late_start",)
 
@@ -139,6 +146,10 @@ def _explained_links(sus: list[Suspicion], cfg: SlowConfig
       rank's slowdown shifts its peers' transfers.
     - Calls that start late on a rank whose own compute is slower are that compute's effect (a
       device busy with slow kernels starts its collectives late), not its proxy's.
+    - A ring not narrowed to a member (`Suspicion.whole_ring`) is explained by any suspect
+      naming some of its members only: one member's slower PCIe, proxy or NIC slows every
+      collective it joins, so its TP group rises with its DP ring, and the narrower answer
+      is the better one.
     The explained suspects stay in the conclusion, after the others."""
     own = [s for s in sus if not set(s.rules) & set(LINK_RULES + LAUNCH_RULES)
            and s.onset_step >= 0]
@@ -147,8 +158,9 @@ def _explained_links(sus: list[Suspicion], cfg: SlowConfig
     for s in sus:
         link = bool(set(s.rules) & set(LINK_RULES))
         launch = not link and bool(set(s.rules) & set(LAUNCH_RULES))
+        narrower = s.whole_ring and any(set(o.ranks) < set(s.ranks) for o in sus)
         if (link and any(s.onset_step >= o.onset_step - cfg.onset_steps for o in own)) or \
-                (launch and set(s.ranks) <= own_ranks):
+                (launch and set(s.ranks) <= own_ranks) or narrower:
             explained.append(s)
         else:
             keep.append(s)
@@ -263,7 +275,8 @@ def _merge_hosts(w: Window, sus: list[Suspicion]) -> list[Suspicion]:
             out.append(Suspicion(ranks, stage, merged,
                                  float(sum(s.score for s in lst) / len(lst)), lst[0].rules,
                                  f"host {host}: {len(ranks)} ranks alike — " + lst[0].summary,
-                                 best.z, best.how, min(s.onset_step for s in lst)))
+                                 best.z, best.how, min(s.onset_step for s in lst),
+                                 any(s.whole_ring for s in lst)))
         else:
             out += lst
     return out

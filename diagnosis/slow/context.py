@@ -308,28 +308,25 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             if zx >= cfg.z_peers and above[x] >= 0.8:
                 flag[x], z[x], how[x] = True, zx, "outlier"
     # -- change: a rise of the unit's own excess, beyond its own noise -------------------------
-    k = cfg.onset_steps
-    if n >= 2 * k:  # cheap pre-test: the newest known steps well above the older half's median
-        with np.errstate(all="ignore"):
-            base0 = _nanmedian(d[: n // 2], axis=0)
-            last = d[-(k + 2):]
-            tail = _nanmedian(last, axis=0) > base0 + floor
-            tail &= (~np.isnan(last)).sum(axis=0) >= k
-    else:
-        tail = np.zeros(u, dtype=bool)
     # a link (job_gate off) in a peer set too small: its transfer time moves with the load
     # of the few ranks it joins, and two links cannot say which one changed by themselves —
     # its change counts only when the job's step time rose with it (the gate of ranks), and
     # it is a change of its own time, not of its excess over a peer (a peer that got faster
     # because its other end now arrives late is no evidence against this one)
     few = (not job_gate) & (peers < cfg.min_peers)
-    if few.any():  # judged on the link's newest known steps (a pair whose send has not
-        #            completed yet is unknown)
+    k = cfg.onset_steps
+    tail = np.zeros(u, dtype=bool)
+    if n >= 2 * k:  # cheap pre-test: the newest known steps well above the older half's
+        #            median. Known: a rank's own time is unknown until its calls of a later
+        #            step are stored, a link's until its sends complete — the newest rows
+        #            trail by a few steps, more the longer they are
         with np.errstate(all="ignore"):
-            base0 = _nanmedian(m[: n // 2], axis=0)
-            newest = ~np.isnan(m) & (np.cumsum(~np.isnan(m[::-1]), axis=0)[::-1] <= k + 2)
-            tail = np.where(few, (_nanmedian(np.where(newest, m, np.nan), axis=0)
-                                  > base0 + floor) & (newest.sum(axis=0) >= k), tail)
+            series = np.where(few, m, d)
+            base0 = _nanmedian(series[: n // 2], axis=0)
+            known = ~np.isnan(series)
+            newest = known & (np.cumsum(known[::-1], axis=0)[::-1] <= k + 2)
+            tail = (_nanmedian(np.where(newest, series, np.nan), axis=0) > base0 + floor) \
+                & (newest.sum(axis=0) >= k)
     for x in np.flatnonzero(~flag & present & tail).tolist():
         res = (_change(ctx, m[:, x], m[:, x], None, floor, ratio_min) if few[x] else
                _change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min))
@@ -387,12 +384,13 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
     k = cfg.onset_steps
     ok = ~np.isnan(d)
     dd, mm = d[ok], m[ok]
+    rr = None if ref is None else ref[ok]
     n = dd.size
     best: tuple[float, int, float] | None = None
     for length in range(k, n - k + 1):
         before, after = dd[:-length], dd[-length:]
         mb = float(np.median(before))
-        base = mb if ref is None else float(np.median(ref[ok][:-length]))
+        base = mb if rr is None else float(np.median(rr[:-length]))
         # σ is at least 1 % of the reference and 0.1 % of the step: a quantity that is ~0 on
         # every peer (a stage made only of waiting) has no noise to measure a rise against
         sd = max(_spread(before), 0.01 * base, 1e-3 * ctx.step_ns, 1.0)
@@ -411,13 +409,13 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
     _, run, zx = best
     steps_since = d.size - int(np.flatnonzero(ok)[n - run])  # judged steps, gaps included
     with np.errstate(all="ignore"):
-        if ref is None:
+        if rr is None:
             before = float(np.median(mm[:-run]))
             ratio = float(np.mean(mm[-run:]) / before) if before > 0 else float("inf")
             if ratio < ratio_min:
                 return None
             return float(np.mean(mm[-run:])) - before, ratio, zx, steps_since
-        ratio = float(np.mean(mm[-run:]) / np.mean(ref[ok][-run:]))
+        ratio = float(np.mean(mm[-run:]) / np.mean(rr[-run:]))
     if ratio < ratio_min:
         return None
     return float(np.mean(np.maximum(dd[-run:], 0.0))), ratio, zx, steps_since

@@ -1,7 +1,10 @@
-"""DP communicators: per ring and step, the transfer time of its collectives — the
+"""DP and TP communicators: per ring and step, the transfer time of its collectives — the
 *shortest* time any member spent in each (the last arriver's; everyone else's includes waiting:
 Mycroft Fig. 2, VenusTrace's AR node duration, §3.2.2) — compared across the job's rings of the
-same kind (`judge`).
+same kind (`judge`). Being the shortest member time, it does not rise when one member's compute
+is slower (the others wait inside the op, the late one does not); a rise that follows some
+rank's own slowdown is that rank's effect (`slow._explained_links`). TP groups are compared
+only in jobs without chunk counters (`suspects`).
 A job with fewer than `min_peers` rings gives no cross-ring verdict, only a change of a ring's
 transfer time against its own noise (two rings are two samples).
 
@@ -12,7 +15,7 @@ chunk counters (Mycroft §5.3, Table 4 read over time): the member whose RDMA co
 posts (② > ③) has a loaded link (nic_rdma); the member whose posts lag its staged data (① > ②)
 has a slow NIC — unless its receiver is the ring's laggard in progress while staging nothing
 ahead (①≈②), then the receiver's host side is slow (pcie_host). Without chunk counters the
-whole ring is the suspect.
+whole ring is the suspect (`Suspicion.whole_ring`: the conclusion's confidence says so).
 """
 
 from __future__ import annotations
@@ -24,15 +27,22 @@ from diagnosis.conclusion import Suspicion
 from diagnosis.rules.base import Component
 from diagnosis.slow.context import Array, Ctx, judge
 
-#: communicator kinds whose collectives are compared, and the stage a slower one names. TP
-#: groups are left out: inside a host (NVLink), their collectives slow with any member's
-#: compute, PCIe or proxy — an effect the ranks' own analyses name better (compared as rings,
-#: a PCIe fault of one rank became its whole host's TP group)
-KINDS = (("dp", "dp_allreduce"),)
+#: communicator kinds whose collectives are compared, and the stage a slower one names
+KINDS = (("dp", "dp_allreduce"), ("tp", "tp_collectives"))
 
 
 def suspects(ctx: Ctx) -> list[Suspicion]:
-    return [s for kind, stage in KINDS for s in _rings(ctx, kind, stage)]
+    """Slower DP rings; slower TP groups only in a job without chunk counters. A TP group
+    inside a host (NVLink) slows with any member's PCIe or proxy as well as with its links,
+    and no NIC carries it for the counters to narrow it: where counters exist, the member's
+    DP ring names the member (its counters) better than its whole group could, and the group
+    would outrun it — TP collectives are many per step, so their excess shows first (a
+    simulated PCIe fault was named as its host's TP group this way). Without counters (gloo,
+    a job traced without the NCCL plugin) the group's own rise is the only evidence there is
+    of a slower link between its members, and it is named as a whole."""
+    counters = bool(ctx.w.get("chunks"))
+    return [s for kind, stage in KINDS if kind != "tp" or not counters
+            for s in _rings(ctx, kind, stage)]
 
 
 def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
@@ -73,7 +83,7 @@ def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
                              f"{name}: transfer {v.ratio[c]:.2f}x the other rings', "
                              f"+{v.exc[c] / 1e6:.1f} ms/step ({v.how[c]} {v.z[c]:.1f}σ); {why}",
                              float(v.z[c]), str(v.how[c]),
-                             int(ctx.steps[v.since[c]])))
+                             int(ctx.steps[v.since[c]]), whole_ring=len(x) > 1))
     return out
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnosis import slow
-from diagnosis.slow import context, own_time
+from diagnosis.slow import context, network, own_time
 from diagnosis.window import Window, assign_steps
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
@@ -402,3 +402,60 @@ def test_a_links_change_is_seen_through_its_newest_steps_not_known_yet() -> None
     v = context.judge(_ctx(w, 40, job, step_ns=70e6), m, 1.2, np.array([0, 0, 1, 1]),
                       floor=2e6, job_gate=False)
     assert v.flag.tolist() == [False, True, False, False]
+
+
+def test_a_ranks_change_is_seen_through_its_newest_known_steps() -> None:
+    """A rank's own time of a step is unknown until its calls of a later step are stored: with
+    long steps the newest three or four rows of every rank are nan. The change is judged on
+    the newest steps that are known, not missed until the unknown ones fill in."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(4)
+    m = _noisy(rng, 40, world)
+    m[-9:, 1] *= 3.0  # the last 9 steps of rank 1 are slow…
+    m[-3:, :] = np.nan  # …the newest 3 of every rank not known yet
+    job = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    job[-9:] += 200e6
+    v = context.judge(_ctx(w, 40, job), m, 1.05)
+    assert v.flag.tolist() == [x == 1 for x in range(world)]
+    assert v.how[1] == "change" and int(v.since[1]) == 31
+
+
+def _tp_delayed(w: Window, comm: str, from_step: int, ns: int) -> Window:
+    """`w` with every op on `comm` from `from_step` on ending `ns` later (a slower transfer:
+    its members start it as before)."""
+    ops = dict(w.get("ops"))
+    on = network.is_comm(ops, comm) & (ops["step"] >= from_step)
+    ops["t_end"] = np.where(on, ops["t_end"] + ns, ops["t_end"])
+    return Window(w.topo, {**w.tables, "ops": ops}, w.start_ns, w.now_ns)
+
+
+def test_a_tp_group_whose_transfers_slowed_is_named_as_a_whole() -> None:
+    """A TP group's collectives take longer for every member (a slower link between them): its
+    transfer time — the shortest member time per op — rose beyond its own noise with the job's
+    step time. Two TP groups per pipeline stage are too few to compare, so it is judged by its
+    own rise; without chunk counters nothing says which member's link it is: the whole group,
+    marked as such. With chunk counters, TP groups are left to the members' DP rings."""
+    counted, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no", steps=16)
+    w = Window(counted.topo, {k: v for k, v in counted.tables.items() if k != "chunks"},
+               counted.start_ns, counted.now_ns)
+    rng = np.random.default_rng(5)
+    job = np.full(16, 300e6) + rng.normal(0, 3e6, 16)
+    job[10:] += 60e6
+    slow_link = _tp_delayed(w, "tp:pp2:dp0", 10, 30_000_000)
+    sus = [s for s in network.suspects(_ctx(slow_link, 16, job, step_ns=300e6))
+           if s.stage == "tp_collectives"]
+    assert [(s.ranks, s.component, s.whole_ring) for s in sus] == [((8, 9), "nic_rdma", True)]
+    for quiet in (w, _tp_delayed(counted, "tp:pp2:dp0", 10, 30_000_000)):
+        assert not [s for s in network.suspects(_ctx(quiet, 16, job, step_ns=300e6))
+                    if s.stage == "tp_collectives"]
+
+
+def test_a_tp_member_with_slower_compute_is_named_not_its_group() -> None:
+    """A member whose compute is slower arrives late at its TP group's collectives; the other
+    member waits inside them. The group's transfer time (the shortest member time) does not
+    rise, or follows the member's own slowdown: the member is the culprit."""
+    w, now = window("gpu_slow rank=9 factor=1.6 at=2s", steps=16)
+    c = slow.analyze(w, now)
+    assert c is not None and c.ranks == (9,) and c.stage != "tp_collectives"
+    assert "ring_member_unknown" not in c.labels
