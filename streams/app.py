@@ -8,7 +8,10 @@ Known traps this module is built around (faust-streaming 0.15.3, chdb 26.9):
   there, and if the worker must stop while rows are still not stored it exits the process hard
   (`os._exit`) so the unstored offsets are never committed;
 - windowing happens in our own code (Faust's windowed tables expire on wall-clock time);
-- at-least-once plus idempotent inserts (streams.raw_sink), not Faust's exactly-once mode.
+- at-least-once plus idempotent inserts (streams.raw_sink), not Faust's exactly-once mode;
+- Faust's producer turns Kafka's idempotence on only in exactly-once mode, so a send retried
+  across a partition leader change could be written twice: `App` makes it idempotent always
+  (`IdempotentProducer`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any, cast
 import faust
 import orjson
 from faust.streams import Stream
-from faust.types import StreamT
+from faust.transport.drivers.aiokafka import Producer as KafkaProducer
+from faust.types import ProducerT, StreamT
 
 from ingest.backoff import Backoff, retry
 from ingest.batch import BatchError, decode_batch
@@ -60,6 +64,22 @@ class AppConfig:
     bounds: TimeBounds | None = None
 
 
+class IdempotentProducer(KafkaProducer):
+    """Faust's Kafka producer with idempotence on (acks=all, a producer id and per-partition
+    sequence numbers): the broker writes a batch retried after a lost answer or a leader
+    change once. Derived records, triggers, diagnoses and dead letters go through it."""
+
+    def _settings_extra(self) -> Any:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+
+class App(faust.App):
+    """faust.App whose producer is `IdempotentProducer`."""
+
+    def _new_producer(self) -> ProducerT:
+        return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+
 def raw_table(kind: str) -> str:
     return kind
 
@@ -84,7 +104,7 @@ class StreamsApp:
         self.ownership = ownership or Ownership(standalone=False)
         self.store = store
         self.stopping = False
-        self.app = faust.App(
+        self.app = App(
             cfg.app_id,
             broker=f"kafka://{cfg.bootstrap}",
             store="memory://",

@@ -161,6 +161,43 @@ FAUST_APP = textwrap.dedent('''
 ''')
 
 
+def test_the_workers_faust_producer_is_idempotent(kafka, topics):
+    """The worker's Faust app sends through an idempotent producer: the broker granted it a
+    producer id (sequence numbers on every batch, so a retried send is written once), and
+    the message arrives."""
+    from streams.app import App, IdempotentProducer
+
+    async def main() -> int:
+        app = App(f"rwtest-{uuid.uuid4().hex[:8]}", broker="kafka://" + kafka.bootstrap,
+                  store="memory://", web_enabled=False, autodiscover=False)
+        producer = app.producer
+        await producer.start()
+        try:
+            await producer.send_and_wait(topics.dlq, b"idem", b"once", None, None, None)
+            assert isinstance(producer, IdempotentProducer)
+            aio = producer._ensure_producer()
+            assert aio._txn_manager is not None, "idempotence is off"
+            return int(aio._txn_manager.producer_id)
+        finally:
+            await producer.stop()
+
+    assert asyncio.run(main()) >= 0
+    c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": uuid.uuid4().hex,
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    got: list[bytes | None] = []
+    try:
+        c.assign([TopicPartition(topics.dlq, p, OFFSET_BEGINNING)
+                  for p in c.list_topics(topics.dlq, timeout=10).topics[topics.dlq].partitions])
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not got:
+            m = c.poll(0.5)
+            if m is not None and m.error() is None and m.key() == b"idem":
+                got.append(m.value())
+    finally:
+        c.close()
+    assert got == [b"once"]
+
+
 def test_a_faust_agent_consumes_from_the_broker(kafka, topics, tmp_path):
     p = Producer({"bootstrap.servers": kafka.bootstrap, "compression.type": "zstd"})
     for seq in range(2):
