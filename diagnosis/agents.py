@@ -324,7 +324,7 @@ class DiagnosisAgents:
     def _held(self) -> set[str]:
         a = self.analyst
         return set(self.watches) | set(self.topos) | set(self.watermark) | a.jobs \
-            | {job for job, _ in a.book.open}
+            | {job for job, _ in a.book.open} | set(a.pending) | set(a.pending_slow)
 
     def _forget(self, jobs: Collection[str]) -> None:
         """Drop everything held of `jobs` (another worker owns them now)."""
@@ -332,8 +332,10 @@ class DiagnosisAgents:
             return
         gone = set(jobs)
         a = self.analyst
+        # a pending trigger too: retried here, it would open the new owner's incident twice
         for per_job in (self.watches, self.topos, self.watermark, a.last_check, a.last_sweep,
-                        a.swept_at, a.resolved_hangs, a.exits_judged, a.exit_checks):
+                        a.swept_at, a.resolved_hangs, a.exits_judged, a.exit_checks, a.pending,
+                        a.pending_slow):
             for job in [j for j in per_job if j in gone]:
                 del per_job[job]
         a.jobs -= gone

@@ -1,4 +1,5 @@
-"""The diagnosis agents bound a job's event time by the derived feed's configured lateness."""
+"""The diagnosis agents bound a job's event time by the derived feed's configured lateness, and
+drop what they hold of a job another worker owns now."""
 
 from __future__ import annotations
 
@@ -44,3 +45,20 @@ def test_worker_passes_derived_lateness_s() -> None:
     assert sapp.derived.cfg.lateness_ns == 5_500_000_000
     agents = vars(sapp)["diagnosis"]  # attached by the worker
     assert isinstance(agents, DiagnosisAgents) and agents.lateness_ns == 5_500_000_000
+
+
+def test_a_handed_over_job_leaves_no_pending_trigger_behind() -> None:
+    """A trigger pending here (a hang or a slowdown analysed too early) of a job another worker
+    now owns is dropped with the rest of the job's state: retried here, it would open an
+    incident the new owner opens too."""
+    from diagnosis.triggers.base import Trigger
+
+    a = agents()
+    for job in ("gone", "kept"):
+        a.analyst.jobs.add(job)
+        a.analyst.pending[job] = (Trigger(job, 1, "hang", (3,)), 1)
+        a.analyst.pending_slow[job] = (Trigger(job, 1, "straggler", (3,)), 1, 2)
+    assert {"gone", "kept"} <= a._held()
+    a._forget(["gone"])
+    assert "gone" not in a._held()
+    assert set(a.analyst.pending) == set(a.analyst.pending_slow) == {"kept"}
