@@ -123,28 +123,26 @@ def format_status(st: dict[str, Any]) -> str:
         rows = [(f"kafka-{b['node']}", _state(b), b["pid"], b["bootstrap"], "")
                 for b in k["brokers"]]
     rows.append(("worker", _state(w), w["pid"], f"SQL {w['sql_endpoint']}", w["log"]))
-    lines = []
-    for name, state, pid, where, log in rows:
-        pid_text = f"pid {pid}" if pid else ""
-        lines.append(f"{name:<8}{state:<10}{pid_text:<12}{where:<36}{log}".rstrip())
     parts = [("kafka", k), ("worker", w)]
     if "store" in st:  # up --workers N: the store and the other workers
         more = [("store", st["store"], "ClickHouse for the workers")]
         more += [(x["name"], x, "") for x in st["workers"][1:]]
         for name, part, where in more:
-            pid_text = f"pid {part['pid']}" if part["pid"] else ""
-            lines.append(f"{name:<8}{_state(part):<10}{pid_text:<12}{where:<36}"
-                         f"{part['log']}".rstrip())
+            rows.append((name, _state(part), part["pid"], where, part["log"]))
             parts.append((name, part))
+    n = st.get("notify") or {}
+    if n.get("configured"):
+        rows.append(("notify", "up" if n["running"] else "down", n["pid"],
+                     "routes " + n["config"], n["log"]))
+    # the name column fits the longest name ("worker-12", "storage") and a space
+    nw = max(8, *(len(r[0]) + 1 for r in rows), len("storage") + 1)
+    lines = []
+    for name, state, pid, where, log in rows:
+        pid_text = f"pid {pid}" if pid else ""
+        lines.append(f"{name:<{nw}}{state:<10}{pid_text:<12}{where:<36}{log}".rstrip())
     for name, part in parts:
         if part["running"] and not part["healthy"]:
             lines.append(f"  {name}: {part['detail']}")
-    n = st.get("notify") or {}
-    if n.get("configured"):
-        state = "up" if n["running"] else "down"
-        pid_text = f"pid {n['pid']}" if n["pid"] else ""
-        lines.append(f"{'notify':<8}{state:<10}{pid_text:<12}{'routes ' + n['config']:<36}"
-                     f"{n['log']}".rstrip())
-    lines.append(f"{'storage':<8}{st['clickhouse']['url']}  (database "
+    lines.append(f"{'storage':<{nw}}{st['clickhouse']['url']}  (database "
                  f"{st['clickhouse']['database']})")
     return "\n".join(lines)

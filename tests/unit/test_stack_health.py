@@ -40,3 +40,26 @@ def test_the_sql_token_is_secret_but_reaches_the_worker(tmp_path: Path) -> None:
 def test_free_ports_are_below_the_ephemeral_range() -> None:
     ports = {stack.free_port() for _ in range(50)}
     assert all(20000 <= p < 32000 for p in ports)
+
+
+def test_status_lines_keep_their_columns_with_several_workers() -> None:
+    """`rankwatch status` with `up --workers 3`: the names of the other workers are longer
+    than the name column was ("worker-2up"); every line's state starts in one column."""
+    from rankwatch.commands.stack import format_status
+
+    def part(pid: int, log: str = "", **more: object) -> dict[str, object]:
+        return {"healthy": True, "running": True, "pid": pid, "log": log, "detail": "",
+                **more}
+
+    st = {"kafka": part(1, "k.log", bootstrap="127.0.0.1:9092", managed=True),
+          "worker": part(2, "w.log", sql_endpoint="http://127.0.0.1:8124"),
+          "store": part(3, "s.log"),
+          "workers": [part(2), part(4, "w2.log", name="worker-2"),
+                      part(5, "w3.log", name="worker-12")],
+          "clickhouse": {"url": "chdb:///x", "database": "rankwatch"}}
+    lines = format_status(st).splitlines()
+    names = [ln.split()[0] for ln in lines]
+    assert names == ["kafka", "worker", "store", "worker-2", "worker-12", "storage"]
+    states = {ln.index(" up ") + 1 for ln in lines[:-1]}  # where each line's state starts
+    assert len(states) == 1, lines
+    assert lines[-1].index("chdb://") in states  # the storage line's URL in the same column
