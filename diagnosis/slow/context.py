@@ -16,8 +16,9 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     or more steps, by at least `z_change` robust standard deviations of that same excess over
     the steps before (1.4826 × MAD: the unit's own step-to-step noise), 80 % of those steps
     above the baseline's median + 2σ (`_change`); and the job's own median step time must
-    have risen over the same steps by `z_job` standard errors of the median (`job_change`: a
-    slowdown is first a change of the job's step time) — except for links (DP rings, p2p
+    have risen over the same steps by `z_job` standard errors of the median, above every
+    earlier stretch of the same length (`job_change`: a slowdown is first a change of the
+    job's step time, beyond the excursions the job already makes) — except for links (DP rings, p2p
     hops: `job_gate=False`), whose slower transfer a pipeline bubble can hide from the step
     time: such a change is named "absorbed", with the confidence of weaker evidence. A rank's
     own work that at least doubled (`absorbed_ratio`) and rose by `absorbed_z` × `z_change` of
@@ -245,17 +246,36 @@ def _common(m: Array, x: int, since: int, group: Array) -> bool:
 
 def job_change(ctx: Ctx, since: int) -> float:
     """How many standard errors the job's median step time over its last `since` steps lies
-    above its median over the steps before (0 when there are too few of either): the robust
-    σ of the job's own step times (1.4826 × MAD) and the standard error of a median,
-    1.2533 σ / √n, for both medians."""
+    above its median over the steps before (0 when there are too few of either, or when the
+    rise is no larger than the job's own excursions): the robust σ of the job's own step
+    times (1.4826 × MAD) and the standard error of a median, 1.2533 σ / √n, for both medians.
+
+    The standard error judges the level of independent steps; a job's step times are not
+    independent — a job sharing its cores slows for a few hundred milliseconds whenever the
+    scheduler crowds it (`excursion`). A rise counts only when the newest steps' median
+    stands above every stretch of the same length before them: a change the job's own
+    history already shows without a fault is that history's noise."""
     js = ctx.job_step
     k = ctx.cfg.onset_steps
     if js.size < since + k or since < k:
         return 0.0
     before, after = js[:-since], js[-since:]
+    level = float(np.median(after))
+    if level <= excursion(before, since):
+        return 0.0
     sd = max(float(_mad_sigma(before)), 0.01 * float(np.median(before)), 1.0)
     se = 1.2533 * sd * np.sqrt(1.0 / before.size + 1.0 / after.size)
-    return (float(np.median(after)) - float(np.median(before))) / float(se)
+    return (level - float(np.median(before))) / float(se)
+
+
+def excursion(x: Array, length: int) -> float:
+    """The highest median of `length` consecutive values of `x` (of all of `x` when it is
+    shorter): how high the series already went, over a stretch as long as the one judged."""
+    n = min(max(length, 1), x.size)
+    if n == 0:
+        return float("-inf")
+    windows = np.lib.stride_tricks.sliding_window_view(x, n)
+    return float(np.median(windows, axis=1).max())
 
 
 def judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None = None, *,

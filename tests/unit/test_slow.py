@@ -110,6 +110,30 @@ def test_a_change_counts_when_it_stands_out_of_its_own_noise_and_the_job_slowed(
     assert not context.judge(_ctx(w, 40, flat), m, 1.05).flag[1]
 
 
+
+def test_a_job_rise_its_own_history_already_shows_is_no_change() -> None:
+    """A job sharing its cores slows for a few steps now and then: a rank's cluster of slow
+    steps while the job is in such a stretch is not a change of the job when an earlier
+    stretch of the same length went as high without a fault (a contended control: rank 0's
+    data wait 4 of 5 steps slow while the job's step time was already there just before).
+    The same rise above anything the history shows counts."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(7)
+    m = _noisy(rng, 40, world)
+    m[-6:, 1] *= 1.4
+    job = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    job[-6:] += 60e6
+    job[10:17] += 80e6  # an earlier excursion, longer and higher, with no fault
+    assert context.excursion(job[:-6], 6) >= 1.07e9
+    ctx = _ctx(w, 40, job)
+    assert context.job_change(ctx, 6) == 0.0
+    assert not context.judge(ctx, m, 1.05).flag[1]
+    job[10:17] -= 80e6  # no such stretch before: the same rise is the job's change
+    assert context.job_change(_ctx(w, 40, job), 6) >= 2.0
+    assert context.judge(_ctx(w, 40, job), m, 1.05).flag[1]
+    assert context.excursion(np.arange(3.0), 8) == 1.0  # shorter than the stretch: its median
+
 def test_a_doubled_stage_the_job_absorbs_is_named_absorbed() -> None:
     """A rank's own work at least doubled, far outside its own noise, while the job's step
     time did not move (a pipeline bubble or shared cores absorb it): "absorbed", from the
