@@ -18,12 +18,14 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     above the baseline's median + 2σ (`_change`); and the job's own median step time must
     have risen over the same steps by `z_job` standard errors of the median, above every
     earlier stretch of the same length (`job_change`: a slowdown is first a change of the
-    job's step time, beyond the excursions the job already makes) — except for links (DP rings, p2p
-    hops: `job_gate=False`), whose slower transfer a pipeline bubble can hide from the step
-    time: such a change is named "absorbed", with the confidence of weaker evidence. A rank's
-    own work that at least doubled (`absorbed_ratio`) and rose by `absorbed_z` × `z_change` of
-    its own σ is named "absorbed" too while the job's step time does not move: the pipeline
-    or the shared cores hide it today, its rank is still the one to look at — and
+    job's step time, beyond the excursions the job already makes) — except for links (DP
+    rings, p2p hops: `job_gate=False`), whose slower transfer a pipeline bubble can hide from
+    the step time: such a change is named "absorbed", with the confidence of weaker evidence.
+    A rank's own work that at least doubled (`absorbed_ratio`) and rose by `absorbed_z` ×
+    `z_change` of its own σ is named "absorbed" too while the job's step time does not move:
+    the pipeline or the shared cores hide it today, its rank is still the one to look at. An
+    absorbed change must have held for `2 × onset_steps` steps (weaker evidence, more of it: a
+    rank crowded off its core for a few hundred milliseconds doubles a phase too) — and
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
@@ -33,8 +35,11 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     stage are two samples: their ratio is not evidence, and no such verdict is given;
   - `sparse` (intermittent excess: a stalled callback, a slow batch): at least three steps above
     the reference by the whole materiality floor, three times as many as the busiest peer plus
-    two, the first of them inside the window; a count of spikes is compared across peers, so
-    this too needs a peer set of `min_peers`.
+    two, the first of them inside the window; where the peers spike too (the quantity has
+    spikes of its own in this job) after a quiet stretch the spike rate since makes improbable
+    (`sparse_quiet`: a Poisson count of zero in those steps — on a contended 4-rank control
+    one rank the scheduler crowded more spiked 8 times to its peers' 1, as it always had); a
+    count of spikes is compared across peers, so this too needs a peer set of `min_peers`.
   The noise of a series is the larger of its robust σ and its upper tail's width (`_spread`):
   a rank that shares its cores is descheduled now and then, a heavy tail the MAD reads as
   quiet.
@@ -80,6 +85,7 @@ class SlowConfig:
     z_peers: float = 5.0  # an outlier: this many robust σ above its peers' means
     absorbed_ratio: float = 2.0  # a change the job's step time hides: at least this ratio
     absorbed_z: float = 2.0  # … and this × z_change of the unit's own σ
+    sparse_quiet: float = 0.01  # intermittent excess: the quiet before it at most this likely
 
 
 @dataclass(frozen=True)
@@ -356,7 +362,10 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         if few[x] and (not job_moved or _common(m, x, res[3], gi)):
             continue
         hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change
-        if job_moved or not job_gate or hidden:
+        # a change the job's step time does not show is weaker evidence: it must hold twice
+        # as long (a rank crowded off its core for a few hundred ms doubles a phase too)
+        held = job_moved or res[3] >= 2 * k
+        if held and (job_moved or not job_gate or hidden):
             flag[x], exc[x], ratio[x], z[x] = True, res[0], res[1], res[2]
             how[x] = "change" if job_moved else "absorbed"
             since[x] = n - res[3]
@@ -372,6 +381,14 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             others = others[others != x]
             busiest = int(cnt[others].max()) if others.size else 0
             if not others.size or cnt[x] < 3 * busiest + 2:
+                continue
+            # peers that spike too: the quantity has spikes of its own in this job (shared
+            # cores), and a unit spiking more may always have — its first spike must follow
+            # a quiet stretch that its rate of spikes since makes improbable (e^(−rate ×
+            # quiet): the chance of that quiet without a change of the rate)
+            rate = cnt[x] / max(int(np.sum(~np.isnan(d[first[x]:, x]))), 1)
+            quiet = int(np.sum(~np.isnan(d[:first[x], x])))
+            if busiest and rate * quiet < -np.log(cfg.sparse_quiet):
                 continue
             e = float(np.nanmean(np.maximum(d[first[x]:, x], 0.0)))
             if e >= floor:

@@ -137,7 +137,8 @@ def test_a_job_rise_its_own_history_already_shows_is_no_change() -> None:
 def test_a_doubled_stage_the_job_absorbs_is_named_absorbed() -> None:
     """A rank's own work at least doubled, far outside its own noise, while the job's step
     time did not move (a pipeline bubble or shared cores absorb it): "absorbed", from the
-    change's onset; a +40 % change under the same flat job time stays no verdict."""
+    change's onset, once it held 2 × onset_steps; a +40 % change under the same flat job time
+    stays no verdict."""
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     world = w.grid.world
     rng = np.random.default_rng(5)
@@ -145,10 +146,11 @@ def test_a_doubled_stage_the_job_absorbs_is_named_absorbed() -> None:
     m[-10:, 1] *= 6.0
     m[-10:, 2] *= 1.4
     m[-20, 1] *= 1.2  # a noisy step of the baseline does not make it "intermittent"
+    m[-6:, 3] *= 6.0  # as large, held 6 steps: not yet twice onset_steps
     flat = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
     v = context.judge(_ctx(w, 40, flat), m, 1.05)
     assert v.flag[1] and v.how[1] == "absorbed" and int(v.since[1]) == 30
-    assert not v.flag[2]
+    assert not v.flag[2] and not v.flag[3]
     ref = context.reference(m, w.grid.stage)
     start = np.where(v.flag, v.since, -1)
     assert context.persistence(m, ref, start)[1] == 1.0
@@ -230,6 +232,33 @@ def test_an_intermittent_excess_needs_many_more_spikes_than_its_peers() -> None:
     assert not v.flag[[b, c, d]].any()
     m[[-5, -2], b] += 180e6  # two: too few, and with them a's four are within 3×2 + 2
     assert not context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True).flag[[a, b]].any()
+
+
+def test_spikes_among_spiking_peers_need_a_quiet_stretch_before_them() -> None:
+    """Where the peers spike too, a unit spiking more counts only when its first spike follows
+    a quiet stretch its rate since makes improbable: on a contended control one rank spiked
+    8 times from row 14 on (peers once each), as it always had. The same 8 spikes packed
+    after 36 quiet rows are a change; beside peers that never spike, spread ones still count."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    stage = w.grid.stage
+    a, b, c = np.flatnonzero(stage == 0)[:3].tolist()
+    rows = [14, 18, 25, 27, 31, 35, 38, 48]
+    m = np.full((50, world), 4.4e6)
+    m[rows, a] += 20e6
+    m[20, b] += 5e6
+    m[32, c] += 5e6
+    ctx = _ctx(w, 50, step_ns=60e6)
+    assert not context.judge(ctx, m, 1.05, sparse=True).flag[a]  # e^(−8/36 × 14) ≈ 0.04
+    m[rows, a] -= 20e6
+    m[[36, 37, 39, 41, 43, 45, 47, 49], a] += 20e6
+    v = context.judge(ctx, m, 1.05, sparse=True)
+    assert v.flag[a] and v.how[a] == "sparse" and int(v.since[a]) == 36
+    m[[36, 37, 39, 41, 43, 45, 47, 49], a] -= 20e6
+    m[rows, a] += 20e6
+    m[20, b] -= 5e6
+    m[32, c] -= 5e6
+    assert context.judge(ctx, m, 1.05, sparse=True).flag[a]  # peers without spikes of their own
 
 
 def test_a_tiny_phase_at_a_high_ratio_does_not_make_a_data_stall_host_cpu() -> None:
