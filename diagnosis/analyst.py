@@ -50,8 +50,8 @@ finished job would drift to "process died".
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
   whose culprit ranks are among the hang's does not open a second incident for the same episode
   (a different culprit does, and so does the same one later) — nor does the recovered stall
-  analysed again once it ended (a hang conclusion labelled "recovered"). Not kept across
-  restarts.
+  analysed again once it ended (a hang conclusion labelled "recovered" whose stall began before
+  the incident resolved, however long after). Not kept across restarts.
 - exits: every `min_sweep_s`, a job without an open hang incident has the beats stored since
   the last look read (`_exits`): a rank's exit beat (its process ended) has the job judged as
   of its end (`hang_rca.process_exit`) — a job whose ranks all stop within a beat leaves no
@@ -280,14 +280,18 @@ class Analyst:
         hang = self.resolved_hangs.get(job_id)
         if hang is None:
             return False
+        ranks, at = hang
+        same = bool(c.ranks) and set(c.ranks) <= ranks
         if incident_class(c.kind) == "hang":
             if "recovered" not in c.labels or self.book.is_open(job_id, "hang"):
                 return False
+            if c.onset_ns is not None:
+                # a stall that began before the incident about it resolved is that incident's,
+                # however late it is analysed again (a sweep or the job's end, long after)
+                return same and c.onset_ns <= at
         elif self.book.is_open(job_id, "performance"):
             return False
-        ranks, at = hang
-        recent = now_ns - at <= self.config.aftermath_s * SECOND
-        return recent and bool(c.ranks) and set(c.ranks) <= ranks
+        return same and now_ns - at <= self.config.aftermath_s * SECOND
 
     def _publish(self, c: Conclusion, w: Window, t: Trigger, now_ns: int,
                  ms: float) -> list[Diagnosis]:

@@ -5,7 +5,8 @@ failure and hang triggers run the hang analysis first (hang_rca: Mycroft Alg. 2 
 VenusTrace halt point) and fall back to the slowdown analysis when nothing is stuck (a transient
 stall that already recovered); straggler, jitter and regression triggers run the slowdown analysis
 (diagnosis.slow: excess over peers on non-waiting quantities, Table 3/4, ARGUS L2/L3) after checking
-that nothing is stuck — a slowdown trigger can arrive during a hang.
+that nothing is stuck — a slowdown trigger can arrive during a hang, or at the start of a stall
+too young to be one yet.
 
 `to_diagnosis` adds what an operator needs: hosts of the culprit ranks, the rules that fired,
 one evidence entry per rule with the SQL to see its rows, and a one-line summary.
@@ -26,8 +27,14 @@ Analysis = Callable[[Window, int], Conclusion | None]
 
 
 def _hang_then_slow(w: Window, now_ns: int) -> Conclusion | None:
-    return (hang_rca.analyze(w, now_ns) or hang_rca.analyze_past_stall(w, now_ns)
-            or slow.analyze(w, now_ns))
+    c = hang_rca.analyze(w, now_ns) or hang_rca.analyze_past_stall(w, now_ns)
+    if c is not None:
+        return c
+    # a rank stuck in a call, not yet for the hang threshold: a stall in progress is the hang
+    # analysis' to name once it is one — its waiting, read as a slowdown, is a wrong incident
+    if hang_rca.stuck_ranks(w, now_ns).size:
+        return None
+    return slow.analyze(w, now_ns)
 
 
 ANALYSES: dict[str, Analysis] = {

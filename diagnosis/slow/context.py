@@ -86,6 +86,7 @@ class SlowConfig:
     absorbed_ratio: float = 2.0  # a change the job's step time hides: at least this ratio
     absorbed_z: float = 2.0  # … and this × z_change of the unit's own σ
     sparse_quiet: float = 0.01  # intermittent excess: the quiet before it at most this likely
+    min_baseline: int = 8  # a change needs this many steps before it (their noise: a MAD)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ def job_change(ctx: Ctx, since: int) -> float:
     history already shows without a fault is that history's noise."""
     js = ctx.job_step
     k = ctx.cfg.onset_steps
-    if js.size < since + k or since < k:
+    if js.size < since + max(k, ctx.cfg.min_baseline) or since < k:
         return 0.0
     before, after = js[:-since], js[-since:]
     level = float(np.median(after))
@@ -411,11 +412,13 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
             ratio_min: float) -> tuple[float, float, float, int] | None:
     """(excess, ratio, z, steps since the onset) of a unit whose excess series `d` rose beyond
     its own noise over its newest steps; else None (the job's step time is the caller's to
-    check). Every split of the series into a baseline and its newest L ≥ `onset_steps` steps
-    is tried: the split counts when at least 80 % of the newest steps lie above the baseline's
-    median + 2σ (σ: 1.4826 × the baseline's MAD, the unit's own noise) and their median rose
-    by `z_change` σ and by the materiality floor; of those, the one whose rise is largest in
-    standard errors of the two medians is the onset. With `ref` None, `d` is the unit's own
+    check). Every split of the series into a baseline of at least `min_baseline` steps (the
+    MAD of fewer says little of their noise: four steps at a job's start passed for a baseline)
+    and its newest L ≥ `onset_steps` steps is tried: the split counts when at least 80 % of
+    the newest steps lie above the baseline's median + 2σ (σ: 1.4826 × the baseline's MAD,
+    the unit's own noise) and their median rose by `z_change` σ and by the materiality floor;
+    of those, the one whose rise is largest in standard errors of the two medians is the
+    onset. With `ref` None, `d` is the unit's own
     quantity (`m`): its baseline is its reference, the excess its rise over it."""
     cfg = ctx.cfg
     k = cfg.onset_steps
@@ -424,7 +427,7 @@ def _change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
     rr = None if ref is None else ref[ok]
     n = dd.size
     best: tuple[float, int, float] | None = None
-    for length in range(k, n - k + 1):
+    for length in range(k, n - max(k, cfg.min_baseline) + 1):
         before, after = dd[:-length], dd[-length:]
         mb = float(np.median(before))
         base = mb if rr is None else float(np.median(rr[:-length]))

@@ -30,6 +30,15 @@ def test_the_trace_of_a_resolved_stall_is_not_a_second_incident() -> None:
     again = Conclusion("hang", (3,), "fwd mb=0 pp=0", "gpu_compute", 0.95,
                        labels=("min_op", "transient", "recovered"))
     assert a._aftermath("j", again, 110 * S) and not a._aftermath("j", again, 121 * S)
+    # with its onset known: the stall that began before the incident resolved is that
+    # incident's however late it is seen again (a real job's end, 22 s after); a stall that
+    # began after it is a new one
+    told = Conclusion("hang", (3,), "fwd mb=0 pp=0", "gpu_compute", 0.95,
+                      labels=("min_op", "transient", "recovered"), onset_ns=96 * S)
+    assert a._aftermath("j", told, 110 * S) and a._aftermath("j", told, 122 * S)
+    new = Conclusion("hang", (3,), "fwd mb=0 pp=0", "gpu_compute", 0.95,
+                     labels=("min_op", "transient", "recovered"), onset_ns=105 * S)
+    assert not a._aftermath("j", new, 122 * S)
 
 
 def test_a_new_incident_is_rechecked_after_first_recheck_s() -> None:

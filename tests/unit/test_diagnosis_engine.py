@@ -60,6 +60,28 @@ def test_gpu_slowdown_names_the_rank_and_compute() -> None:
     assert (d.culprit_ranks, d.stage, d.component) == ([9], "compute", "gpu_compute")
 
 
+def test_a_stall_too_young_for_a_hang_is_no_slowdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A performance trigger while a rank sits in a call longer than 1.5 steps but the hang
+    analysis does not yet call it a hang: no conclusion — the stall's waiting read as a
+    slowdown opened a wrong incident on a real pipeline (the hang analysis names it once it is
+    one). The same trigger with nothing stuck runs the slowdown analysis. The analyses are
+    stubbed: what is tested is the dispatch."""
+    from diagnosis import hang_rca, slow
+    from diagnosis.conclusion import Conclusion
+
+    w, _ = window("hang rank=13 stage=bwd mb=3 at=3s")
+    t0 = int(w.get("ops")["t_start"].min())
+    stuck, calm = t0 + 5 * 10**9, t0 + int(3.5e9)
+    assert hang_rca.stuck_ranks(w, stuck).size and not hang_rca.stuck_ranks(w, calm).size
+    named = Conclusion("slowdown", (3,), "data", "data_loader", 0.9)
+    monkeypatch.setattr(hang_rca, "analyze", lambda w_, n: None)
+    monkeypatch.setattr(hang_rca, "analyze_past_stall", lambda w_, n: None)
+    monkeypatch.setattr(slow, "analyze", lambda w_, n: named)
+    t = Trigger("t", stuck, "straggler", ())
+    assert engine.diagnose(w, t, stuck) is None
+    assert engine.diagnose(w, t, calm) is named
+
+
 def test_no_fault_no_diagnosis() -> None:
     w, now = window("gpu_slow rank=9 factor=1.01 at=2s expect=no", steps=16)
     assert diagnose(w, now, "straggler") is None

@@ -134,6 +134,22 @@ def test_a_job_rise_its_own_history_already_shows_is_no_change() -> None:
     assert context.judge(_ctx(w, 40, job), m, 1.05).flag[1]
     assert context.excursion(np.arange(3.0), 8) == 1.0  # shorter than the stretch: its median
 
+def test_a_change_needs_a_baseline_long_enough_to_show_its_noise() -> None:
+    """Four steps before a rise cannot show the noise it must stand out of (a real job's
+    first ten steps, its first one twice as long, passed for a baseline and a ring "changed"):
+    no verdict; the same rise after `min_baseline` steps counts."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(8)
+    for before, flagged in ((4, False), (8, True)):
+        m = _noisy(rng, before + 6, w.grid.world)
+        m[before:, 1] *= 1.5
+        job = np.full(before + 6, 1e9) + rng.normal(0, 5e6, before + 6)
+        job[before:] += 50e6
+        ctx = _ctx(w, before + 6, job)
+        assert bool(context.judge(ctx, m, 1.05).flag[1]) is flagged, before
+        assert (context.job_change(ctx, 6) >= 2.0) is flagged, before
+
+
 def test_a_doubled_stage_the_job_absorbs_is_named_absorbed() -> None:
     """A rank's own work at least doubled, far outside its own noise, while the job's step
     time did not move (a pipeline bubble or shared cores absorb it): "absorbed", from the
