@@ -403,6 +403,18 @@ def _death(w: Window, dead: np.ndarray, alg2: list[Finding]) -> Conclusion:
                                   "gone, not hung"),))
 
 
+#: the most a hang conclusion says whose culprit has not beaten since the wait began
+ALIVE_UNJUDGED_CONFIDENCE = 0.75
+
+
+def _beat_unseen(w: Window, rank: int, since_ns: int | None) -> bool:
+    """Whether the job's beats (when it has any) hold none of `rank` after `since_ns`."""
+    beats = w.get("beats")
+    if not beats or since_ns is None:
+        return False
+    return not bool(((ints(beats, "rank") == rank) & (ints(beats, "ts") > since_ns)).any())
+
+
 def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
             alg2: list[Finding]) -> Conclusion:
     top = min_op[0]
@@ -453,13 +465,21 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
             (w.grid.pp <= 1 and not _sends_p2p(w, x)) or " mb=" in inside[0]
             or not inside[0].startswith(("fwd", "bwd")))
         conf = 0.95 if placed or observed else 0.75
+    # alive is known once the culprit beat after its peers began to wait; before that a killed
+    # process and a hung one look alike (a real rank killed in its step was named hung in its
+    # backward at 0.95, its exit beat stored a second later)
+    unjudged = not dead and "no_records" not in top.labels and _beat_unseen(w, x, top.onset_ns)
+    if unjudged:
+        conf = min(conf, ALIVE_UNJUDGED_CONFIDENCE)
     ranks = tuple(sorted({int(r) for f in min_op for r in f.culprit_ranks}))
-    labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()))))
+    labels = tuple(dict.fromkeys((*top.labels, *(hp.labels if hp else ()),
+                                  *(("alive_unjudged",) if unjudged else ()))))
     summ = [(top.rule, f"rank {x} never reached the op its peers wait in "
              f"({top.evidence.get('waited_in')}); {top.evidence.get('ranks_waiting')} ranks wait"
              + ("; its records stopped (process gone)" if dead else
                 "; none of its records is stored yet" if "no_records" in top.labels else
-                "; it is alive (beats)"))]
+                "; no beat of it since the wait began: alive or gone is not known yet"
+                if unjudged else "; it is alive (beats)"))]
     if hp is not None:
         summ.append((hp.rule, f"halt point {hp.evidence.get('node')} in replica "
                      f"{hp.evidence.get('replica')}, step {hp.evidence.get('step')}"))

@@ -98,6 +98,11 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     if cpu_open:
         conf = min(conf, CPU_UNJUDGED_CONFIDENCE)
         labels.append("cpu_unjudged")
+    if top.how == "sparse":
+        # a count of spikes says which rank, not why: a rank starved of CPU now and then
+        # spikes in the same phases as one whose work stalls (a real CPU hog, replayed, was
+        # named as its optimizer's jitter at 0.95)
+        conf = min(conf, SPARSE_CONFIDENCE)
     if top.whole_ring:
         # the ring is known, not which of its members slowed it: the answer names them all
         conf = min(conf, WHOLE_RING_CONFIDENCE)
@@ -130,6 +135,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
 CPU_UNJUDGED_CONFIDENCE = 0.65
 #: the most a conclusion says whose culprit is a ring not narrowed to one member
 WHOLE_RING_CONFIDENCE = 0.6
+#: the most a conclusion says whose evidence is intermittent spikes (`context`, "sparse")
+SPARSE_CONFIDENCE = 0.75
 LINK_RULES = ("venustrace.ar_node",)
 LAUNCH_RULES = ("mycroft.table3.late_start",)
 

@@ -82,6 +82,28 @@ def test_a_stall_too_young_for_a_hang_is_no_slowdown(monkeypatch: pytest.MonkeyP
     assert engine.diagnose(w, t, calm) is named
 
 
+def test_a_culprit_not_seen_alive_since_the_wait_is_not_named_at_095() -> None:
+    """A rank its peers wait for, 1.5 s into the wait: with a beat of it since the wait began
+    it is alive and hung (0.95); with none, a killed process and a hung one look alike until
+    its exit beat or more silence says which — at most 0.75, label alive_unjudged."""
+    from diagnosis import hang_rca
+
+    w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
+    full = hang_rca.analyze(w, now)
+    assert full is not None and full.onset_ns is not None
+    at = full.onset_ns + int(1.5e9)
+    seen = hang_rca.analyze(w, at)
+    assert seen is not None and seen.ranks == (13,) and seen.confidence == 0.95
+    assert "alive_unjudged" not in seen.labels
+    b = w.get("beats")
+    keep = ~((b["rank"] == 13) & (b["ts"] > full.onset_ns))
+    quiet = Window(w.topo, {**w.tables, "beats": {k: v[keep] for k, v in b.items()}},
+                   w.start_ns, w.now_ns)
+    c = hang_rca.analyze(quiet, at)
+    assert c is not None and c.ranks == (13,) and c.confidence <= 0.75
+    assert "alive_unjudged" in c.labels
+
+
 def test_no_fault_no_diagnosis() -> None:
     w, now = window("gpu_slow rank=9 factor=1.01 at=2s expect=no", steps=16)
     assert diagnose(w, now, "straggler") is None

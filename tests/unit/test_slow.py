@@ -528,3 +528,12 @@ def test_a_tp_member_with_slower_compute_is_named_not_its_group() -> None:
     c = slow.analyze(w, now)
     assert c is not None and c.ranks == (9,) and c.stage != "tp_collectives"
     assert "ring_member_unknown" not in c.labels
+
+
+def test_intermittent_evidence_names_the_rank_at_most_at_075() -> None:
+    """A count of slow steps against the peers' names the rank, not why it spikes (a rank
+    starved of CPU now and then spikes in the same phases): jitter at most 0.75."""
+    w, now = window("data_tail rank=9 p=0.3 delay=180ms at=3s", steps=24)
+    c = slow.analyze(w, now)
+    assert c is not None and (c.kind, c.ranks, c.stage) == ("jitter", (9,), "data")
+    assert "evidence_sparse" in c.labels and c.confidence == slow.SPARSE_CONFIDENCE == 0.75
