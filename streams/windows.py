@@ -37,15 +37,15 @@ Contract:
   was observed (`fed`), and start at the window holding that batch's oldest event. Until the
   kind's first window is closed, an earlier batch moves the start back: a worker that starts
   on a backlog reads its topics and partitions in no particular order, and the first batch of
-  a kind it sees may come from late in the job. (This replaced a start fixed at the job's
-  first event of any kind, with the windows of a kind that had no batch yet closed unread: on
-  a backlog whose kernel records were read ahead of its ops, that closed most of a job's
-  progress windows before their ops arrived; progress takes no late marks, so they were
-  lost.) The start is checkpointed as soon as it opens or moves (a `<kind>:open` row,
-  restored as still movable), before the batch that set it is committed. A restored job's
-  kinds resume at their checkpoints; a kind missing from the
-  checkpoint starts no later than the earliest window any of them had left open (what the
-  previous worker stored before it could checkpoint is unknown).
+  a kind it sees may come from late in the job. (A start fixed at the job's first event of
+  any kind would close a kind's windows unread while it has no batch yet: on a backlog whose
+  kernel records are read ahead of its ops, most of a job's progress windows would close
+  before their ops arrive, and progress takes no late marks, so they would be lost.) The
+  start is checkpointed as soon as it opens or moves (a `<kind>:open` row, restored as still
+  movable), before the batch that set it is committed. A restored job's kinds resume at their
+  checkpoints; a kind missing from the checkpoint starts no later than the earliest window
+  any of them had left open (what the previous worker stored before it could checkpoint is
+  unknown).
 - A batch of a raw kind a derived kind uses, whose events fall before that kind's
   `next_start` once it is fixed, is late data; if the kind asked for late marks
   (`WindowSpec.late_marks`) it marks the closed windows it touches (extended by `reach_ns`
