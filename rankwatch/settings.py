@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from ingest.topics import Topics
+from ingest.units import SECOND
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 #: Node i (1-based) of a local Kafka cluster listens on kafka_port and kafka_controller_port plus
@@ -166,7 +167,7 @@ class Settings(BaseModel):
 
     @property
     def event_time_min_ns(self) -> int:
-        return calendar.timegm(self.event_time_min.timetuple()) * 1_000_000_000
+        return calendar.timegm(self.event_time_min.timetuple()) * SECOND
 
     @property
     def run_dir(self) -> Path:

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KernelParams:
-    window_ns: int = 60_000_000_000
+    window_ns: int = 60 * SEC
     max_events: int = 8_000_000
     #: Kernel events kept in memory per job (all its open windows, 24 bytes each); a window that
     #: would pass it is read back from the raw table instead.

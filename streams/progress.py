@@ -63,9 +63,9 @@ def per_second(total: np.ndarray, width_ns: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ProgressParams:
-    window_ns: int = 1_000_000_000
-    op_lookback_ns: int = 5_000_000_000
-    hang_horizon_ns: int = 3600 * 1_000_000_000
+    window_ns: int = _NS
+    op_lookback_ns: int = 5 * _NS
+    hang_horizon_ns: int = 3600 * _NS
 
 
 OPS_SQL = """

@@ -54,6 +54,7 @@ from scipy.stats import binom
 
 from diagnosis.rules.base import Finding
 from ingest.records import comm_kind
+from ingest.units import MILLISECOND, SECOND
 
 RULE = "venustrace.arrival_order"
 #: communicator kind -> the stage its calls are (diagnosis vocabulary)
@@ -67,9 +68,9 @@ class ArrivalConfig:
     alpha: float = 1e-3
     min_excess: float = 0.15
     noise_ratio: float = 2.0
-    clock_tolerance_ns: int = 5_000_000
+    clock_tolerance_ns: int = 5 * MILLISECOND
     min_wait_share: float = 0.05
-    min_span_ns: int = 15_000_000_000
+    min_span_ns: int = 15 * SECOND
 
 
 DEFAULT = ArrivalConfig()

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from diagnosis.model import Diagnosis
 from diagnosis.sinks.base import Request, Verdict, http_verdict
+from ingest.units import SECOND
 
 SIGNATURE_HEADER = "X-Rankwatch-Signature"
 TIMESTAMP_HEADER = "X-Rankwatch-Timestamp"
@@ -51,7 +52,7 @@ class WebhookSink:
         self.secret = secret
 
     def requests(self, d: Diagnosis, raw: bytes, now_ns: int) -> list[Request]:
-        ts = str(now_ns // 1_000_000_000)
+        ts = str(now_ns // SECOND)
         return [Request(self.url, raw, {"Content-Type": "application/json",
                                         IDEMPOTENCY_HEADER: d.id, TIMESTAMP_HEADER: ts,
                                         SIGNATURE_HEADER: signature(self.secret, ts, raw)})]

@@ -27,6 +27,7 @@ import numpy as np
 
 from ingest import ring
 from ingest.torch.events import STAGES
+from ingest.units import SECOND
 
 Cols = dict[str, np.ndarray]
 _FUNCS = np.array(ring.FUNCS, dtype=object)
@@ -71,7 +72,7 @@ class Names:
 class OpJoin:
     """One ring's open op starts; `last_seq` is the last op_seq seen per comm_hash."""
 
-    inflight_ns: int = 2_000_000_000
+    inflight_ns: int = 2 * SECOND
     open: np.ndarray = field(default_factory=lambda: np.empty((0, len(OP_KEEP)), np.int64))
     shown: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
     last_seq: dict[int, int] = field(default_factory=dict)

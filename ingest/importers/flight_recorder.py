@@ -58,6 +58,7 @@ from ingest.importers.common import (
     rank_from_name,
     read_bytes,
 )
+from ingest.units import SECOND
 
 STATES = ("scheduled", "started", "completed")
 _DUMP_TIME_KEYS = ("dump_time_ns", "timestamp_ns", "dump_ts", "dump_time")
@@ -137,7 +138,7 @@ def dump_time(doc: dict[str, Any], path: Path) -> tuple[int, str]:
     for k in _DUMP_TIME_KEYS:
         v = _int(doc.get(k), 0)
         if v > 0:
-            return (v if v > 10**15 else v * 1_000_000_000), f"the dump's {k}"
+            return (v if v > 10**15 else v * SECOND), f"the dump's {k}"
     return path.stat().st_mtime_ns, "the file's modification time"
 
 

@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from ingest.importers.common import Collected, TraceError, rank_from_name, read_text
+from ingest.units import MICROSECOND, SECOND
 
 _TS = re.compile(r"^\s*(?:\[(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:\.\d+)?)\]|(\d{9,11}\.\d+))\s+")
 _CALL = re.compile(r"NCCL INFO (AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|Send|Recv"
@@ -86,9 +87,9 @@ BY_CALLS = "#calls"
 def _time(m: re.Match[str]) -> int:
     if m.group(2):
         sec, frac = m.group(2).split(".")
-        return int(sec) * 1_000_000_000 + int((frac + "000000000")[:9])
+        return int(sec) * SECOND + int((frac + "000000000")[:9])
     dt = datetime.fromisoformat(m.group(1).replace(" ", "T")).replace(tzinfo=UTC)
-    return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
+    return int(dt.timestamp()) * SECOND + dt.microsecond * MICROSECOND
 
 
 Call = tuple[str, int, str, int, int, int]  # comm, t, op, bytes, peer, opCount
@@ -103,7 +104,7 @@ def _megatrace_line(path: Path, no: int, line: str, last: bool) -> tuple[int, Ca
     op = "AllToAll" if op == "AllToAllv" else op
     if op not in _OPS:
         raise TraceError(path, no, f"unknown NCCL function {op!r}")
-    t = int(sec) * 1_000_000_000 + int((frac + "000000000")[:9])
+    t = int(sec) * SECOND + int((frac + "000000000")[:9])
     comm = f"g{ghash}" if ghash is not None else f"{LOCAL}{rank}:{stream}"
     return int(rank), (comm, t, op, int(count), -1, int(opc))
 
