@@ -262,9 +262,25 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             lag.start()
         worker = faust.Worker(sapp.app, loglevel=args.loglevel, quiet=True,
                               override_logging=False)
-        worker.execute_from_commandline()  # returns when the worker stops (or raises SystemExit)
+        return execute(worker, settings)
     except SystemExit as e:
         return int(e.code or 0) if isinstance(e.code, int) else 0
     finally:
         db.close()
-    return 0
+
+
+def execute(worker: Any, settings: Settings) -> int:
+    """Run the Faust worker until it stops; its exit code. mode ends a worker that crashed
+    (an exception out of an agent, a task or a timer) with exit code 1, 71 when out of memory:
+    such an exit is noted with `record_exit`, as the agents' own uncommitted exits are, so that
+    `rankwatch status` counts it towards a crash loop."""
+    try:
+        worker.execute_from_commandline()  # raises SystemExit when the worker stops
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    if code:
+        crash = getattr(worker, "crash_reason", None)
+        why = f"{type(crash).__name__}: {crash}" if crash is not None else "see its log"
+        record_exit(settings, code, f"the worker stopped with exit code {code}: {why}")
+    return code

@@ -3,11 +3,17 @@ secrets, ports below the ephemeral range."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from rankwatch import stack
+from rankwatch.commands.worker import execute
 from rankwatch.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_three_unclean_exits_in_ten_minutes_are_a_crash_loop(tmp_path: Path) -> None:
@@ -21,6 +27,49 @@ def test_three_unclean_exits_in_ten_minutes_are_a_crash_loop(tmp_path: Path) -> 
     assert loop.startswith("crash loop: 3 unclean exits") and "(exit 75): jobs:" in loop
     assert "Code: 62. last" in loop
     assert stack.crash_loop(s, now=time.time() + 601) == ""  # old exits no longer count
+
+
+#: A mode worker (what faust.Worker is) whose service crashes in a timer, run by the worker
+#: command's `execute`: mode ends it with exit code 1, as it ended the worker whose metrics
+#: timer raised on a full disk (#16).
+CRASHING_WORKER = """
+import sys
+import mode
+from rankwatch.commands.worker import execute
+from rankwatch.settings import Settings
+
+class Crashing(mode.Service):
+    @mode.Service.timer(0.05)
+    async def _tick(self) -> None:
+        raise RuntimeError("boom in a timer")
+
+worker = mode.Worker(Crashing(), loglevel="warning", quiet=True, override_logging=False)
+sys.exit(execute(worker, Settings.load(env={}, home=sys.argv[1])))
+"""
+
+
+def test_a_worker_that_crashed_counts_towards_a_crash_loop(tmp_path: Path) -> None:
+    """Not only the agents' uncommitted exits (75): a worker mode stopped after a crash is an
+    unclean exit too, with the crash's exception as its reason; a clean stop is none."""
+    s = Settings.load(env={}, home=tmp_path)
+
+    class Stopped:
+        crash_reason = None
+
+        def execute_from_commandline(self) -> None:
+            raise SystemExit(0)
+
+    assert execute(Stopped(), s) == 0
+    assert not stack.exits_file(s).exists()
+    stack.record_exit(s, 75, "ops: first")
+    stack.record_exit(s, 75, "ops: second")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", CRASHING_WORKER, str(tmp_path)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    loop = stack.crash_loop(s)
+    assert loop.startswith("crash loop: 3 unclean exits"), loop
+    assert "(exit 1): the worker stopped with exit code 1: RuntimeError: boom in a timer" in loop
 
 
 def test_status_and_messages_mask_the_clickhouse_password() -> None:
