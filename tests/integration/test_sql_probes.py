@@ -8,6 +8,7 @@ process and through a real worker's endpoint (`rankwatch up`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import urllib.request
@@ -20,7 +21,7 @@ from ingest.batch import encode_batch
 from rankwatch import stack
 from rankwatch.commands import sql as sql_command
 from streams.db import Database, SqlLimits
-from streams.sql_endpoint import start_sql_endpoint
+from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
 from tests.integration.conftest import SqlEndpoint, serve_sql
 from tests.integration.test_ingest_pipeline import Pipeline, pipeline  # noqa: F401 (a fixture)
 from tests.integration.test_sql_endpoint import http
@@ -159,3 +160,22 @@ def test_beyond_loopback_a_token_is_required(clickhouse_db: Database) -> None:
             urllib.request.urlopen(req, timeout=30)
         assert sql_command.query_endpoint(ep.url, "SELECT 2", "TSV", token="s3cret") == b"2\n"
         assert http(f"{ep.url}ping") == (200, "Ok.\n")  # health needs no token
+
+
+def test_beyond_loopback_the_endpoint_warns_and_names_a_writable_one(
+        clickhouse_db: Database, caplog: pytest.LogCaptureFixture) -> None:
+    """An endpoint bound beyond loopback (with its token) says so in the worker's log, and says
+    WRITABLE when it is."""
+
+    async def start_stop(writable: bool) -> None:
+        await stop_sql_endpoint(await start_sql_endpoint(clickhouse_db, "0.0.0.0", 0,
+                                                         writable=writable, token="s3cret"))
+
+    caplog.set_level(logging.WARNING, logger="streams.sql_endpoint")
+    for writable in (False, True):
+        caplog.clear()
+        asyncio.run(start_stop(writable))
+        (w,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert w.startswith("SQL endpoint bound to 0.0.0.0 (beyond loopback)"), w
+        assert "requests need the token" in w and "s3cret" not in w, w
+        assert ("WRITABLE" in w) == writable, w
