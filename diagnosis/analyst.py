@@ -73,7 +73,7 @@ from diagnosis.conclusion import Conclusion
 from diagnosis.incidents import IncidentBook, incident_class, incident_id
 from diagnosis.model import Diagnosis
 from diagnosis.triggers.base import Trigger
-from diagnosis.window import Window, announced_ops_stored
+from diagnosis.window import Window, announced_ops_stored, beats_current
 from ingest.units import SECOND
 
 #: The raw kinds a sweep reads: what `slow.analyze` and `hang_rca.stuck_ranks` use
@@ -105,8 +105,13 @@ class AnalystConfig:
     aftermath_s: float = 20.0
     first_recheck_s: float = 1.0
     pending_s: float = 30.0
-    #: the longest a beats-clocked hang trigger waits for the ops its beats announce
-    settle_s: float = 5.0
+    #: the longest a hang trigger waits for its window to be complete (`Analyst._unsettled`):
+    #: longer than a partition's failover after a broker is lost (the controller fences a
+    #: broker after its 9 s session timeout; clients then find the new leader)
+    settle_s: float = 15.0
+    #: the job's beats count as stored up to a moment when its newest beat is at most this
+    #: much older (agents beat every second)
+    beat_gap_s: float = 3.0
     #: how long a performance trigger that found nothing is analysed again (`tick`)
     slow_pending_s: float = 6.0
 
@@ -248,14 +253,25 @@ class Analyst:
         return at
 
     def _unsettled(self, t: Trigger, w: Window, at: int, since_ns: int, now_ns: int) -> bool:
-        """A trigger judged on the beats' clock is analysed once the ops those beats announce
-        are stored (`window.announced_ops_stored`): read at a beat's time, the window may hold
-        a rank's beat before its newest calls, and that rank would look as if it never made
-        them (a simulated data stall was named as four waiting ranks this way). After
-        `settle_s` of waiting it is analysed as it is."""
-        return (t.evidence.get("clock") == "beats"
-                and now_ns - since_ns < self.config.settle_s * SECOND
-                and not announced_ops_stored(w.get("ops"), w.get("beats"), at))
+        """A hang or failure trigger is analysed once its window is complete up to the moment
+        it reads (`at`), or after `settle_s` of waiting, as it is. Complete: every op the
+        ranks' beats announce is stored (`window.announced_ops_stored`), and the beats
+        themselves are stored up to about `at` (`window.beats_current`). Beats and ops travel
+        on different topics: read at a beat's time, the window may hold a rank's beat before
+        its newest calls, and that rank would look as if it never made them (a simulated data
+        stall was named as four waiting ranks this way). When a broker is lost, the
+        partition holding a job's ops (or beats) has no leader for seconds while the
+        progress feed, which takes that silence for the ranks', moves on; the backlog then
+        arrives in pieces, and a recovered stall analysed on part of it was named on the
+        ranks whose rows were missing. Waiting costs nothing in the common case: a trigger
+        from the progress feed reads a moment whose rows have long been stored."""
+        if t.kind not in ("hang", "failure"):
+            return False
+        if now_ns - since_ns >= self.config.settle_s * SECOND:
+            return False
+        beats = w.get("beats")
+        return not (announced_ops_stored(w.get("ops"), beats, at)
+                    and beats_current(beats, at, int(self.config.beat_gap_s * SECOND)))
 
     def _retry_pending(self, job: str, now_ns: int) -> list[Diagnosis]:
         """Re-run the analysis of a hang trigger that found nothing (module docstring)."""

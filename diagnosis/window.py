@@ -268,6 +268,26 @@ def assign_steps(t: Array, rank: Array, st_rank: Array, st_step: Array,
     return out
 
 
+def beats_current(beats: Columns, at_ns: int, gap_ns: int) -> bool:
+    """Whether a job's beats are stored up to about `at_ns`: its newest beat at or before
+    `at_ns` is at most `gap_ns` older, or every rank that beat has ended (its last beat is an
+    exit beat: nothing more is coming). Host agents beat every second while their ranks live,
+    hung or not, so a beat stream that stops for every rank at once is one the store has not
+    received yet (a partition without a leader while a broker fails over), or a job whose
+    hosts all went at once. True for a job without beats (nothing to wait for)."""
+    if not beats or "ts" not in beats:
+        return True
+    ts = ints(beats, "ts")
+    sel = ts <= at_ns
+    if not sel.any() or int(ts[sel].max()) >= at_ns - gap_ns:
+        return True
+    if "exited" not in beats or "rank" not in beats:
+        return False
+    rank, exited = ints(beats, "rank")[sel], ints(beats, "exited")[sel]
+    ended = np.unique(rank[exited != 0])
+    return bool(np.isin(np.unique(rank), ended).all())
+
+
 def announced_ops_stored(ops: Columns, beats: Columns, at_ns: int) -> bool:
     """Whether every op the ranks' beats up to `at_ns` announce is among the stored `ops`: per
     (rank, communicator), the newest `last_op_seq` of its beats is at most the highest op_seq

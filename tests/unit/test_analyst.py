@@ -308,3 +308,53 @@ def test_a_window_holding_a_beat_before_its_ops_is_not_settled() -> None:
     other = dict(beats, comm_id=np.array(["dp", "tp", "tp"], dtype=object))
     assert not announced_ops_stored(ops, other, 20 * S)  # per communicator
     assert announced_ops_stored(ops, {"rank": beats["rank"], "ts": beats["ts"]}, 30 * S)
+
+
+def test_a_hang_is_analysed_once_its_window_is_complete() -> None:
+    """A partition's backlog stored in part (a broker lost, its ops partition leaderless for
+    seconds): ranks 8-15's calls since the onset are missing while their beats announce them.
+    Analysed then, the waiting ranks 8 and 9 would be named (checked below); the trigger
+    waits until the window is complete and then names rank 13. After `settle_s` an incomplete
+    window is analysed as it is."""
+    from diagnosis import engine
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
+    ops = w.get("ops")
+    late = (ops["rank"] >= 8) & (ops["t_enqueue"] > now - 6 * S)
+    part = Window(w.topo, dict(w.tables, ops={k: np.asarray(v)[~late] for k, v in ops.items()}),
+                  w.start_ns, w.now_ns)
+    t = Trigger(w.topo.job_id, now, "hang", (13,), {"rule": "venustrace.heartbeat"})
+    wrong = engine.diagnose(part, t, now)
+    assert wrong is not None and wrong.ranks != (13,)
+    stored = {"all": False}
+
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
+        return w if stored["all"] else part
+
+    a = Analyst(read, AnalystConfig(settle_s=15), event_clock=lambda job, t: now)
+    assert a.on_trigger(t, now) == [] and w.topo.job_id in a.pending
+    assert a.tick(now + 5 * S) == []
+    stored["all"] = True
+    out = a.tick(now + 6 * S)
+    assert [(d.status, d.culprit_ranks) for d in out] == [("open", [13])]
+
+    b = Analyst(lambda *_a, **_k: part, AnalystConfig(settle_s=15), event_clock=lambda j, t: now)
+    assert b.on_trigger(t, now) == [] and b.tick(now + 14 * S) == []
+    assert [d.culprit_ranks for d in b.tick(now + 16 * S)] == [list(wrong.ranks)]
+
+
+def test_beats_stopped_for_every_rank_are_not_stored_yet() -> None:
+    """Agents beat every second while their ranks live: a job whose beats all stop before the
+    moment read is behind in the store, unless every rank's last beat says it ended."""
+    from diagnosis.window import beats_current
+
+    beats = {"rank": np.array([0, 1, 0, 1]), "ts": np.array([10, 10, 11, 11]) * S,
+             "exited": np.array([0, 0, 0, 0])}
+    assert beats_current(beats, 13 * S, 3 * S)
+    assert not beats_current(beats, 15 * S, 3 * S)
+    assert beats_current(dict(beats, exited=np.array([0, 0, 1, 1])), 15 * S, 3 * S)
+    assert not beats_current(dict(beats, exited=np.array([0, 0, 1, 0])), 15 * S, 3 * S)
+    assert beats_current({}, 15 * S, 3 * S)
