@@ -33,6 +33,7 @@ from streams.ownership import Ownership
 from streams.progress import ProgressParams
 from streams.raw_sink import TimeBounds
 from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
+from streams.windows import WatermarkParams
 from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
@@ -58,7 +59,8 @@ def derived_config(settings: Settings) -> DerivedConfig:
         lateness_ns=ns(settings.derived_lateness_s),
         progress=ProgressParams(window_ns=ns(settings.progress_window_s)),
         iteration_window_ns=ns(settings.iteration_window_s),
-        kernels=KernelParams(window_ns=ns(settings.kernel_window_s)))
+        kernels=KernelParams(window_ns=ns(settings.kernel_window_s)),
+        watermark=WatermarkParams(gap_ns=ns(settings.derived_gap_s)))
 
 
 def sql_limits(settings: Settings) -> SqlLimits:
