@@ -149,6 +149,9 @@ class WorkerCollector(Collector):
         st = runner.stats
         yield _counter("rankwatch_derived_windows", "Derived windows closed", "kind",
                        {k: float(v) for k, v in st.windows.items()})
+        yield _counter("rankwatch_derived_windows_skipped", "Derived windows skipped over "
+                       "stretches of event time without records", "kind",
+                       {k: float(v) for k, v in dict(runner.windows.skipped_windows).items()})
         errors = CounterMetricFamily("rankwatch_derived_errors", "Derived ticks that failed")
         errors.add_metric([], float(st.errors))
         yield errors

@@ -122,6 +122,10 @@ class Settings(BaseModel):
     progress_window_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     iteration_window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     kernel_window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    #: A stretch of a job's event time longer than this without a record of a derived kind's
+    #: inputs is skipped by its windows, not closed one by one (streams/windows.py, "Gaps"): a
+    #: batch a year older than the rest of its job costs a few windows, not 31 M.
+    derived_gap_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
     #: `rankwatch notify`'s configuration file (diagnosis/sinks/config.py); empty: the file
     #: <home>/notify.toml if it exists. `rankwatch up` starts notify when there is one.
     notify_config: str = ""

@@ -134,7 +134,7 @@ def ping_store(settings: Settings, timeout: float = 1.0) -> str:
         body = http.get(url, timeout=timeout, limit=64).body.decode(errors="replace").strip()
     except http.HTTPFailure as e:
         return f"{url}: {e.reason}"
-    return "" if body == "Ok." else f"{url} answered {body!r}"
+    return "" if body.partition("\n")[0].strip() == "Ok." else f"{url} answered {body!r}"
 
 
 def worker_settings(settings: Settings, index: int, sql_port: int) -> Settings:
@@ -158,7 +158,8 @@ def sql_endpoint(settings: Settings) -> str:
 
 
 def ping_worker(settings: Settings, timeout: float = 1.0) -> str:
-    """"" if the worker's SQL endpoint answers ``/ping`` with ``Ok.``, else why not (the
+    """"" if the worker's SQL endpoint answers ``/ping`` with ``Ok.`` (its first line: notes
+    such as a crash loop may follow, and `status` reports those itself), else why not (the
     worker's own account when it answers that it is unhealthy)."""
     url = f"{sql_endpoint(settings)}/ping"
     try:
@@ -167,7 +168,7 @@ def ping_worker(settings: Settings, timeout: float = 1.0) -> str:
         return e.body.decode(errors="replace").strip() or f"{url}: HTTP {e.status}"
     except http.Unreachable as e:
         return f"{url}: {e.reason}"
-    return "" if body == "Ok." else f"{url} answered {body!r}"
+    return "" if body.partition("\n")[0].strip() == "Ok." else f"{url} answered {body!r}"
 
 
 #: Unclean exits within this many seconds that make a crash loop.
@@ -211,6 +212,15 @@ def crash_loop(settings: Settings, now: float | None = None) -> str:
     code, _, reason = recent[-1].partition("\t")
     return (f"crash loop: {len(recent)} unclean exits in the last {CRASH_WINDOW_S / 60:.0f} "
             f"min; the last (exit {code}): {reason}")
+
+
+def ping_notes(settings: Settings) -> list[str]:
+    """What the worker's /ping adds under its first line (streams/sql_endpoint.py): a crash
+    loop of its predecessors, reported without failing the check of a worker that is itself
+    healthy now (`rankwatch up` would otherwise refuse a recovered worker for
+    CRASH_WINDOW_S)."""
+    loop = crash_loop(settings)
+    return [loop] if loop else []
 
 
 # ---------------------------------------------------------------------------------------------

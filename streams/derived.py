@@ -2,7 +2,8 @@
 kernel summaries, computed from the durable raw tables (docs/architecture.md, "Derived streams").
 
 Flow per tick (a Faust timer, every `tick_s`):
-1. The raw sinks' store (`ObservingStore`) reports the event-time range of every batch *after*
+1. The raw sinks' store (`ObservingStore`) reports the event-time range of every batch (and the
+   stretches its records cover: `streams.windows.event_segments`) *after*
    it is stored; `streams.windows.Windows` turns that into per-job watermarks and due windows.
 2. For each due window: compute from ClickHouse (progress: streams/progress.py; iterations:
    streams/iterations.py over the window's stages and ops; kernels: streams/kernel_summaries.py),
@@ -68,7 +69,7 @@ from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarize
 from streams.ownership import Ownership
 from streams.progress import ProgressFeed, ProgressParams
 from streams.store import ClickHouseStore
-from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec
+from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec, event_segments
 from streams.writer import ClickHouseWriter, insert_settings
 
 log = logging.getLogger(__name__)
@@ -137,15 +138,21 @@ class ObservingStore(ClickHouseStore):
             for b in batches:
                 if not self.ownership.owns(b.job_id):  # stored; its owner closes its windows
                     continue
-                t = b.cols[column]
-                known = t[t > 0]
+                t = np.asarray(b.cols[column])
+                has = t > 0
+                known = t[has]
                 if not len(known):
                     continue
                 hi = int(known.max())
+                end = known
                 if "t_end" in b.cols and len(b.cols["t_end"]):  # a completion is an event too
-                    hi = max(hi, int(np.asarray(b.cols["t_end"]).max()))
+                    t_end = np.asarray(b.cols["t_end"])
+                    hi = max(hi, int(t_end.max()))
+                    end = t_end[has]
+                segments = event_segments(known, end, self.windows.params.gap_ns)
+                segments[-1] = (segments[-1][0], max(segments[-1][1], hi))
                 if self.windows.observe(b.job_id, int(known.min()), hi, source=b.producer,
-                                        kind=kind):
+                                        kind=kind, segments=segments):
                     changed.add(b.job_id)
                 if kind == "kernels" and self.kernels is not None:
                     self.kernels.close(b.job_id, self.windows.open_window(
@@ -497,7 +504,7 @@ class DerivedRunner:
                 await self._insert("kernel_windows", job, window, f"kw:{job}:{ws}")
             w.closed(job, "kernel_summaries", ws)
             done += 1
-        if done or recomputed or w.late(job, "iterations", 1):
+        if w.moved(job) or done or recomputed or w.late(job, "iterations", 1):
             await self._checkpoint(job)
         return done
 

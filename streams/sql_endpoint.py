@@ -26,7 +26,11 @@ basic auth with the token as password, or `X-ClickHouse-Key`). Serving anywhere 
 without a token is refused.
 
 `/ping` answers "Ok." when the worker's health checks pass, else HTTP 503 naming the problems
-(a stalled consumer, a stuck query, ...).
+(a stalled consumer, a stuck query, ...). Either way the lines after the first carry `notes`:
+what is wrong but not with this process now, e.g. a crash loop of the worker (recent unclean
+exits, rankwatch.stack.crash_loop) — 200 while the restarted worker is itself healthy, so a
+readiness check (`rankwatch up`, a container health check) does not reject a worker that
+recovered, while a reader of the body sees the crashes.
 """
 
 from __future__ import annotations
@@ -69,10 +73,11 @@ Health = Callable[[], list[str]]
 class _Gate:
     """Who may query and how many at once."""
 
-    def __init__(self, token: str, limits: SqlLimits, health: Health | None) -> None:
+    def __init__(self, token: str, limits: SqlLimits, health: Health | None,
+                 notes: Health | None = None) -> None:
         self.token = token
         self.limits = limits
-        self.health = health
+        self.health, self.notes = health, notes
         self.running = asyncio.Semaphore(limits.concurrency)
         self.waiting = 0
 
@@ -121,9 +126,16 @@ async def _ping(request: web.Request) -> web.Response:
             problems += gate.health()
         except Exception as e:  # a broken check is a problem to report, not a crash
             problems.append(f"health check failed: {type(e).__name__}: {e}")
+    notes = []
+    if gate.notes is not None:
+        try:
+            notes = gate.notes()
+        except Exception as e:
+            notes = [f"notes failed: {type(e).__name__}: {e}"]
+    tail = "".join(f"note: {n}\n" for n in notes)
     if problems:
-        return _error(503, "rankwatch worker unhealthy: " + "; ".join(problems))
-    return web.Response(text="Ok.\n", content_type="text/plain")
+        return _error(503, "rankwatch worker unhealthy: " + "; ".join(problems) + "\n" + tail)
+    return web.Response(text="Ok.\n" + tail, content_type="text/plain")
 
 
 async def _query(request: web.Request) -> web.Response:
@@ -172,12 +184,14 @@ async def _run_query(request: web.Request, gate: _Gate) -> web.Response:
 
 
 def make_app(db: Database, writable: bool = False, *, token: str = "",
-             limits: SqlLimits | None = None, health: Health | None = None) -> web.Application:
-    """The endpoint's aiohttp application over `db` (read-only unless `writable`)."""
+             limits: SqlLimits | None = None, health: Health | None = None,
+             notes: Health | None = None) -> web.Application:
+    """The endpoint's aiohttp application over `db` (read-only unless `writable`); `health`
+    and `notes` feed /ping (module docstring)."""
     app = web.Application(client_max_size=MAX_QUERY_BYTES)
     app[DB_KEY] = db
     app[WRITABLE_KEY] = writable
-    app[GATE_KEY] = _Gate(token, limits or SqlLimits(), health)
+    app[GATE_KEY] = _Gate(token, limits or SqlLimits(), health, notes)
     app.router.add_get("/ping", _ping)
     app.router.add_route("GET", "/", _query)
     app.router.add_route("POST", "/", _query)
@@ -187,7 +201,8 @@ def make_app(db: Database, writable: bool = False, *, token: str = "",
 async def start_sql_endpoint(db: Database, host: str = "127.0.0.1", port: int = 8124,
                              writable: bool = False, *, token: str = "",
                              limits: SqlLimits | None = None,
-                             health: Health | None = None) -> web.AppRunner:
+                             health: Health | None = None,
+                             notes: Health | None = None) -> web.AppRunner:
     """Serve `make_app(db, writable, ...)` on host:port until `stop_sql_endpoint`. Raises OSError
     when the port is taken, ValueError when `host` is not loopback and there is no `token`. Port
     0 picks a free port: read it with `bound_port(runner)`."""
@@ -198,8 +213,8 @@ async def start_sql_endpoint(db: Database, host: str = "127.0.0.1", port: int = 
                              "127.0.0.1)")
         log.warning("SQL endpoint bound to %s (beyond loopback)%s; requests need the token",
                     host, ", WRITABLE" if writable else "")
-    runner = web.AppRunner(make_app(db, writable, token=token, limits=limits, health=health),
-                           access_log=None)
+    runner = web.AppRunner(make_app(db, writable, token=token, limits=limits, health=health,
+                                    notes=notes), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

@@ -54,22 +54,38 @@ Contract:
   `observe` returns whether it added a mark, so the caller can make the mark durable before
   the batch's offsets are committed (streams/derived.py stores it with the checkpoint,
   `late_span`/`restore`).
-- State per job is O(kinds + sources + late marks): no events are held here, and nothing grows
-  with the length of the run. `checkpoint()` / `restore()` carry it across restarts (the
-  `stream_state` table); sources are not checkpointed: after a restart they start over, at
-  `lateness_ns`, until they have sent `warmup_batches` again. `restore()` must come before the
-  first `observe()` of a restarted worker (streams/derived.py, `restore_windows`): a batch
-  observed first would open its job's windows at that batch, and a checkpoint taken then (a late
-  mark's) would skip the windows the previous worker had not closed. See docs/architecture.md,
-  "Derived streams".
+- Gaps: a stretch of more than `gap_ns` of event time in which no record of a derived kind's
+  inputs or reads was observed is not windowed. Each kind keeps the stretches its batches
+  covered (`segments`: per batch the union of its records' [start, end], split where
+  `gap_ns` holds none; stretches within `gap_ns` of each other merged; at most
+  `max_segments`, the two closest merged beyond that). When the first window not closed lies
+  past every stretch below it and before the next one, the windows up to that stretch (and no
+  further than the watermark) are skipped: they hold no record, so closing them one by one
+  would only emit rows of ranks that sent nothing. Without this a batch a year older than the
+  rest of its job (the job's first batch, or one that moves a start back) would make the
+  worker close ~31 M one-second windows; a job that pauses for a day would close 86,400 on
+  resuming. An import publishes a trace of any length contiguously: its stretches merge and
+  all its windows are closed. Skipped windows count in `skipped_windows` and set the job's
+  `moved` flag (the runner stores the checkpoint).
+- State per job is O(kinds + sources + late marks + segments): no events are held here, and
+  nothing grows with the length of the run. `checkpoint()` / `restore()` carry it across
+  restarts (the `stream_state` table); sources and segments are not checkpointed: after a
+  restart sources start over, at `lateness_ns`, until they have sent `warmup_batches` again,
+  and a restored kind's one stretch runs from its checkpoint to the job's largest event.
+  `restore()` must come before the first `observe()` of a restarted worker (streams/derived.py,
+  `restore_windows`): a batch observed first would open its job's windows at that batch, and a
+  checkpoint taken then (a late mark's) would skip the windows the previous worker had not
+  closed. See docs/architecture.md, "Derived streams".
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from ingest.units import SECOND as SEC
 
@@ -83,6 +99,27 @@ OPEN_SUFFIX = ":open"
 def window_start(t_ns: int, width_ns: int) -> int:
     """Start of the aligned window holding `t_ns`."""
     return (t_ns // width_ns) * width_ns
+
+
+def event_segments(start: np.ndarray, end: np.ndarray, gap_ns: int) -> list[tuple[int, int]]:
+    """The stretches of event time a batch's records cover: the union of each record's
+    [start, end] (an end before its start, e.g. 0 for not known, counts as the start), split
+    where more than `gap_ns` holds none; oldest first, [] for no record. Numpy only: sorted
+    only when the batch spans more than `gap_ns` (a live batch spans well under a second)."""
+    if not len(start):
+        return []
+    start = np.asarray(start, np.int64)
+    end = np.maximum(np.asarray(end, np.int64), start)
+    lo, hi = int(start.min()), int(end.max())
+    if hi - lo <= gap_ns:
+        return [(lo, hi)]
+    order = np.argsort(start, kind="stable")
+    s = start[order]
+    e = np.maximum.accumulate(end[order])
+    cut = np.flatnonzero(s[1:] > e[:-1] + gap_ns) + 1
+    los = s[np.concatenate(([0], cut))]
+    his = e[np.concatenate((cut - 1, [len(s) - 1]))]
+    return list(zip(los.tolist(), his.tolist(), strict=True))
 
 
 @dataclass(frozen=True)
@@ -111,6 +148,10 @@ class WatermarkParams:
     warmup_batches: int = 8
     silent_ns: int = 2 * SEC
     idle_ns: int = 10 * SEC
+    #: A longer stretch of event time without a record of a kind's inputs is not windowed.
+    gap_ns: int = 600 * SEC
+    #: Stretches held per job and kind (`KindState.segments`).
+    max_segments: int = 64
 
 
 @dataclass
@@ -136,6 +177,9 @@ class KindState:
     watermark: int = -1
     #: A window was closed, or the state restored: `next_start` no longer moves back.
     fixed: bool = False
+    #: Stretches of event time its input batches covered, [lo, hi] oldest first, apart by more
+    #: than `gap_ns` (module docstring, "Gaps"); those wholly closed are dropped but the newest.
+    segments: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +190,8 @@ class JobState:
     sources: dict[tuple[str, str], Source] = field(default_factory=dict)
     #: Wall clock of the restore that created this state (None: created by a batch).
     restored_wall_ns: int | None = None
+    #: A gap was skipped since the last `moved()`: the checkpoint is out of date.
+    moved: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,14 +217,17 @@ class Windows:
             if s.width_ns <= 0:
                 raise ValueError(f"{s.kind}: width_ns={s.width_ns} must be > 0")
         p = params or WatermarkParams()
-        self.params = WatermarkParams(lateness_ns, min(p.min_lateness_ns, lateness_ns),
-                                      p.margin_ns, p.learn_batches, p.warmup_batches, p.silent_ns,
-                                      p.idle_ns)
+        if p.gap_ns <= 0 or p.max_segments < 1:
+            raise ValueError(f"gap_ns={p.gap_ns} must be > 0, max_segments={p.max_segments} >= 1")
+        self.params = replace(p, lateness_ns=lateness_ns,
+                              min_lateness_ns=min(p.min_lateness_ns, lateness_ns))
         self.specs = {s.kind: s for s in specs}
         self.lateness_ns = lateness_ns
         self.clock = clock
         self.jobs: dict[str, JobState] = {}
         self.dropped_late = 0
+        #: Windows skipped over gaps without records, per derived kind (module docstring).
+        self.skipped_windows: dict[str, int] = {}
         #: Whether `restore()` ran (streams/derived.py restores once, before the first batch).
         self.restored = False
         #: The `streams.ownership.Ownership.generation` the jobs held here were restored for
@@ -186,15 +235,17 @@ class Windows:
         self.owner_generation = -1
 
     def observe(self, job: str, t_min: int, t_max: int, *, source: str = "",
-                kind: str = "") -> bool:
+                kind: str = "", segments: Sequence[tuple[int, int]] | None = None) -> bool:
         """A durable batch of `job` with event times in [t_min, t_max] (ns; 0 = unknown) from
-        `source` (producer) of raw `kind`. True when it changed what a restart must resume
-        from: it marked closed windows as late, or opened a kind's windows or moved their
-        start back (the caller stores `checkpoint(job)` before the batch's offsets are
+        `source` (producer) of raw `kind`; `segments` the stretches its records cover
+        (`event_segments`; default all of [t_min, t_max]). True when it changed what a restart
+        must resume from: it marked closed windows as late, or opened a kind's windows or moved
+        their start back (the caller stores `checkpoint(job)` before the batch's offsets are
         committed: a redelivery never brings a committed batch back)."""
         if t_max <= 0:
             return False
         t_min = t_min if t_min > 0 else t_max
+        covered = segments or [(t_min, t_max)]
         st = self.jobs.get(job)
         if st is None:
             st = self.jobs[job] = JobState(t_min, t_max)
@@ -208,14 +259,71 @@ class Windows:
             ks = st.kinds.get(k)
             if ks is None:
                 first = t_min if st.restored_wall_ns is None else min(t_min, st.first_ns)
-                st.kinds[k] = KindState(window_start(first, spec.width_ns))
+                ks = st.kinds[k] = KindState(window_start(first, spec.width_ns))
+                # a restored job's records from `first` on may be stored unseen: not a gap
+                self._cover(ks, first, t_min)
                 changed = True
             elif t_min < ks.next_start and not ks.fixed:
                 ks.next_start = window_start(t_min, spec.width_ns)
                 changed = True
             elif t_min < ks.next_start and spec.late_marks:
                 changed |= self._mark_late(ks, spec, t_min, t_max)
+            for lo, hi in covered:
+                self._cover(ks, lo, hi)
         return changed
+
+    def _cover(self, ks: KindState, lo: int, hi: int) -> None:
+        """Add [lo, hi] to the kind's stretches, merging those within `gap_ns` of it."""
+        gap, segs = self.params.gap_ns, ks.segments
+        if segs and segs[-1][0] - gap <= hi and lo <= segs[-1][1] + gap and (
+                len(segs) == 1 or segs[-2][1] + gap < lo):  # the usual case: the newest grows
+            segs[-1][0], segs[-1][1] = min(segs[-1][0], lo), max(segs[-1][1], hi)
+            return
+        keep = []
+        for s in segs:
+            if s[1] + gap < lo or hi + gap < s[0]:
+                keep.append(s)
+            else:
+                lo, hi = min(lo, s[0]), max(hi, s[1])
+        keep.append([lo, hi])
+        keep.sort()
+        while len(keep) > self.params.max_segments:  # merge the closest two
+            i = min(range(len(keep) - 1), key=lambda j: keep[j + 1][0] - keep[j][1])
+            keep[i:i + 2] = [[keep[i][0], max(keep[i][1], keep[i + 1][1])]]
+        ks.segments = keep
+
+    def _skip_gap(self, st: JobState, kind: str, ks: KindState, wm: int) -> int | None:
+        """Move `next_start` over windows that lie in a gap between stretches (module
+        docstring, "Gaps"), up to the next stretch and no further than the watermark. Returns
+        the end of the last window before the next gap (None: no gap ahead): windows due in
+        one call stop there, so the next call skips the gap."""
+        spec = self.specs[kind]
+        w, segs = spec.width_ns, ks.segments
+
+        def last(seg: list[int]) -> int:  # the last window its records can change
+            return window_start(seg[1] + spec.reach_ns, w)
+
+        while len(segs) > 1 and last(segs[0]) < ks.next_start:
+            segs.pop(0)
+        if not segs or last(segs[0]) < ks.next_start:
+            return None
+        to = min(window_start(segs[0][0], w), window_start(wm, w))
+        if to > ks.next_start:
+            self.skipped_windows[kind] = (self.skipped_windows.get(kind, 0)
+                                          + (to - ks.next_start) // w)
+            ks.next_start = to
+            ks.fixed = True
+            st.moved = True
+        return last(segs[0]) + w if len(segs) > 1 else None
+
+    def moved(self, job: str) -> bool:
+        """Whether `due` skipped windows of `job` since the last call (its checkpoint is then
+        out of date)."""
+        st = self.jobs.get(job)
+        if st is None or not st.moved:
+            return False
+        st.moved = False
+        return True
 
     def _learn(self, st: JobState, key: tuple[str, str], t_min: int, t_max: int) -> None:
         now = self.clock()
@@ -287,7 +395,8 @@ class Windows:
             return []
         w = self.specs[kind].width_ns
         wm = self.watermark(job, kind)
-        n = max(0, min(limit, (wm - ks.next_start) // w))
+        stop = self._skip_gap(st, kind, ks, wm)
+        n = max(0, min(limit, (min(wm, stop if stop is not None else wm) - ks.next_start) // w))
         return [ks.next_start + i * w for i in range(n)]
 
     def open_window(self, job: str, kind: str) -> tuple[int, int]:
@@ -355,6 +464,8 @@ class Windows:
             st.max_ns = max(st.max_ns, r.max_ns)
             st.first_ns = min(st.first_ns, r.next_start)
             st.kinds[kind] = KindState(r.next_start, fixed=fixed)
+            # what the previous worker stored from the checkpoint on is not known: no gap
+            self._cover(st.kinds[kind], r.next_start, st.max_ns)
         for r in spans:
             kind = r.kind.removesuffix(LATE_SUFFIX)
             st = self.jobs.get(r.job_id)

@@ -24,7 +24,7 @@ from diagnosis.agents import attach as attach_diagnosis
 from ingest.records import DERIVED
 from rankwatch import metrics, pages
 from rankwatch.settings import Settings
-from rankwatch.stack import display_url, record_exit
+from rankwatch.stack import display_url, ping_notes, record_exit
 from streams.app import AppConfig, StreamsApp
 from streams.db import ClickHouseError, Database, SqlLimits, migrate
 from streams.derived import DerivedConfig, DerivedRunner, ObservingStore
@@ -33,6 +33,7 @@ from streams.ownership import Ownership
 from streams.progress import ProgressParams
 from streams.raw_sink import TimeBounds
 from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
+from streams.windows import WatermarkParams
 from streams.writer import ClickHouseWriter, IngestMetric
 
 log = logging.getLogger("rankwatch.worker")
@@ -58,7 +59,8 @@ def derived_config(settings: Settings) -> DerivedConfig:
         lateness_ns=ns(settings.derived_lateness_s),
         progress=ProgressParams(window_ns=ns(settings.progress_window_s)),
         iteration_window_ns=ns(settings.iteration_window_s),
-        kernels=KernelParams(window_ns=ns(settings.kernel_window_s)))
+        kernels=KernelParams(window_ns=ns(settings.kernel_window_s)),
+        watermark=WatermarkParams(gap_ns=ns(settings.derived_gap_s)))
 
 
 def sql_limits(settings: Settings) -> SqlLimits:
@@ -120,7 +122,6 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
 
     def health() -> list[str]:
         return sapp.health(settings.worker_stall_s)
-
     runner: dict[str, web.AppRunner] = {}
     last: dict[str, tuple[int, int]] = {}
 
@@ -129,7 +130,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
             runner["sql"] = await start_sql_endpoint(
                 db, settings.bind_host, settings.sql_port, writable=settings.sql_writable,
                 token=settings.sql_token.get_secret_value(), limits=sql_limits(settings),
-                health=health)
+                health=health, notes=lambda: ping_notes(settings))
         except (OSError, ValueError) as e:
             log.critical("SQL endpoint: %s; stopping", e)
             record_exit(settings, EXIT_CONFIG, f"SQL endpoint: {e}")

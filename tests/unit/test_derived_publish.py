@@ -96,3 +96,41 @@ def test_a_job_whose_windows_keep_failing_is_retried_with_backoff(
     assert bad == [0.0, 0.25, 0.75, 1.75, 3.75, 5.75, 7.75, 9.75]
     assert sum(n == "good" for _, n in calls) == 40
     assert runner.stats.errors == len(bad)
+
+
+def test_a_year_old_batch_costs_a_few_windows_and_the_skip_is_checkpointed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose first batch is a year old and whose next is live: the runner closes the old
+    batch's windows, skips the year between (streams/windows.py, "Gaps") and stores the
+    checkpoint, so a restart does not walk the year either."""
+    sec, now = 10**9, 1_700_000_000 * 10**9
+    runner = DerivedRunner(cast(Database, NoCheckpoints()), discard,
+                           DerivedConfig(preview_iterations=False))
+    asyncio.run(runner.restore())
+    runner.windows.observe("j", now - 365 * 86400 * sec, now - 365 * 86400 * sec + sec,
+                           kind="ops")
+    runner.windows.observe("j", now, now + 30 * sec, kind="ops")
+    closed: list[tuple[str, int]] = []
+    checkpoints: list[int] = []
+
+    async def emit(kind: str, job: str, ws: int, cols: Any, token_suffix: str = "") -> None:
+        closed.append((kind, ws))
+
+    async def nothing(job: str, ws: int) -> dict[str, np.ndarray]:
+        return {}
+
+    async def checkpoint(job: str) -> None:
+        checkpoints.append(runner.windows.jobs[job].kinds["progress"].next_start)
+
+    monkeypatch.setattr(runner, "_emit", emit)
+    monkeypatch.setattr(runner.progress, "compute", nothing)
+    monkeypatch.setattr(runner, "_window_iterations", nothing)
+    monkeypatch.setattr(runner, "_checkpoint", checkpoint)
+    monkeypatch.setattr("streams.derived._last_steps", lambda bounds, rows: bounds)
+    for _ in range(4):
+        asyncio.run(runner.tick())
+    progress = [ws for kind, ws in closed if kind == "progress"]
+    assert len(progress) == 2 + 28 and progress[-1] == now + 27 * sec
+    # iterations: the old batch's window and those a step starting in it may end in (60 s)
+    assert len([1 for kind, _ in closed if kind == "iterations"]) == 7 + 2
+    assert checkpoints and checkpoints[-1] == now + 28 * sec

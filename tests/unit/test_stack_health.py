@@ -3,15 +3,17 @@ secrets, ports below the ephemeral range."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from rankwatch import stack
+from rankwatch import http, stack
 from rankwatch.commands.worker import execute
 from rankwatch.settings import Settings
+from streams.sql_endpoint import bound_port, start_sql_endpoint, stop_sql_endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,3 +114,42 @@ def test_status_lines_keep_their_columns_with_several_workers() -> None:
     states = {ln.index(" up ") + 1 for ln in lines[:-1]}  # where each line's state starts
     assert len(states) == 1, lines
     assert lines[-1].index("chdb://") in states  # the storage line's URL in the same column
+
+
+class NoQueries:
+    """What /ping reads of the database: the queries in flight (none)."""
+
+    def __init__(self) -> None:
+        self.sql_inflight: dict[int, tuple[float, str]] = {}
+
+
+def test_ping_names_a_crash_loop_but_a_recovered_worker_still_passes(tmp_path: Path) -> None:
+    s = Settings.load(env={}, home=tmp_path)
+    for _ in range(3):
+        stack.record_exit(s, 75, "jobs: ClickHouseError: Code: 62. boom")
+    problems: list[str] = []
+
+    async def run() -> list[tuple[str, str]]:
+        runner = await start_sql_endpoint(NoQueries(), port=0,  # type: ignore[arg-type]
+                                          health=lambda: problems,
+                                          notes=lambda: stack.ping_notes(s))
+        at = s.model_copy(update={"sql_port": bound_port(runner)})
+        got = []
+        try:
+            for bad in ([], ["ingest of ops stalled"]):
+                problems[:] = bad
+                why = await asyncio.to_thread(stack.ping_worker, at)
+                body = b"" if bad else (await asyncio.to_thread(
+                    http.get, f"{stack.sql_endpoint(at)}/ping", timeout=5)).body
+                got.append((why, body.decode()))
+        finally:
+            await stop_sql_endpoint(runner)
+        return got
+
+    (healthy, body), (unhealthy, _) = asyncio.run(run())
+    assert healthy == ""  # `rankwatch up` takes the recovered worker
+    first, note = body.splitlines()
+    assert first == "Ok." and note.startswith("note: crash loop: 3 unclean exits")
+    assert "Code: 62. boom" in note
+    assert unhealthy.startswith("rankwatch worker unhealthy: ingest of ops stalled")
+    assert "note: crash loop" in unhealthy

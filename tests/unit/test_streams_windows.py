@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ingest.units import SECOND as S
@@ -11,6 +12,7 @@ from streams.windows import (
     WatermarkParams,
     Windows,
     WindowSpec,
+    event_segments,
     window_start,
 )
 
@@ -240,3 +242,106 @@ def test_a_start_not_yet_closed_is_checkpointed_open_and_restored_movable() -> N
     again.restore(rows + later)  # stream_state keeps both rows: the closed one wins
     again.observe("j", 90 * S, 91 * S)
     assert again.open_window("j", "p")[0] == 103 * S
+
+
+YEAR = 365 * 86400 * S
+NOW = 1_700_000_000 * S
+
+
+def drain(w: Windows, kind: str, rounds: int, limit: int = 16) -> list[int]:
+    """Close what is due, `limit` windows a round (the runner's tick); the windows closed."""
+    done = []
+    for _ in range(rounds):
+        for s in w.due("j", kind, limit):
+            w.closed("j", kind, s)
+            done.append(s)
+    return done
+
+
+def test_a_year_old_first_batch_does_not_make_the_worker_close_a_year_of_windows() -> None:
+    w = make()
+    w.observe("j", NOW - YEAR, NOW - YEAR + 3 * S)  # e.g. a stale spill, the job's first batch
+    w.observe("j", NOW, NOW + 20 * S)  # the live job
+    done = drain(w, "p", rounds=4)
+    # the old batch's windows, then the live ones: near now within a tick or two
+    assert [s for s in done if s < NOW] == [NOW - YEAR + i * S for i in range(4)]
+    assert done[-1] == NOW + 17 * S
+    assert w.skipped_windows["p"] == YEAR // S - 4
+    assert w.moved("j") and not w.moved("j")  # reported once: the runner checkpoints
+    drain(w, "it", rounds=4)
+    assert w.jobs["j"].kinds["it"].next_start == NOW + 10 * S
+
+
+def test_a_year_old_batch_that_moves_a_start_back_costs_its_own_windows_only() -> None:
+    w = make()
+    w.observe("j", NOW, NOW + 1 * S)  # no window closed yet: the start may move back
+    w.observe("j", NOW - YEAR, NOW - YEAR + S // 2)
+    assert w.jobs["j"].kinds["p"].next_start == NOW - YEAR
+    w.observe("j", NOW + S, NOW + 10 * S)
+    done = drain(w, "p", rounds=2)
+    assert done == [NOW - YEAR] + [NOW + i * S for i in range(8)]
+
+
+def test_a_year_old_batch_of_a_running_job_is_late_data() -> None:
+    w = make()
+    w.observe("j", NOW, NOW + 20 * S)
+    drain(w, "p", rounds=2)
+    drain(w, "it", rounds=2)
+    assert w.observe("j", NOW - YEAR, NOW - YEAR + S) is False  # marks beyond reach: dropped
+    w.observe("j", NOW + 20 * S, NOW + 30 * S)
+    assert drain(w, "p", rounds=1)[0] == NOW + 18 * S
+    assert w.late("j", "it") == [] and w.dropped_late == 1
+
+
+def test_an_import_of_a_long_trace_closes_every_window_and_skips_none() -> None:
+    w = make()
+    hours = 3 * 3600
+    for i in reversed(range(0, hours, 60)):  # published as fast as it is read, in any order
+        w.observe("j", NOW + i * S, NOW + (i + 60) * S, source="import", kind="ops")
+    done = drain(w, "p", rounds=hours // 64 + 1, limit=64)
+    assert done == [NOW + i * S for i in range(hours - 2)]
+    assert not w.skipped_windows
+
+
+def test_a_job_paused_longer_than_the_gap_resumes_without_closing_the_pause() -> None:
+    wall = Wall()
+    w = Windows([WindowSpec("p", S)], 2 * S, WatermarkParams(gap_ns=60 * S), clock=wall)
+    w.observe("j", NOW, NOW + 10 * S)
+    wall.ns += 11 * S  # idle: the last window closes
+    assert drain(w, "p", rounds=1)[-1] == NOW + 10 * S
+    w.observe("j", NOW + 30 * S, NOW + 40 * S)  # within the gap: closed window by window
+    assert drain(w, "p", rounds=2)[0] == NOW + 11 * S and not w.skipped_windows
+    w.observe("j", NOW + 3600 * S, NOW + 3610 * S)  # an hour later: the pause is skipped
+    assert drain(w, "p", rounds=2)[:4] == [NOW + 38 * S, NOW + 39 * S, NOW + 40 * S,
+                                           NOW + 3600 * S]
+    assert w.skipped_windows == {"p": 3600 - 41}
+    assert len(w.jobs["j"].kinds["p"].segments) == 1  # closed stretches are dropped
+
+
+def test_a_restored_kind_closes_every_window_from_its_checkpoint() -> None:
+    w = make()
+    w.observe("j", NOW, NOW + 100 * S)
+    drain(w, "p", rounds=1, limit=5)
+    fresh = make()
+    fresh.restore(w.checkpoint("j"))
+    fresh.observe("j", NOW + 2000 * S, NOW + 2001 * S)  # a backlog's newest batch first
+    done = drain(fresh, "p", rounds=10, limit=64)
+    assert done == [NOW + (5 + i) * S for i in range(96)]  # stored, if unseen: not a gap
+    assert fresh.jobs["j"].kinds["p"].next_start == NOW + 1999 * S  # the watermark
+
+
+def test_segments_are_bounded_and_merge_the_closest() -> None:
+    w = Windows([WindowSpec("p", S)], 2 * S, WatermarkParams(gap_ns=S, max_segments=4))
+    for i in range(10):
+        w.observe("j", NOW + i * 10 * S, NOW + i * 10 * S + S)
+    segs = w.jobs["j"].kinds["p"].segments
+    assert len(segs) == 4 and segs[0][0] == NOW and segs[-1][1] == NOW + 91 * S
+
+
+def test_event_segments_split_a_batch_where_a_gap_holds_no_record() -> None:
+    start = np.array([NOW + 5 * S, NOW, NOW + 86000 * S, NOW + 2 * S], np.int64)
+    end = np.array([0, NOW + 3 * S, NOW + 86001 * S, NOW + 1000 * S], np.int64)
+    assert event_segments(start, end, 600 * S) == [(NOW, NOW + 1000 * S),
+                                                   (NOW + 86000 * S, NOW + 86001 * S)]
+    assert event_segments(start[:2], end[:2], 600 * S) == [(NOW, NOW + 5 * S)]
+    assert event_segments(start[:0], end[:0], S) == []
