@@ -1,12 +1,15 @@
 """The worst records we can think of, on every topic, against the real broker, worker and
 ClickHouse: the worker stays up (same process throughout), every good neighbour is stored
 exactly, the bad ones are in the dead-letter table with their reason, and the derived windows
-stay near now (no window in 1970 or 2262)."""
+stay near now (no window in 1970 or 2262); a valid batch a year old is stored and its job's
+windows skip the year to the live batches (streams/windows.py, "Gaps")."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -22,18 +25,20 @@ from ingest.units import SECOND as SEC
 from rankwatch import stack
 from rankwatch.kafka.admin import delete_topics
 from streams.raw_sink import TimeBounds
-from tests.conftest import KafkaService, SettingsFactory
+from tests.conftest import KafkaService, SettingsFactory, free_ports
 from tests.integration.test_ingest_pipeline import Pipeline
 from tests.unit.test_poison_decode import valid_batches, valid_columns
 
 KINDS = sorted(MODELS)
+YEAR = 365 * 86400 * SEC
 
 
 @pytest.fixture
 def poison_pipeline(kafka: KafkaService, settings_factory: SettingsFactory
                     ) -> Iterator[Pipeline]:
     settings = settings_factory(kafka_bootstrap=kafka.bootstrap,
-                                topic_prefix=f"x{uuid.uuid4().hex[:10]}", kafka_partitions=2)
+                                topic_prefix=f"x{uuid.uuid4().hex[:10]}", kafka_partitions=2,
+                                metrics_port=free_ports(1)[0])
     p = Pipeline(settings)
     try:
         p.start_worker()
@@ -138,6 +143,53 @@ def test_worst_records_of_every_topic_leave_the_worker_up_and_neighbours_stored(
     ahead = p.count("iterations", "toUnixTimestamp64Nano(t_end) > "
                                   f"{time.time_ns() + 60 * SEC}")
     assert ahead == 0
+    check_year_old_batches(p, t0)
+
+
+def check_year_old_batches(p: Pipeline, t0: int) -> None:
+    """A valid ops batch a year old, then live batches, (a) for the job "good", whose progress
+    windows have closed, and (b) as the first batch of a new job "year": the old rows are
+    stored, each job's progress reaches the live batches within seconds, and "year" has a few
+    windows at the old batch and the live ones, none between (streams/windows.py, "Gaps":
+    closed one by one, 16 per tick, the year would be ~31.5 M windows, ~6 days)."""
+    started = time.monotonic()
+    pub = p.publisher()
+    now = time.time_ns()
+    # live batches 2 s apart: the window after the first closes before the source falls silent
+    old, live = now - YEAR, now - 5 * SEC
+    for job, key in (("good", "k"), ("year", "year")):  # in order, on one partition each
+        for t in (old, live, live + 2 * SEC, live + 4 * SEC):
+            pub.publish("ops", encode_batch("ops", job, valid_columns("ops", 5, t)), key=key)
+    assert pub.flush(60) == 0
+    for job in ("good", "year"):
+        where = f"job_id = '{job}' AND toUnixTimestamp64Nano(t_start) < {old + SEC}"
+        assert p.wait_count("ops", 5, where, timeout=60) == 5, job  # stored raw
+        where = f"job_id = '{job}' AND toUnixTimestamp64Nano(window_end) > {live + SEC}"
+        assert p.wait_count("progress", 1, where, timeout=30) >= 1, (job, p.sql(
+            "SELECT count(), max(window_end) FROM progress WHERE job_id = "
+            f"'{job}' FORMAT TSVRaw"))
+    reached = time.monotonic() - started
+    assert p.count("ops", "job_id = 'year'") == 20
+    # (a) the old batch is late data for "good": no window of it falls back a year
+    assert p.count("progress", "job_id = 'good' AND "
+                               f"toUnixTimestamp64Nano(window_end) < {t0 - 60 * SEC}") == 0
+    # (b) a handful of windows at the old batch, none in the year, the live ones: not millions
+    end = "toUnixTimestamp64Nano(window_end)"
+    at_old, between, total = (int(x) for x in p.sql(
+        f"SELECT countIf({end} < {old + 60 * SEC}), countIf({end} >= {old + 60 * SEC} AND "
+        f"{end} < {live}), count() FROM progress WHERE job_id = 'year'").split("\t"))
+    assert 1 <= at_old <= 5 and between == 0 and total <= 60, (at_old, between, total)
+    # the worker's /metrics counts the year skipped
+    s = p.settings
+    with urllib.request.urlopen(f"http://{s.bind_host}:{s.metrics_port}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^rankwatch_derived_windows_skipped_total\{kind="progress"\} (\S+)$', text,
+                  re.M)
+    assert m and float(m.group(1)) >= (YEAR - 86400 * SEC) // SEC, (
+        m, [ln for ln in text.splitlines() if "skipped" in ln])
+    print(f"\nyear-old batches: progress reached the live ones in {reached:.1f} s, checked in "
+          f"{time.monotonic() - started:.1f} s")
 
 
 HOWS = ("as is", "cut", "as is", "flip", "as is", "other topic")
