@@ -9,8 +9,9 @@ does not. Nothing else in the records separates the two on a host whose "device"
 work, and on a GPU host it separates a starved launcher from a slower GPU.
 
 `refine` re-labels a slowdown suspect "host cpu" / host_software when, over the steps since its
-onset, its wait share is at least `rise` × its own share before the onset plus `margin` and at
-least `rise` × its peers' median share since the onset plus `margin` (peers under the same
+onset, its wait share (for a suspect naming a host's ranks, each rank's) is at least `rise` ×
+its own share before the onset plus `margin` and at least `rise` × its peers' median share
+since the onset plus `margin` (peers under the same
 contention — more runnable processes than cores everywhere — are not starved *relative* to
 each other: no re-label), and its extra waiting accounts for at least half of its excess time
 per step: the cause must be big enough to be the cause (a rank of 50 ms steps waiting 20 % of
@@ -73,23 +74,28 @@ def wait_shares(beats: Columns, since_ns: int, base_from_ns: int | None = None
 
 def refine(beats: Columns, top: Suspicion, since_ns: int | None,
            base_from_ns: int | None = None, step_ns: float | None = None) -> Suspicion:
-    """`top`, re-labelled as its host's CPU when its one rank was starved since `since_ns`
-    against the baseline from `base_from_ns` (module docstring); unchanged otherwise. With the
+    """`top`, re-labelled as its host's CPU when its rank (each of its ranks, for a suspect
+    naming several: a host's) was starved since `since_ns` against the baseline from
+    `base_from_ns` (module docstring); unchanged otherwise. With the
     job's step time `step_ns`, "starved" also means its extra waiting per step explains at least
     `EXPLAIN` of the suspect's excess (`top.score`, ns per step); without it, a share of at
     least `MIN_SHARE`."""
-    if not beats or since_ns is None or len(top.ranks) != 1 or top.stage == "host cpu" \
+    if not beats or since_ns is None or not top.ranks or top.stage == "host cpu" \
             or "sched_wait_ns" not in beats:
         return top
     ranks, before, after = wait_shares(beats, since_ns, base_from_ns)
-    x = top.ranks[0]
-    hit = np.flatnonzero(ranks == x)
-    if not hit.size:
+    mask = np.isin(ranks, top.ranks)
+    if mask.sum() != len(set(top.ranks)):
         return top
-    i = int(hit[0])
-    peers = np.delete(after, i)
+    peers = after[~mask]
     peers = peers[~np.isnan(peers)]
-    mine, base = after[i], before[i]
+    # several ranks (a host's): each must be starved, so the least starved one is judged
+    mine, base = float(np.min(after[mask])), float(np.max(before[mask]))
+    if top.how == "confirm":
+        # the re-check of an open culprit (`context`, "confirm"): its change was judged when
+        # the incident opened, and the steps judged now may all lie after the onset, where
+        # its own "before" is the starved state itself; its peers are the reference
+        base = 0.0
     if np.isnan(mine) or np.isnan(base) or not peers.size:
         return top
     peer = float(np.median(peers))
@@ -100,9 +106,11 @@ def refine(beats: Columns, top: Suspicion, since_ns: int | None,
             return top
     elif (mine - max(base, peer)) * step_ns < EXPLAIN * top.score:
         return top  # its extra waiting is too small a part of its excess to be the cause
+    who = f"rank {top.ranks[0]}" if len(top.ranks) == 1 else \
+        f"each of ranks {', '.join(map(str, top.ranks))}"
     return replace(top, stage="host cpu", component="host_software",
                    rules=(*top.rules, RULE),
-                   summary=f"{top.summary}; rank {x} waited for a CPU {mine:.0%} of the time "
+                   summary=f"{top.summary}; {who} waited for a CPU {mine:.0%} of the time "
                            f"since (before: {base:.0%}, its peers: {peer:.0%}): starved of CPU, "
                            "not slower work")
 
@@ -110,8 +118,8 @@ def refine(beats: Columns, top: Suspicion, since_ns: int | None,
 def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
     """Whether `top` is one rank whose beats carry scheduler counters but too few of them since
     `since_ns` (fewer than two beats) for `refine` to tell a starved CPU from slower work: the
-    cause is not judged yet. (Without counters at all — the simulator, a tracer that sends
-    none — there is nothing to wait for.)"""
+    cause is not judged yet. (Without counters at all — a tracer that sends none — there is
+    nothing to wait for.)"""
     if not beats or since_ns is None or len(top.ranks) != 1 or top.stage == "host cpu" \
             or "sched_wait_ns" not in beats:
         return False

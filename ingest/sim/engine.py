@@ -90,6 +90,9 @@ class StepResult:
     device: np.ndarray
     ops: list[OpGroup] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
+    #: [dp, pp, tp] seconds each rank was runnable but waited for a CPU in this step (its
+    #: CPU-side work stretched by host contention: the scheduler's account, as in the beats)
+    sched_wait: np.ndarray | None = None
 
     @property
     def stalled(self) -> bool:
@@ -261,6 +264,10 @@ class Engine:
             other = other + real.pause(other)
         end = cur + cb + other
         res.end = end
+        # CPU-side work stretched by a factor f was runnable and waiting (f - 1) / f of it;
+        # the optimizer's CPU share as in `opt` above
+        starved = 1.0 - 1.0 / fx.cpu
+        res.sched_wait = (data + 0.4 * opt + cb + other) * starved
         res.stages = {
             "data_next_wait": data, "model_fwd_loss": acc["F"],
             "model_backward": acc["B"] + (cur - opt - bwd_end), "callbacks": cb,

@@ -115,6 +115,7 @@ class Simulation:
         self.kinds = [k for k, n in (("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp)) if n > 1]
         self.seq_lines = {k: Timeline(world, 1, "last") for k in self.kinds}
         self.wr_line = Timeline(world, 2, "sum")
+        self.wait_line = Timeline(world, 1, "sum")  # ns waited for a CPU (`StepResult`)
         self.stuck: list[OpGroup] = []
         self.positions = Positions()
         self.steps_done = 0
@@ -164,6 +165,10 @@ class Simulation:
         """Feed timelines from a step; returns the step's release time."""
         step_max = -math.inf
         self.positions.observe(res, self.ranks)
+        if res.sched_wait is not None:
+            wait = res.sched_wait.ravel()  # nan for a rank that never ended its step (hung)
+            wait = np.rint(np.where(np.isfinite(wait), wait, 0.0) * 1e9).astype(np.int64)
+            self.wait_line.add(self.ranks, res.end.ravel(), wait[:, None])
         for g in res.ops:
             alive = np.isfinite(g.t_start) & (g.t_start < self.emitter.death[g.pos])
             ranks = self.ranks[g.pos]
@@ -210,6 +215,10 @@ class Simulation:
         position = {"step": step, "stage": (stage, list(POSITION_STAGES)),
                     "stage_ts": np.where(known, self.clock.ns(entered, ranks), 0)}
         self.positions.forget_before(w0)
+        # the scheduler's counters of each rank's training thread, cumulative from its start
+        wait = self.wait_line.sample(ranks, ts, w1)[:, 0]
+        position["sched_wait_ns"] = wait
+        position["sched_run_ns"] = np.maximum(np.rint(ts * 1e9).astype(np.int64) - wait, 0)
         for kind in self.kinds:
             seq = self.seq_lines[kind].sample(ranks, ts, w1)[:, 0]
             pos = np.empty(self.layout.world, np.int64)

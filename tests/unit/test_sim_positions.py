@@ -46,3 +46,21 @@ def test_positions_take_the_last_transition_and_forget_only_what_no_beat_needs()
     kept = sorted(zip(p.rank.tolist(), p.t.tolist(), strict=True))
     assert kept == [(0, 2.0), (0, 3.0), (1, 2.5)]
     assert p.at(np.array([0]), np.array([2.7]))[1].tolist() == [2]
+
+
+def test_ranks_of_a_contended_host_wait_for_a_cpu_in_their_beats() -> None:
+    """The beats carry each rank's scheduler counters as the host agent's do (cumulative ns
+    runnable and waiting): under host CPU contention (factor f) the host's ranks wait
+    (f − 1)/f of their CPU-side work from the onset on; other ranks, and every rank before
+    it, never wait."""
+    from diagnosis.slow.cpu import wait_shares
+
+    cfg = JobConfig(tp=2, pp=2, dp=4, steps=40, ranks_per_host=4)
+    sim = Simulation(cfg, ["cpu_contention host=1 factor=4 at=10s"])
+    b = beats_of(sim)
+    assert (b["sched_wait_ns"] >= 0).all() and (b["sched_run_ns"] >= 0).all()
+    onset = cfg.epoch_ns + 10 * 10**9
+    ranks, before, after = wait_shares(b, onset)
+    host = np.isin(ranks, [4, 5, 6, 7])
+    assert np.allclose(before[host], 0) and (after[host] > 0.02).all()
+    assert np.allclose(after[~host], 0) and np.allclose(before[~host], 0)

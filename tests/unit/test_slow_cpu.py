@@ -4,6 +4,8 @@ its peers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from diagnosis.conclusion import Suspicion
@@ -51,6 +53,28 @@ def test_no_relabel_without_a_rise_against_peers_and_itself() -> None:
     assert cpu.refine(beats({1: (0.05, 0.6)}), TOP, None) == TOP
     host = Suspicion((0, 1), "data", "data_loader", 30e6)
     assert cpu.refine(beats({1: (0.05, 0.6)}), host, 10 * S) == host
+
+
+def test_a_host_whose_ranks_all_wait_for_a_cpu_is_its_cpu() -> None:
+    """A suspect naming a host's ranks is its CPU when each of them was starved (the least
+    starved one is judged), against the ranks outside it."""
+    host = Suspicion((0, 1), "optim", "gpu_compute", 30e6, ("rankwatch.excess.optim_step",),
+                     "ranks 0, 1: optim_step 2x their peers", 9.0, "change", 40)
+    out = cpu.refine(beats({0: (0.05, 0.5), 1: (0.05, 0.6)}), host, 10 * S)
+    assert (out.stage, out.component) == ("host cpu", "host_software")
+    assert "each of ranks 0, 1" in out.summary and "50%" in out.summary
+    assert cpu.refine(beats({0: (0.05, 0.08), 1: (0.05, 0.6)}), host, 10 * S) == host
+
+
+def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
+    """The re-check of an open culprit ("confirm") may judge steps that all lie after the onset:
+    the rank was starved through its whole "before" too. Its peers are then the reference; a
+    new verdict ("change") still needs its own rise."""
+    starved = beats({1: (0.6, 0.6)})
+    again = replace(TOP, how="confirm")
+    assert cpu.refine(starved, TOP, 10 * S) == TOP
+    assert cpu.refine(starved, again, 10 * S).stage == "host cpu"
+    assert cpu.refine(beats({r: (0.6, 0.6) for r in range(4)}), again, 10 * S) == again
 
 
 def test_the_baseline_is_the_judged_steps_not_the_start_up() -> None:
