@@ -92,10 +92,12 @@ KERNEL_WINDOW_S = 40.0
 FEED_WITHIN_S = 0.05
 #: stored beats batches the trigger may fall behind by (one per host agent and second)
 BEATS_QUEUE = 1024
+#: how far back a takeover looks for incidents still open
+OPEN_WITHIN_NS = 86_400 * SECOND
 #: The newest version of every incident of the last day whose newest version is not resolved.
-OPEN_INCIDENTS_SQL = """
+OPEN_INCIDENTS_SQL = f"""
 SELECT argMax(json, version) FROM diagnoses FINAL
-WHERE detected_ns > toUnixTimestamp64Nano(now64(9)) - 86400000000000
+WHERE detected_ns > toUnixTimestamp64Nano(now64(9)) - {OPEN_WITHIN_NS}
 GROUP BY job_id, incident_id HAVING argMax(status, version) != 'resolved'
 """
 

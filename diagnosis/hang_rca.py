@@ -466,8 +466,8 @@ def _min_op(w: Window, now_ns: int, min_op: list[Finding], halt: list[Finding],
             or not inside[0].startswith(("fwd", "bwd")))
         conf = 0.95 if placed or observed else 0.75
     # alive is known once the culprit beat after its peers began to wait; before that a killed
-    # process and a hung one look alike (a real rank killed in its step was named hung in its
-    # backward at 0.95, its exit beat stored a second later)
+    # process and a hung one look alike (a rank killed in its step leaves the same calls in
+    # flight as one hung there, and its exit beat may be stored a second later)
     unjudged = not dead and "no_records" not in top.labels and _beat_unseen(w, x, top.onset_ns)
     if unjudged:
         conf = min(conf, ALIVE_UNJUDGED_CONFIDENCE)

@@ -100,8 +100,7 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
         labels.append("cpu_unjudged")
     if top.how == "sparse":
         # a count of spikes says which rank, not why: a rank starved of CPU now and then
-        # spikes in the same phases as one whose work stalls (a real CPU hog, replayed, was
-        # named as its optimizer's jitter at 0.95)
+        # spikes in the same phases as one whose work stalls
         conf = min(conf, SPARSE_CONFIDENCE)
     if top.whole_ring:
         # the ring is known, not which of its members slowed it: the answer names them all
