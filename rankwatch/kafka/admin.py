@@ -24,6 +24,7 @@ from rankwatch.kafka import BrokerError
 _rdkafka_log = logging.getLogger("rankwatch.kafka.librdkafka")
 _rdkafka_log.addHandler(logging.NullHandler())
 _rdkafka_log.propagate = False
+log = logging.getLogger(__name__)
 
 
 def replication(brokers: int) -> tuple[int, int]:
@@ -66,9 +67,25 @@ def probe(bootstrap: str, timeout: float = 3.0, brokers: int = 1) -> str:
         "no broker registered yet"
 
 
+#: Admin errors that say "this attempt was lost", not "this request is wrong": librdkafka
+#: (2.10 and later) decommissions its bootstrap connections once it has learned the cluster's
+#: brokers, failing a request in flight on one with _DESTROY_BROKER; a broker that restarts
+#: or drops a connection fails it with _TRANSPORT. Sending the request again is correct.
+_TRANSIENT = frozenset({"_DESTROY_BROKER", "_TRANSPORT", "_TIMED_OUT", "NOT_CONTROLLER",
+                        "REQUEST_TIMED_OUT"})
+
+
+class _Failed(BrokerError):
+    """An admin request with failures; `transient` when every failure may be retried."""
+
+    def __init__(self, errors: list[str], transient: bool) -> None:
+        super().__init__("Kafka admin request failed:\n  " + "\n  ".join(errors))
+        self.transient = transient
+
+
 def _wait(futures: dict[str, Any], ignore: Iterable[str]) -> list[str]:
     """Resolve admin futures; return the names that succeeded. Error codes in `ignore` are ok."""
-    done, errors = [], []
+    done, errors, transient = [], [], True
     for name, fut in futures.items():
         try:
             fut.result()
@@ -77,8 +94,9 @@ def _wait(futures: dict[str, Any], ignore: Iterable[str]) -> list[str]:
             err = e.args[0]
             if err.name() not in ignore:
                 errors.append(f"{name}: {err.str()}")
+                transient &= err.name() in _TRANSIENT or bool(err.retriable())
     if errors:
-        raise BrokerError("Kafka admin request failed:\n  " + "\n  ".join(errors))
+        raise _Failed(errors, transient)
     return done
 
 
@@ -88,21 +106,36 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], timeout: float = 3
     Idempotent. Existing topics are left as they are (adding partitions would move keys). The
     replication factor and ``min.insync.replicas`` follow the cluster's size (`replication`:
     3 and 2 from three brokers up, so producers with acks=all keep writing and consumers keep
-    reading when one broker is lost). Returns once the broker's metadata lists them.
+    reading when one broker is lost). A request lost in transit (`_TRANSIENT`) is sent again,
+    with a fresh client, until `timeout`; a topic created by a lost attempt then answers
+    TOPIC_ALREADY_EXISTS, which counts as done. Returns once the broker's metadata lists them.
     """
+    deadline = time.monotonic() + timeout
+    created: list[str] = []
+    attempted = False
     with _admin_errors(bootstrap):
-        admin = _admin(bootstrap)
-        md = admin.list_topics(timeout=timeout)
-        existing = set(md.topics)
-        factor, min_isr = replication(len(md.brokers))
-        new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=factor,
-                        config={**_topic_config(s), "min.insync.replicas": str(min_isr)})
-               for s in specs if s.name not in existing]
-        if not new:
-            return []
-        futures = admin.create_topics(new, request_timeout=timeout)
-        created = _wait(futures, {"TOPIC_ALREADY_EXISTS"})
-        _await_metadata(admin, [s.name for s in specs], timeout)
+        while True:
+            admin = _admin(bootstrap)  # kept referenced: its futures fail once it is collected
+            md = admin.list_topics(timeout=timeout)
+            existing = set(md.topics)
+            factor, min_isr = replication(len(md.brokers))
+            new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=factor,
+                            config={**_topic_config(s), "min.insync.replicas": str(min_isr)})
+                   for s in specs if s.name not in existing]
+            if not new:
+                break
+            attempted = True
+            try:
+                created += _wait(admin.create_topics(new, request_timeout=timeout),
+                                 {"TOPIC_ALREADY_EXISTS"})
+                break
+            except _Failed as e:
+                if not e.transient or time.monotonic() > deadline:
+                    raise
+                log.info("creating topics again: %s", e)
+                time.sleep(0.5)
+        if attempted:
+            _await_metadata(admin, [s.name for s in specs], timeout)
     return created
 
 
@@ -134,11 +167,22 @@ def list_topics(bootstrap: str, timeout: float = 10.0) -> dict[str, int]:
 
 
 def delete_topics(bootstrap: str, names: Iterable[str], timeout: float = 30.0) -> list[str]:
-    """Delete topics (for test cleanup); names that do not exist are ignored."""
-    names = list(names)
-    if not names:
-        return []
+    """Delete topics (for test cleanup); names that do not exist are ignored. A request lost
+    in transit is sent again until `timeout`, as in `ensure_topics`."""
+    left = list(names)
+    deadline = time.monotonic() + timeout
+    deleted: list[str] = []
     with _admin_errors(bootstrap):
-        admin = _admin(bootstrap)  # kept referenced: its futures fail once it is collected
-        futures = admin.delete_topics(names, operation_timeout=timeout, request_timeout=timeout)
-        return _wait(futures, {"UNKNOWN_TOPIC_OR_PART"})
+        while left:
+            admin = _admin(bootstrap)  # kept referenced: its futures fail once it is collected
+            try:
+                deleted += _wait(admin.delete_topics(left, operation_timeout=timeout,
+                                                     request_timeout=timeout),
+                                 {"UNKNOWN_TOPIC_OR_PART"})
+                break
+            except _Failed as e:
+                if not e.transient or time.monotonic() > deadline:
+                    raise
+                log.info("deleting topics again: %s", e)
+                time.sleep(0.5)
+    return deleted

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from ingest.batch import encode_batch
@@ -66,8 +67,18 @@ def cluster_stack(settings_factory: SettingsFactory) -> Iterator[Settings]:
 
 
 def coordinator(settings: Settings, group: str) -> int:
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap})
-    return int(admin.describe_consumer_groups([group])[group].result(30).coordinator.id)
+    """The group coordinator's node id. librdkafka may fail a request in flight on a bootstrap
+    connection it decommissions (_DESTROY_BROKER); such an attempt is made again."""
+    for attempt in range(5):
+        admin = AdminClient({"bootstrap.servers": settings.bootstrap})
+        try:
+            return int(admin.describe_consumer_groups([group])[group].result(30).coordinator.id)
+        except KafkaException as e:
+            if attempt == 4 or not (e.args[0].retriable() or e.args[0].name() in (
+                    "_DESTROY_BROKER", "_TRANSPORT")):
+                raise
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def test_three_brokers_lose_one_mid_stream_and_store_every_row_once(
