@@ -18,7 +18,8 @@ faulty rank; of those the earliest naming the rank as primary culprit is scored 
 earliest naming it as a suspect), on its last version before resolution. ranks right =
 culprit ranks equal the faulty rank(s); stage right = the diagnosis's stage is one the truth
 accepts (`bench.real.labels.expected`); component and kind right likewise; latency = onset →
-the scored incident's first version. Every other incident of a case is a false alarm (a
+the scored incident's first version, in seconds and in steps: how many steps rank 0 finished
+between the two (`steps_after`). Every other incident of a case is a false alarm (a
 duplicate of the scored one included); on controls every incident is. Precision = scored
 incidents / all incidents; recall = faults with a scored incident / faults.
 
@@ -96,9 +97,27 @@ class CaseResult:
     got: dict[str, Any] | None = None
     diagnoses: list[dict[str, Any]] = field(default_factory=list)
     step_ms_p50: float | None = None
+    #: when rank 0 finished each step from the onset on, in ms after it (`steps_after`)
+    step_ends_ms: list[float] = field(default_factory=list)
     agent_cpu_s: float | None = None
     agent_start_cpu_s: float | None = None
     agent_records: int | None = None
+
+
+def steps_after(run: dict[str, Any], onset_ns: int, limit: int = 400) -> list[float]:
+    """When rank 0 finished each step after `onset_ns`, in ms after it (at most `limit`).
+
+    From the job's own step end times (``step_end_ns``); a run written before they were kept
+    has only step durations, and its end times are rebuilt backwards from the job's end (the
+    steps run back to back, so this is off by the final barrier's few ms at most)."""
+    ends = np.asarray(run.get("step_end_ns") or [], dtype=np.int64)
+    if not ends.size:
+        dur = np.asarray(run.get("step_ns") or [], dtype=np.int64)
+        if not dur.size or not run.get("end_ns"):
+            return []
+        ends = int(run["end_ns"]) - np.concatenate([np.cumsum(dur[::-1])[::-1][1:], [0]])
+    after = ends[ends > onset_ns][:limit]
+    return [round(float(x), 1) for x in (after - onset_ns) / 1e6]
 
 
 def stage_ok(accept: Sequence[str], stage: str | None) -> bool:
@@ -170,8 +189,9 @@ def score(res: CaseResult, diags: Sequence[Diagnosis]) -> None:
                        "first": {"ranks": first.culprit_ranks[:16], "stage": first.stage,
                                  "component": first.component,
                                  "confidence": first.confidence}}
-            if res.step_ms_p50:
-                res.latency_steps = round(res.latency_s * 1000 / res.step_ms_p50, 1)
+            if res.step_ends_ms:  # the job's steps finished between onset and diagnosis
+                res.latency_steps = float(np.searchsorted(
+                    res.step_ends_ms, res.latency_s * 1000, side="right"))
     res.false_alarms = len([i for i in inc if i not in used])
 
 
@@ -452,7 +472,9 @@ class Runner:
         if res.run is not None:
             steps = np.asarray(res.run.get("step_ns", []), dtype=np.float64)
             res.step_ms_p50 = round(float(np.median(steps)) / 1e6, 2) if steps.size else None
-            res.run["step_ns"] = []  # keep the report small
+            if res.truth is not None:
+                res.step_ends_ms = steps_after(res.run, int(res.truth["onset_ns"]))
+            res.run["step_ns"] = res.run["step_end_ns"] = []  # keep the report small
         try:
             stats = json.loads((cdir / "agent.json").read_text().strip().splitlines()[-1])
             res.agent_records = int(stats.get("read", 0))
@@ -582,6 +604,10 @@ def rescore(doc: dict[str, Any], workdir: Path, say: Say
     cases = doc.get("cases") or []
     for i, c in enumerate(cases, 1):
         r = CaseResult(**{k: v for k, v in c.items() if k in names})
+        if not r.step_ends_ms and r.truth is not None:  # a report from before they were kept
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                run = json.loads((workdir / "cases" / r.job / "run.json").read_text())
+                r.step_ends_ms = steps_after(run, int(r.truth["onset_ns"]))
         cap = workdir / "cases" / r.job / CAPTURE
         if r.traced and cap.exists():
             batches, epoch = capture_batches(cap)

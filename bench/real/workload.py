@@ -253,6 +253,7 @@ class Job:
         self.dev = {k: v * args.device_scale / 1000 for k, v in DEVICE_MS.items()}
         self.gen = torch.Generator().manual_seed(rank)
         self.step_ns: list[int] = []
+        self.step_end_ns: list[int] = []  # wall clock, to count steps after the onset
         self.step = 0
         self.fault: Fault
 
@@ -318,6 +319,7 @@ def train_ddp(job: Job) -> None:
             with stages.optim():
                 job.optim(step, opt)
         job.step_ns.append(time.perf_counter_ns() - t_step)
+        job.step_end_ns.append(time.time_ns())
 
 
 def train_pipeline(job: Job) -> None:
@@ -409,6 +411,7 @@ def train_pipeline(job: Job) -> None:
             with stages.optim():
                 job.optim(step, opt)
         job.step_ns.append(time.perf_counter_ns() - t_step)
+        job.step_end_ns.append(time.time_ns())
 
 
 
@@ -497,6 +500,7 @@ def train_tp(job: Job) -> None:
             with stages.optim():
                 job.optim(step, opt)
         job.step_ns.append(time.perf_counter_ns() - t_step)
+        job.step_end_ns.append(time.time_ns())
 
 
 def virtual_host(args: argparse.Namespace, rank: int, world: int) -> str:
@@ -535,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
         _write(Path(args.truth_dir) / "run.json", {
             "job": args.job, "shape": args.shape, "world": world, **info, "steps": args.steps,
             "host": host_name(), "start_ns": t0, "end_ns": time.time_ns(),
-            "step_ns": job.step_ns, "traced": rwt.active_tracer() is not None})
+            "step_ns": job.step_ns, "step_end_ns": job.step_end_ns,
+            "traced": rwt.active_tracer() is not None})
     dist.destroy_process_group()
 
 

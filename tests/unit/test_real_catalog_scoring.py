@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.real import catalog
-from bench.real.harness import CaseResult, score, stage_ok, summarize
+from bench.real.harness import CaseResult, score, stage_ok, steps_after, summarize
 from diagnosis.model import Diagnosis, Status, Suspect, TriggerRef
 from diagnosis.rules.base import Component, Kind
 from ingest.units import SECOND as S
@@ -32,7 +32,7 @@ def fault_result(**truth: object) -> CaseResult:
          "end_ns": 0}
     t.update(truth)
     return CaseResult("c", "c-1", "ddp", 4, "", control=False, traced=True, truth=t,
-                      step_ms_p50=50.0)
+                      step_ms_p50=50.0, step_ends_ms=[50.0 * i for i in range(1, 201)])
 
 
 def test_stage_accept_prefix_and_exact() -> None:
@@ -138,3 +138,18 @@ def test_every_version_is_graded_for_the_calibration_table() -> None:
     assert graded_versions([r, ctl]) == [(0.75, False), (0.95, True), (0.95, False)]
     bins = {b["confidence"]: b for b in summarize([r, ctl])["calibration"]}
     assert bins["[0.90, 1.00]"]["versions"] == 2 and bins["[0.90, 1.00]"]["right"] == 0.5
+
+
+def test_steps_after_counts_the_jobs_own_steps() -> None:
+    run = {"step_end_ns": [ONSET - 10, ONSET + 5_000_000, ONSET + 300_000_000], "end_ns": 0}
+    assert steps_after(run, ONSET) == [5.0, 300.0]
+    r = fault_result(kind="slowdown", fault="slow")
+    r.step_ends_ms = steps_after(run, ONSET)
+    score(r, [diag("a", 1, [2], "bwd mb=0 pp=0", "gpu_compute", 0.2, kind="slowdown")])
+    assert r.latency_steps == 1.0  # one step finished in the 0.2 s: the slowed one is not
+
+
+def test_steps_after_rebuilds_end_times_from_durations() -> None:
+    # three 100 ms steps back to back ending at ONSET + 250 ms: ends at -50, +50, +150... +250
+    run = {"step_ns": [100_000_000] * 3, "end_ns": ONSET + 250_000_000}
+    assert steps_after(run, ONSET) == [50.0, 150.0, 250.0]
