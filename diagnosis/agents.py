@@ -23,7 +23,9 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   job's progress watermark plus the feed's largest lateness (`_event_time`) and runs the engine
   in a worker thread;
   every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
-  (sql/003_diagnoses.sql). A timer re-checks open incidents and sweeps jobs (`Analyst.tick`).
+  (sql/003_diagnoses.sql). A timer (every `tick_s`, a quarter second) re-checks open
+  incidents, tries pending triggers again and sweeps jobs (`Analyst.tick`: each of those
+  keeps its own pace; most ticks do nothing).
 - ownership (streams/ownership.py): with several workers each runs the agents of the jobs it
   owns (the derived and trigger topics are keyed by job, so a job's messages reach its owner).
   After every assignment (`Ownership.generation`) the agents drop the watches, topologies and
@@ -190,7 +192,7 @@ class DiagnosisAgents:
     """Trigger and root-cause agents on one Faust app (see the module docstring)."""
 
     def __init__(self, app: faust.App, db: Database, topics: Topics, *,
-                 clock: Callable[[], int] = time.time_ns, tick_s: float = 1.0,
+                 clock: Callable[[], int] = time.time_ns, tick_s: float = 0.25,
                  config: AnalystConfig | None = None,
                  ownership: Ownership | None = None,
                  lateness_ns: int = WatermarkParams().lateness_ns) -> None:

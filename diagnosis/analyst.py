@@ -42,9 +42,10 @@ finished job would drift to "process died".
   it fires on the job's step time at the onset, when too few slow steps are stored for a
   change to stand out of the noise (`slow.context`: `onset_steps` of them, stored). Until a
   conclusion or the time is up, the analysis runs again at the advancing event clock, each
-  try no sooner than the last one's cost over `sweep_share` after it (a small job every tick,
-  a large one as seldom as its sweeps): a slowdown is named once its evidence is stored, not
-  at the next sweep, seconds later.
+  try no sooner than the last one's cost (read and analysis) over `sweep_share` after it, and
+  at least `retry_s` (a small job every quarter second, a large one as seldom as its sweeps):
+  a slowdown is named once its evidence is stored, not at the next sweep, seconds later.
+  Pending hang triggers are paced the same way, but never wait more than `HANG_RETRY_S`.
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
@@ -86,6 +87,8 @@ SWEEP_MARGIN_STEPS = 5
 MAX_RECENT = 200
 #: How far before the previous look for exit beats the next starts (`Analyst._exits`), s.
 EXIT_MARGIN_S = 5.0
+#: The longest gap between two tries of a pending hang trigger, however costly (`_retry_gap`).
+HANG_RETRY_S = 1.0
 
 
 class Reader(Protocol):
@@ -114,6 +117,9 @@ class AnalystConfig:
     beat_gap_s: float = 3.0
     #: how long a performance trigger that found nothing is analysed again (`tick`)
     slow_pending_s: float = 6.0
+    #: the shortest gap between two tries of a pending trigger (`_retry_gap`): the agents
+    #: publish every quarter second (their linger), so a try sooner sees nothing new
+    retry_s: float = 0.25
 
 
 @dataclass
@@ -133,7 +139,8 @@ class Analyst:
     analysis_ms: list[float] = field(default_factory=list)
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
     #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived)
-    pending: dict[str, tuple[Trigger, int]] = field(default_factory=dict)
+    #: job -> (hang trigger, when it came, when it is tried next)
+    pending: dict[str, tuple[Trigger, int, int]] = field(default_factory=dict)
     #: job -> (performance trigger whose analysis found nothing yet, wall ns it arrived, wall
     #: ns its next try is due)
     pending_slow: dict[str, tuple[Trigger, int, int]] = field(default_factory=dict)
@@ -202,23 +209,26 @@ class Analyst:
         if w is None:
             return []
         if self._unsettled(t, w, at, now_ns, now_ns):
-            self.pending.setdefault(t.job_id, (t, now_ns))
+            self.pending.setdefault(t.job_id, (t, now_ns, now_ns + self._retry_gap(0, hang=True)))
             return []
         c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
         if c is None:
             if cls == "hang":
-                self.pending.setdefault(t.job_id, (t, now_ns))
+                self.pending.setdefault(
+                    t.job_id, (t, now_ns, now_ns + self._retry_gap(ms, hang=True)))
             elif t.job_id not in self.pending_slow:
                 self.pending_slow[t.job_id] = (t, now_ns, now_ns + self._retry_gap(ms))
             return []
         (self.pending if cls == "hang" else self.pending_slow).pop(t.job_id, None)
         return self._publish(c, w, t, now_ns, ms)
 
-    def _retry_gap(self, ms: float) -> int:
-        """ns until the next try of a pending performance trigger whose last try took `ms`:
-        its cost over `sweep_share`, at least `first_recheck_s`."""
-        return int(max(self.config.first_recheck_s, ms / 1e3 / self.config.sweep_share)
-                   * SECOND)
+    def _retry_gap(self, ms: float, hang: bool = False) -> int:
+        """ns until the next try of a pending trigger whose last try took `ms`: its cost over
+        `sweep_share`, at least `retry_s` (a slowdown is named a step or two after its
+        evidence is stored, not at a whole second's tick). A hang waits at most `HANG_RETRY_S`
+        however costly its analysis: a job is stalled, and every rank waits."""
+        gap = max(self.config.retry_s, ms / 1e3 / self.config.sweep_share)
+        return int((min(gap, HANG_RETRY_S) if hang else gap) * SECOND)
 
     def _retry_slow(self, job: str, now_ns: int) -> list[Diagnosis]:
         """Re-run the analysis of a performance trigger that found nothing (module
@@ -230,13 +240,15 @@ class Analyst:
             return []
         if now_ns < due:
             return []
+        t0 = time.perf_counter()
         at = self.event_clock(job, now_ns)
         w = self._window(job, at)
-        if w is None:
-            return []
-        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
-        if c is None:
-            self.pending_slow[job] = (t, since, now_ns + self._retry_gap(ms))
+        c, ms = None, 0.0
+        if w is not None:
+            c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        if c is None or w is None:
+            cost = (time.perf_counter() - t0) * 1e3  # the read included: most of a try
+            self.pending_slow[job] = (t, since, now_ns + self._retry_gap(cost))
             return []
         del self.pending_slow[job]
         return self._publish(c, w, t, now_ns, ms)
@@ -275,16 +287,21 @@ class Analyst:
 
     def _retry_pending(self, job: str, now_ns: int) -> list[Diagnosis]:
         """Re-run the analysis of a hang trigger that found nothing (module docstring)."""
-        t, since = self.pending[job]
+        t, since, due = self.pending[job]
         if self.book.is_open(job, "hang") or now_ns - since > self.config.pending_s * SECOND:
             del self.pending[job]
             return []
+        if now_ns < due:
+            return []
+        t0 = time.perf_counter()
         at = self._trigger_clock(t, since, now_ns)
         w = self._window(job, at)
-        if w is None or self._unsettled(t, w, at, since, now_ns):
-            return []
-        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
-        if c is None:
+        c, ms = None, 0.0
+        if w is not None and not self._unsettled(t, w, at, since, now_ns):
+            c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        if c is None or w is None:
+            cost = (time.perf_counter() - t0) * 1e3  # the read included: most of a try
+            self.pending[job] = (t, since, now_ns + self._retry_gap(cost, hang=True))
             return []
         del self.pending[job]
         return self._publish(c, w, t, now_ns, ms)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 
 import numpy as np
@@ -88,10 +89,11 @@ def test_a_hang_trigger_analysed_too_early_is_retried_until_it_concludes() -> No
     assert not b.pending  # expired
 
 
-def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost() -> None:
+def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A straggler trigger fires at the onset, before enough slow steps are stored; its
     analysis finds nothing, so it stays pending and is tried again — no sooner than
-    `first_recheck_s`, and no more often than its cost over `sweep_share` — until it concludes
+    `retry_s`, and no more often than its cost over `sweep_share` — until it concludes
     (once) or `slow_pending_s` runs out."""
     from diagnosis.triggers.base import Trigger
     from tests.unit.test_diagnosis_engine import window
@@ -104,7 +106,7 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost() -> No
         seen["reads"] += kinds is None  # the analysis's reads (not the exit beats' look)
         return Window(w.topo, {}, start_ns, now_ns) if seen["early"] else w
 
-    a = Analyst(read, AnalystConfig(first_recheck_s=1, slow_pending_s=6, sweep_s=60,
+    a = Analyst(read, AnalystConfig(retry_s=1, slow_pending_s=6, sweep_s=60,
                                     min_sweep_s=60), event_clock=lambda job, t: now)
     a.last_sweep[w.topo.job_id] = now + 100 * S  # no sweep in the way
     t = Trigger(w.topo.job_id, now, "straggler", (9,), {"rule": "venustrace.expected_step"})
@@ -125,8 +127,16 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost() -> No
     b.analysis_ms.clear()
     job = w.topo.job_id
     b.pending_slow[job] = (t, now, now)  # its last try cost 0.5 s: the next in 10 s
-    b._run = lambda fn, w_, n: (None, 500.0)  # type: ignore[method-assign, assignment]
+    clock = [0.0]
+
+    def run(fn: object, w_: Window, n: int) -> tuple[None, float]:
+        clock[0] += 0.5  # the try (its read and analysis) takes 0.5 s
+        return None, 5.0
+
+    b._run = run  # type: ignore[method-assign, assignment]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     b.tick(now + S)
+    monkeypatch.undo()
     assert b.pending_slow[job][2] == now + S + 10 * S
     b.tick(now + 7 * S)
     assert job not in b.pending_slow  # expired
@@ -358,3 +368,15 @@ def test_beats_stopped_for_every_rank_are_not_stored_yet() -> None:
     assert beats_current(dict(beats, exited=np.array([0, 0, 1, 1])), 15 * S, 3 * S)
     assert not beats_current(dict(beats, exited=np.array([0, 0, 1, 0])), 15 * S, 3 * S)
     assert beats_current({}, 15 * S, 3 * S)
+
+
+def test_pending_triggers_are_tried_again_at_their_cost_and_a_hang_within_a_second() -> None:
+    """A cheap try is repeated after `retry_s`; a costly one after its cost over `sweep_share`
+    — for a hang at most `HANG_RETRY_S` later, however costly (every rank waits)."""
+    from diagnosis.analyst import HANG_RETRY_S
+
+    a = Analyst(lambda *_a, **_k: None, AnalystConfig(retry_s=0.25, sweep_share=0.05))
+    assert a._retry_gap(2.0) == S // 4  # 2 ms / 5 % = 40 ms: the floor
+    assert a._retry_gap(100.0) == 2 * S  # 100 ms / 5 %
+    assert a._retry_gap(100.0, hang=True) == int(HANG_RETRY_S * S)
+    assert a._retry_gap(2.0, hang=True) == S // 4
