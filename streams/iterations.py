@@ -54,6 +54,8 @@ STAGE_NAMES = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks"
 KIND_CODES = COMM_KIND_CODES
 OTHER_KIND = COMM_KIND_OTHER
 GRAD_OPS = ("AllReduce", "ReduceScatter")
+#: the largest `op_bytes` written: 2^62, a float64 exactly and far below int64's end
+MAX_BYTES = float(2**62)
 
 
 @dataclass(frozen=True)
@@ -257,5 +259,8 @@ def _comm_columns(rank: np.ndarray, t0: np.ndarray, t1: np.ndarray, ops: OpFrame
     out["compute_ns"] = np.maximum(t1 - t0 - exposed, 0)
     done = ops.t_end[valid] > 0
     out["ops"] = np.bincount(row[done], minlength=n).astype(np.int64)
-    out["op_bytes"] = np.bincount(row[done], ops.bytes[valid][done], minlength=n).astype(np.int64)
+    # float64 sums never wrap; clamped below 2^63 before the cast (the contract allows any
+    # int64 bytes, and a cast past int64 gives its minimum)
+    out["op_bytes"] = np.minimum(np.bincount(row[done], ops.bytes[valid][done], minlength=n),
+                                 MAX_BYTES).astype(np.int64)
     return out

@@ -292,14 +292,15 @@ async def _resume_early(db: Database, cfg: JobConfig, cut: float) -> None:
         pass
 
 
-def _dp_calls(job: str, rows: list[tuple[int, int, int]]) -> RecordBatch:
+def _dp_calls(job: str, rows: list[tuple[int, int, int]], nbytes: int = 1 << 20
+              ) -> RecordBatch:
     """Rank 0's AllReduce calls on dp:0, one per (op_seq, t_start, t_end)."""
     from ingest.batch import encode_batch
 
     return decode_batch(encode_batch("ops", job, {
         "rank": [0] * len(rows), "comm_id": ["dp:0"] * len(rows),
         "op_seq": [r[0] for r in rows], "op": ["AllReduce"] * len(rows),
-        "bytes": [1 << 20] * len(rows), "t_enqueue": [r[1] for r in rows],
+        "bytes": [nbytes] * len(rows), "t_enqueue": [r[1] for r in rows],
         "t_start": [r[1] for r in rows], "t_end": [r[2] for r in rows]}))
 
 
@@ -335,6 +336,22 @@ def test_a_call_longer_than_the_lookback_counts_in_the_window_where_it_ends(
     by_end = _progress_of(clickhouse_db, job, [_dp_calls(job, short), _dp_calls(job, done)])
     completed, _, seq = by_end[t0 + 10 * SEC]
     assert (completed, seq) == (1, 5)  # [t0+9 s, t0+10 s): the long call ends here
+
+
+def test_bytes_the_contract_allows_saturate_instead_of_wrapping(clickhouse_db: Database) -> None:
+    """Three calls of 2^62 bytes (the contract allows any int64) ending in one window: the
+    window's byte sum saturates at int64's end instead of wrapping to a negative rate."""
+    from streams.progress import per_second
+
+    job, t0 = "hugebytes", 1_700_000_150 * SEC
+    calls = [(i, t0 + i * SEC // 10, t0 + i * SEC // 10 + 1000) for i in range(3)]
+    _progress_of(clickhouse_db, job, [_dp_calls(job, calls, nbytes=1 << 62)])
+    rates = clickhouse_db.query(
+        "SELECT bytes_per_s FROM progress FINAL WHERE job_id = {j:String} AND completed_ops > 0",
+        {"j": job}).result_rows
+    width = config().progress.window_ns
+    want = int(per_second(np.array([2**63 - 1]), width)[0])
+    assert want > 0 and rates and all(int(r[0]) == want for r in rates), rates
 
 
 def test_a_call_stored_in_flight_then_completed_leaves_the_feed_when_it_completes(

@@ -214,3 +214,12 @@ def test_a_prior_step_end_makes_a_frames_first_step_exact(
     same = iteration_rows(no_stages(), frame(part), mid, hi, max_step_ns=60 * SEC,
                           preview=True, prior=stale)
     assert len(same["rank"]) == len(without["rank"])
+
+
+def test_op_bytes_the_contract_allows_saturate_instead_of_wrapping(sim_tables) -> None:
+    """Calls of 2^62 bytes (the contract allows any int64): a step's byte sum stays at 2^62
+    instead of casting past int64 to its minimum."""
+    st, ops = sim_tables["stages"], dict(sim_tables["ops"])
+    ops["bytes"] = np.full(ops["bytes"].size, 1 << 62, dtype=np.int64)
+    rows = iteration_rows(st, frame(ops), 0, 1 << 62, max_step_ns=30 * SEC)
+    assert (rows["op_bytes"] == 1 << 62).all()
