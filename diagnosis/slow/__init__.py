@@ -20,7 +20,8 @@ Suspects of one host with one (stage, component) merge into a host-level suspect
 explaining the most excess ns per step is the culprit; the stage of the next is the top-2 route.
 ARGUS L3 on the stored kernel summaries (`kernel_dist`) confirms a GPU-compute culprit. A culprit
 rank whose beats show it waiting for a CPU since the onset, more than before and more than its
-peers (`cpu`: the scheduler's counters), is its host's CPU, not its work.
+peers (`cpu`: the scheduler's counters), is its host's CPU, not its work; a rank named for its
+network path whose host-to-device copies slowed with it is its PCIe link (`pcie`).
 StageFrontier's frontier accounting (`diagnosis.rules.frontier_labels`, §3–4) runs over the
 same steps' stage vectors: its labels (direct_exposure, co_critical, telemetry_limited…) and
 stage shares go into the conclusion, and whether its blame falls on the culprit sets part of
@@ -39,7 +40,17 @@ from diagnosis.columns import codes, col, ints
 from diagnosis.conclusion import Conclusion, Suspicion
 from diagnosis.rules import frontier_labels
 from diagnosis.rules.base import Component, Finding, Kind
-from diagnosis.slow import compute, cpu, kernel_dist, launch, network, own_time, p2p, phases
+from diagnosis.slow import (
+    compute,
+    cpu,
+    kernel_dist,
+    launch,
+    network,
+    own_time,
+    p2p,
+    pcie,
+    phases,
+)
 from diagnosis.slow.context import (
     STAGE_COLS,
     Ctx,
@@ -79,8 +90,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus.sort(key=lambda s: -s.score)
     sus, explained = _explained_links(sus, cfg)
     sus += explained
-    sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]), ctx.lo_ns,
-                        ctx.step_ns)
+    sus[0] = cpu.refine(ctx.w.get("beats"), pcie.refine(ctx, sus[0]), _onset(ctx, sus[0]),
+                        ctx.lo_ns, ctx.step_ns)
     top = sus[0]
     # a rank whose scheduler counters cannot judge its CPU yet (one beat since the onset): a
     # starved CPU and slower work look alike until they can
