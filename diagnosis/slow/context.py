@@ -29,9 +29,10 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
-  - an *outlier* (`outlier`, persistent since before the window): only in a peer set of at
-    least `min_peers` units, the unit's mean is `z_peers` robust deviations above its peers'
-    means, and above the reference on at least 80 % of the steps. Two DP rings or two ranks of a
+  - an *outlier* (`outlier`, persistent since before the window): only beside at least
+    `min_peers` other units (their means' spread is the σ), the unit's mean is `z_peers`
+    robust deviations above its peers' means, and above the reference on at least 80 % of the
+    steps. Two DP rings or two ranks of a
     stage are two samples: their ratio is not evidence, and no such verdict is given;
   - `sparse` (intermittent excess: a stalled callback, a slow batch): at least three steps above
     the reference by the whole materiality floor, three times as many as the busiest peer plus
@@ -81,7 +82,7 @@ class SlowConfig:
     z_change: float = 4.0  # a change: this many robust σ of the unit's own excess noise
     z_job: float = 2.0  # and the job's median step time rose by this many standard errors
     job_noise: float = 0.5  # an excess must reach this × the job step time's robust σ
-    min_peers: int = 4  # an outlier verdict needs a peer set of this many units
+    min_peers: int = 4  # an outlier verdict needs this many other units to compare with
     z_peers: float = 5.0  # an outlier: this many robust σ above its peers' means
     absorbed_ratio: float = 2.0  # a change the job's step time hides: at least this ratio
     absorbed_z: float = 2.0  # … and this × z_change of the unit's own σ
@@ -320,8 +321,11 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     gi = np.unique(groups, return_inverse=True)[1]
     peers = np.bincount(gi[present], minlength=gi.max() + 1 if gi.size else 0)[gi]
     # -- outlier: a persistent difference, only in a peer set that can show it ---------------
-    # links (job_gate off) differ by topology (switches, NVLink or NIC): only a change counts
-    big = material & (peers >= cfg.min_peers) & job_gate
+    # links (job_gate off) differ by topology (switches, NVLink or NIC): only a change counts.
+    # The σ it is judged by is the spread of the *other* units' means: `min_peers` of them
+    # (three ranks of a 4-rank stage give a MAD of three numbers: its 2 % floor decided, and a
+    # rank sharing its core with a loader was an outlier at 6σ in a realistic control)
+    big = material & (peers - 1 >= cfg.min_peers) & job_gate
     if big.any():
         with np.errstate(all="ignore"):
             means = np.nanmean(m, axis=0)

@@ -186,7 +186,8 @@ def test_a_change_inside_the_noise_of_its_own_series_is_not_evidence() -> None:
 
 def test_two_peers_give_no_verdict_on_a_persistent_difference() -> None:
     """Two DP rings are two samples: one of them is always the slower; without a change in
-    time there is no evidence which is at fault, whatever the ratio."""
+    time there is no evidence which is at fault, whatever the ratio. An outlier needs
+    `min_peers` other units: their means' spread is the σ it is judged by."""
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     rng = np.random.default_rng(5)
     m = _noisy(rng, 40, 2)
@@ -199,6 +200,14 @@ def test_two_peers_give_no_verdict_on_a_persistent_difference() -> None:
     v6 = context.judge(_ctx(w, 40), m6, 1.2, np.zeros(6, np.int64))
     assert v6.flag.tolist() == [False, True, False, False, False, False]
     assert v6.how[1] == "outlier"
+    # a 4-rank stage: three others' means give no spread to judge by (their MAD of three
+    # numbers); four others do
+    m4 = _noisy(rng, 40, 4)
+    m4[:, 1] *= 2.5
+    assert not context.judge(_ctx(w, 40), m4, 1.2, np.zeros(4, np.int64)).flag.any()
+    m5 = _noisy(rng, 40, 5)
+    m5[:, 1] *= 2.5
+    assert context.judge(_ctx(w, 40), m5, 1.2, np.zeros(5, np.int64)).how[1] == "outlier"
     # six peers that all differ this much: the "outlier" is inside their spread
     spread = 100e6 * np.linspace(1.0, 2.6, 6)[None, :] * (1 + 0.01 * rng.standard_normal((40, 6)))
     assert not context.judge(_ctx(w, 40), spread, 1.2, np.zeros(6, np.int64)).flag.any()
@@ -211,10 +220,11 @@ def test_an_excess_below_the_jobs_own_noise_is_not_material() -> None:
     rng = np.random.default_rng(6)
     m = _noisy(rng, 40, w.grid.world)
     m[:, 1] *= 1.3  # +30 ms on every step: an outlier among its peers
+    one = np.zeros(w.grid.world, np.int64)  # every rank one peer set: 15 others
     calm = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
-    assert context.judge(_ctx(w, 40, calm), m, 1.05).flag[1]
+    assert context.judge(_ctx(w, 40, calm), m, 1.05, one).flag[1]
     stormy = np.full(40, 1e9) + rng.normal(0, 200e6, 40)  # σ 200 ms: floor 100 ms
-    assert not context.judge(_ctx(w, 40, stormy), m, 1.05).flag[1]
+    assert not context.judge(_ctx(w, 40, stormy), m, 1.05, one).flag[1]
 
 
 def test_pp_calls_get_their_microbatch_from_the_1f1b_plan() -> None:
