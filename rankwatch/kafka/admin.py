@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
@@ -25,6 +25,7 @@ _rdkafka_log = logging.getLogger("rankwatch.kafka.librdkafka")
 _rdkafka_log.addHandler(logging.NullHandler())
 _rdkafka_log.propagate = False
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def replication(brokers: int) -> tuple[int, int]:
@@ -100,6 +101,22 @@ def _wait(futures: dict[str, Any], ignore: Iterable[str]) -> list[str]:
     return done
 
 
+def _retrying(bootstrap: str, timeout: float, what: str,
+              attempt: Callable[[AdminClient], _T]) -> _T:
+    """`attempt(admin)` with a fresh client, again while its request is lost in transit
+    (`_Failed.transient`), until `timeout`; any other failure at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        admin = _admin(bootstrap)  # kept referenced: its futures fail once it is collected
+        try:
+            return attempt(admin)
+        except _Failed as e:
+            if not e.transient or time.monotonic() > deadline:
+                raise
+            log.info("%s again: %s", what, e)
+            time.sleep(0.5)
+
+
 def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], timeout: float = 30.0) -> list[str]:
     """Create the topics of `specs` that do not exist; return the names created.
 
@@ -108,34 +125,27 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], timeout: float = 3
     3 and 2 from three brokers up, so producers with acks=all keep writing and consumers keep
     reading when one broker is lost). A request lost in transit (`_TRANSIENT`) is sent again,
     with a fresh client, until `timeout`; a topic created by a lost attempt then answers
-    TOPIC_ALREADY_EXISTS, which counts as done. Returns once the broker's metadata lists them.
+    TOPIC_ALREADY_EXISTS, or is found existing, which counts as done. Returns once the
+    broker's metadata lists them.
     """
-    deadline = time.monotonic() + timeout
-    created: list[str] = []
-    attempted = False
+    tried = False
+
+    def create(admin: AdminClient) -> list[str]:
+        nonlocal tried
+        md = admin.list_topics(timeout=timeout)
+        factor, min_isr = replication(len(md.brokers))
+        new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=factor,
+                        config={**_topic_config(s), "min.insync.replicas": str(min_isr)})
+               for s in specs if s.name not in md.topics]
+        if not new:
+            return []
+        tried = True
+        return _wait(admin.create_topics(new, request_timeout=timeout), {"TOPIC_ALREADY_EXISTS"})
+
     with _admin_errors(bootstrap):
-        while True:
-            admin = _admin(bootstrap)  # kept referenced: its futures fail once it is collected
-            md = admin.list_topics(timeout=timeout)
-            existing = set(md.topics)
-            factor, min_isr = replication(len(md.brokers))
-            new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=factor,
-                            config={**_topic_config(s), "min.insync.replicas": str(min_isr)})
-                   for s in specs if s.name not in existing]
-            if not new:
-                break
-            attempted = True
-            try:
-                created += _wait(admin.create_topics(new, request_timeout=timeout),
-                                 {"TOPIC_ALREADY_EXISTS"})
-                break
-            except _Failed as e:
-                if not e.transient or time.monotonic() > deadline:
-                    raise
-                log.info("creating topics again: %s", e)
-                time.sleep(0.5)
-        if attempted:
-            _await_metadata(admin, [s.name for s in specs], timeout)
+        created = _retrying(bootstrap, timeout, "creating topics", create)
+        if tried:
+            _await_metadata(_admin(bootstrap), [s.name for s in specs], timeout)
     return created
 
 
@@ -170,19 +180,9 @@ def delete_topics(bootstrap: str, names: Iterable[str], timeout: float = 30.0) -
     """Delete topics (for test cleanup); names that do not exist are ignored. A request lost
     in transit is sent again until `timeout`, as in `ensure_topics`."""
     left = list(names)
-    deadline = time.monotonic() + timeout
-    deleted: list[str] = []
+    if not left:
+        return []
     with _admin_errors(bootstrap):
-        while left:
-            admin = _admin(bootstrap)  # kept referenced: its futures fail once it is collected
-            try:
-                deleted += _wait(admin.delete_topics(left, operation_timeout=timeout,
-                                                     request_timeout=timeout),
-                                 {"UNKNOWN_TOPIC_OR_PART"})
-                break
-            except _Failed as e:
-                if not e.transient or time.monotonic() > deadline:
-                    raise
-                log.info("deleting topics again: %s", e)
-                time.sleep(0.5)
-    return deleted
+        return _retrying(bootstrap, timeout, "deleting topics", lambda admin: _wait(
+            admin.delete_topics(left, operation_timeout=timeout, request_timeout=timeout),
+            {"UNKNOWN_TOPIC_OR_PART"}))

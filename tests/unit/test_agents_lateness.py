@@ -56,7 +56,7 @@ def test_a_handed_over_job_leaves_no_pending_trigger_behind() -> None:
     a = agents()
     for job in ("gone", "kept"):
         a.analyst.jobs.add(job)
-        a.analyst.pending[job] = (Trigger(job, 1, "hang", (3,)), 1)
+        a.analyst.pending[job] = (Trigger(job, 1, "hang", (3,)), 1, 1)
         a.analyst.pending_slow[job] = (Trigger(job, 1, "straggler", (3,)), 1, 2)
     assert {"gone", "kept"} <= a._held()
     a._forget(["gone"])
