@@ -138,8 +138,8 @@ class Analyst:
     resolved_hangs: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
     analysis_ms: list[float] = field(default_factory=list)
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
-    #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived)
-    #: job -> (hang trigger, when it came, when it is tried next)
+    #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived,
+    #: wall ns its next try is due)
     pending: dict[str, tuple[Trigger, int, int]] = field(default_factory=dict)
     #: job -> (performance trigger whose analysis found nothing yet, wall ns it arrived, wall
     #: ns its next try is due)

@@ -15,7 +15,7 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   - a *change* (`change`): the unit's excess over its peers rose, over its last `onset_steps`
     or more steps, by at least `z_change` robust standard deviations of that same excess over
     the steps before (1.4826 × MAD: the unit's own step-to-step noise), 80 % of those steps
-    above the baseline's median + 2σ (`_change`); and the job's own median step time must
+    above the baseline's median + 2σ (`own_change`); and the job's own median step time must
     have risen over the same steps by `z_job` standard errors of the median, above every
     earlier stretch of the same length (`job_change`: a slowdown is first a change of the
     job's step time, beyond the excursions the job already makes) — except for links (DP
@@ -324,7 +324,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     # links (job_gate off) differ by topology (switches, NVLink or NIC): only a change counts.
     # The σ it is judged by is the spread of the *other* units' means: `min_peers` of them
     # (three ranks of a 4-rank stage give a MAD of three numbers: its 2 % floor decided, and a
-    # rank sharing its core with a loader was an outlier at 6σ in a realistic control)
+    # rank sharing its core was an outlier at 6σ in a simulated realistic control)
     big = material & (peers - 1 >= cfg.min_peers) & job_gate
     if big.any():
         with np.errstate(all="ignore"):
@@ -359,8 +359,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             tail = (_nanmedian(np.where(newest, series, np.nan), axis=0) > base0 + floor) \
                 & (newest.sum(axis=0) >= k)
     for x in np.flatnonzero(~flag & present & tail).tolist():
-        res = (_change(ctx, m[:, x], m[:, x], None, floor, ratio_min) if few[x] else
-               _change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min))
+        res = (own_change(ctx, m[:, x], m[:, x], None, floor, ratio_min) if few[x] else
+               own_change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min))
         if res is None:
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
@@ -412,7 +412,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     return Verdict(flag, exc, ratio, z, how, since)
 
 
-def _change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
+def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
             ratio_min: float) -> tuple[float, float, float, int] | None:
     """(excess, ratio, z, steps since the onset) of a unit whose excess series `d` rose beyond
     its own noise over its newest steps; else None (the job's step time is the caller's to

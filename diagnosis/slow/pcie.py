@@ -13,10 +13,11 @@ carries and a NIC does not.
 
 The copies are a small part of a step (6 ms of 700 in the simulated 25 % PCIe link), far
 below what makes a culprit (`SlowConfig.min_share`), so the data phase is judged here against
-its own noise only (`context._change` without a materiality floor: the rank's excess over its
-stage peers rose by `z_change` σ on at least 80 % of its newest steps), and its onset must lie
-within `onset_steps` of the link's. A rank starved of CPU slows its data phase too; `cpu.refine`
-runs after this and names the CPU where the scheduler's counters show it.
+its own noise only (`context.own_change` without a materiality floor: the rank's excess over
+its stage peers rose by `z_change` σ, above its baseline's band on at least 80 % of its newest
+steps), and its onset must lie within `onset_steps` of the link's. A rank starved of CPU
+slows its data phase too; `cpu.refine` runs after this and names the CPU where the
+scheduler's counters show it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow.context import Ctx, _change, reference, stage_matrix
+from diagnosis.slow.context import Ctx, own_change, reference, stage_matrix
 
 RULE = "rankwatch.pcie.h2d_with_link"
 
@@ -46,7 +47,7 @@ def refine(ctx: Ctx, top: Suspicion) -> Suspicion:
         d = m[:, x] - ref[:, x]
     if np.isnan(d).all():
         return top
-    res = _change(ctx, d, m[:, x], ref[:, x], 0.0, ctx.cfg.min_ratio)
+    res = own_change(ctx, d, m[:, x], ref[:, x], 0.0, ctx.cfg.min_ratio)
     if res is None:
         return top
     exc, ratio, z, since = res
