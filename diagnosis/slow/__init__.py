@@ -113,6 +113,12 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
         # a count of spikes says which rank, not why: a rank starved of CPU now and then
         # spikes in the same phases as one whose work stalls
         conf = min(conf, SPARSE_CONFIDENCE)
+    if top.how == "few_peers":
+        # beside 2-3 peers a persistent difference has no spread across ranks to be judged
+        # by: the rank stands out, but which of its stages is the cause is less certain (a
+        # simulated rank 4x slower in its backward from the 7th step first showed as its
+        # forward, 1.25x from the job's start)
+        conf = min(conf, FEW_PEERS_CONFIDENCE)
     if top.whole_ring:
         # the ring is known, not which of its members slowed it: the answer names them all
         conf = min(conf, WHOLE_RING_CONFIDENCE)
@@ -147,6 +153,9 @@ CPU_UNJUDGED_CONFIDENCE = 0.65
 WHOLE_RING_CONFIDENCE = 0.6
 #: the most a conclusion says whose evidence is intermittent spikes (`context`, "sparse")
 SPARSE_CONFIDENCE = 0.75
+#: the most a conclusion says whose evidence is a persistent difference beside 2-3 peers
+#: (`context`, "few_peers")
+FEW_PEERS_CONFIDENCE = 0.75
 LINK_RULES = ("venustrace.ar_node",)
 LAUNCH_RULES = ("mycroft.table3.late_start",)
 
@@ -230,7 +239,8 @@ def confidence(top: Suspicion, second: Suspicion | None,
     second, independent comparison found the same rank."""
     sep = 1.0 if second is None else top.score / max(top.score + second.score, 1.0)
     sep = min(max((sep - 0.5) / 0.5, 0.0), 1.0)
-    z_min = {"change": cfg.z_change, "outlier": cfg.z_peers, "sparse": 2.0}.get(top.how)
+    z_min = {"change": cfg.z_change, "outlier": cfg.z_peers, "few_peers": cfg.z_peers,
+             "sparse": 2.0}.get(top.how)
     strength = 0.5 if z_min is None else min(0.5 + 0.5 * (top.z / z_min - 1.0), 1.0)
     if argus:
         strength = 1.0

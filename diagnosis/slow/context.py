@@ -29,11 +29,14 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
-  - an *outlier* (`outlier`, persistent since before the window): only beside at least
+  - an *outlier* (`outlier`, persistent since before the window): beside at least
     `min_peers` other units (their means' spread is the σ), the unit's mean is `z_peers`
     robust deviations above its peers' means, and above the reference on at least 80 % of the
-    steps. Two DP rings or two ranks of a
-    stage are two samples: their ratio is not evidence, and no such verdict is given;
+    steps; beside 2 or 3 others (too few for a spread), its median is `z_peers` of the
+    quantity's per-step noise (the peers' steps around their own medians, pooled) above theirs,
+    and it is above every one of them on at least 80 % of the steps (`few_peers`: three peers
+    say which rank, not how sure; the conclusion's confidence is capped). Two DP rings or two
+    ranks of a stage are two samples: their ratio is not evidence, and no such verdict is given;
   - `sparse` (intermittent excess: a stalled callback, a slow batch): at least three steps above
     the reference by the whole materiality floor, three times as many as the busiest peer plus
     two, the first of them inside the window; where the peers spike too (the quantity has
@@ -93,7 +96,8 @@ class SlowConfig:
 @dataclass(frozen=True)
 class Verdict:
     """Per unit: flagged, mean excess ns per step, mean ratio to the reference, strength (σ),
-    and how it was found ("change", "outlier", "sparse", "confirm", "")."""
+    and how it was found ("change", "absorbed", "outlier", "few_peers", "sparse", "confirm",
+    "")."""
 
     flag: Array
     exc: Array
@@ -338,6 +342,26 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             zx = (float(means[x]) - float(np.median(om))) / sd
             if zx >= cfg.z_peers and above[x] >= 0.8:
                 flag[x], z[x], how[x] = True, zx, "outlier"
+    # beside 2 or 3 others their means' spread cannot be measured; the unit must stand above
+    # every one of them on most steps, by `z_peers` of the quantity's own per-step noise (each
+    # peer's steps around its own median, pooled). A rank crowded off its core for the job's
+    # first second does neither (1.6σ, above all three peers on 44 % of its steps); a rank
+    # whose data wait is 80 ms against its peers' 1 ms from the job's start does both
+    few_peers = material & (peers - 1 >= 2) & (peers - 1 < cfg.min_peers) & job_gate & ~flag
+    for x in np.flatnonzero(few_peers).tolist():
+        others = np.flatnonzero((gi == gi[x]) & present)
+        others = others[others != x]
+        po = m[:, others]
+        rows = ~np.isnan(m[:, x]) & ~np.isnan(po).any(axis=1)
+        if rows.sum() < 2 * cfg.onset_steps:
+            continue
+        po, mx = po[rows], m[rows, x]
+        centre = np.median(po, axis=0)
+        sd = max(_spread((po - centre).ravel()), 0.01 * float(np.median(centre)),
+                 1e-3 * ctx.step_ns, 1.0)
+        zx = (float(np.median(mx)) - float(np.median(centre))) / sd
+        if zx >= cfg.z_peers and float(np.mean(mx > po.max(axis=1))) >= 0.8:
+            flag[x], z[x], how[x] = True, zx, "few_peers"
     # -- change: a rise of the unit's own excess, beyond its own noise -------------------------
     # a link (job_gate off) in a peer set too small: its transfer time moves with the load
     # of the few ranks it joins, and two links cannot say which one changed by themselves —

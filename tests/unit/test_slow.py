@@ -186,8 +186,8 @@ def test_a_change_inside_the_noise_of_its_own_series_is_not_evidence() -> None:
 
 def test_two_peers_give_no_verdict_on_a_persistent_difference() -> None:
     """Two DP rings are two samples: one of them is always the slower; without a change in
-    time there is no evidence which is at fault, whatever the ratio. An outlier needs
-    `min_peers` other units: their means' spread is the σ it is judged by."""
+    time there is no evidence which is at fault, whatever the ratio. An outlier is judged by
+    the spread of `min_peers` other units' means, or beside fewer by the per-step noise."""
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     rng = np.random.default_rng(5)
     m = _noisy(rng, 40, 2)
@@ -201,10 +201,16 @@ def test_two_peers_give_no_verdict_on_a_persistent_difference() -> None:
     assert v6.flag.tolist() == [False, True, False, False, False, False]
     assert v6.how[1] == "outlier"
     # a 4-rank stage: three others' means give no spread to judge by (their MAD of three
-    # numbers); four others do
+    # numbers); the per-step noise does. 15 % more in a quantity whose steps swing by 10 %
+    # is within it (the spread of three means said 7σ); 2.5x on every step is not
+    four = np.zeros(4, np.int64)
+    m4 = _noisy(rng, 40, 4, sd=0.1)
+    m4[:, 1] *= 1.15
+    assert not context.judge(_ctx(w, 40), m4, 1.05, four).flag.any()
     m4 = _noisy(rng, 40, 4)
     m4[:, 1] *= 2.5
-    assert not context.judge(_ctx(w, 40), m4, 1.2, np.zeros(4, np.int64)).flag.any()
+    v4 = context.judge(_ctx(w, 40), m4, 1.2, four)
+    assert v4.flag.tolist() == [False, True, False, False] and v4.how[1] == "few_peers"
     m5 = _noisy(rng, 40, 5)
     m5[:, 1] *= 2.5
     assert context.judge(_ctx(w, 40), m5, 1.2, np.zeros(5, np.int64)).how[1] == "outlier"
