@@ -268,7 +268,9 @@ class Analyst:
         """A hang or failure trigger is analysed once its window is complete up to the moment
         it reads (`at`), or after `settle_s` of waiting, as it is. Complete: every op the
         ranks' beats announce is stored (`window.announced_ops_stored`), and the beats
-        themselves are stored up to about `at` (`window.beats_current`). Beats and ops travel
+        themselves are stored up to about `at` on every host (`window.beats_current`: the
+        backlog of a partition without a leader arrives as a prefix of each host's batches, one
+        host ahead of another; a host that went as a whole waits `settle_s`). Beats and ops travel
         on different topics: read at a beat's time, the window may hold a rank's beat before
         its newest calls, and that rank would look as if it never made them (a simulated data
         stall was named as four waiting ranks this way). When a broker is lost, the
@@ -283,7 +285,8 @@ class Analyst:
             return False
         beats = w.get("beats")
         return not (announced_ops_stored(w.get("ops"), beats, at)
-                    and beats_current(beats, at, int(self.config.beat_gap_s * SECOND)))
+                    and beats_current(beats, at, int(self.config.beat_gap_s * SECOND),
+                                      w.grid.hosts))
 
     def _retry_pending(self, job: str, now_ns: int) -> list[Diagnosis]:
         """Re-run the analysis of a hang trigger that found nothing (module docstring)."""

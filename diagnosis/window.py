@@ -9,7 +9,7 @@ does not say), and the per-(step, rank) matrix of any per-rank quantity.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -268,24 +268,45 @@ def assign_steps(t: Array, rank: Array, st_rank: Array, st_step: Array,
     return out
 
 
-def beats_current(beats: Columns, at_ns: int, gap_ns: int) -> bool:
-    """Whether a job's beats are stored up to about `at_ns`: its newest beat at or before
-    `at_ns` is at most `gap_ns` older, or every rank that beat has ended (its last beat is an
+def beats_current(beats: Columns, at_ns: int, gap_ns: int,
+                  hosts: Sequence[str] | None = None) -> bool:
+    """Whether a job's beats are stored up to about `at_ns`: on every host (`hosts`: each
+    rank's host; without it the job is one host), the newest beat at or before `at_ns` is at
+    most `gap_ns` older, or every rank of that host that beat has ended (its last beat is an
     exit beat: nothing more is coming). Host agents beat every second while their ranks live,
-    hung or not, so a beat stream that stops for every rank at once is one the store has not
-    received yet (a partition without a leader while a broker fails over), or a job whose
-    hosts all went at once. True for a job without beats (nothing to wait for)."""
+    hung or not, so a host whose beats stop for every rank at once is one the store has not
+    received yet — a partition without a leader while a broker fails over, whose backlog then
+    arrives as a prefix of each host's batches, one host a batch or two ahead of another — or a
+    host that went as a whole (the wait is bounded by the caller). True for a job without beats
+    (nothing to wait for)."""
     if not beats or "ts" not in beats:
         return True
     ts = ints(beats, "ts")
     sel = ts <= at_ns
-    if not sel.any() or int(ts[sel].max()) >= at_ns - gap_ns:
+    if not sel.any():
+        return True
+    rank = ints(beats, "rank")[sel] if "rank" in beats else np.zeros(int(sel.sum()), np.int64)
+    ts = ts[sel]
+    if hosts is not None and len(hosts) and rank.size:
+        names = np.asarray(hosts, dtype=object)
+        ok = (rank >= 0) & (rank < names.size)
+        host = np.full(rank.size, "", dtype=object)
+        host[ok] = names[rank[ok]]
+        _, host_code = np.unique(host.astype(str), return_inverse=True)
+    else:
+        host_code = np.zeros(rank.size, dtype=np.int64)
+    newest = np.full(int(host_code.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(newest, host_code, ts)
+    behind = newest < at_ns - gap_ns
+    if not behind.any():
         return True
     if "exited" not in beats or "rank" not in beats:
         return False
-    rank, exited = ints(beats, "rank")[sel], ints(beats, "exited")[sel]
-    ended = np.unique(rank[exited != 0])
-    return bool(np.isin(np.unique(rank), ended).all())
+    exited = ints(beats, "exited")[sel]
+    ended = np.isin(rank, np.unique(rank[exited != 0]))
+    # a host is done when each of its ranks that beat has ended
+    live = np.bincount(host_code, weights=(~ended).astype(np.float64), minlength=behind.size)
+    return bool(np.all(live[behind] == 0))
 
 
 def announced_ops_stored(ops: Columns, beats: Columns, at_ns: int) -> bool:

@@ -357,8 +357,8 @@ def test_a_hang_is_analysed_once_its_window_is_complete() -> None:
 
 
 def test_beats_stopped_for_every_rank_are_not_stored_yet() -> None:
-    """Agents beat every second while their ranks live: a job whose beats all stop before the
-    moment read is behind in the store, unless every rank's last beat says it ended."""
+    """Agents beat every second while their ranks live: a host whose beats all stop before the
+    moment read is behind in the store, unless every rank's last beat there says it ended."""
     from diagnosis.window import beats_current
 
     beats = {"rank": np.array([0, 1, 0, 1]), "ts": np.array([10, 10, 11, 11]) * S,
@@ -368,6 +368,14 @@ def test_beats_stopped_for_every_rank_are_not_stored_yet() -> None:
     assert beats_current(dict(beats, exited=np.array([0, 0, 1, 1])), 15 * S, 3 * S)
     assert not beats_current(dict(beats, exited=np.array([0, 0, 1, 0])), 15 * S, 3 * S)
     assert beats_current({}, 15 * S, 3 * S)
+    # two hosts: one is current, the other's beats stopped 5 s before the moment read — a
+    # backlog arriving host by host (or that host gone): not current until it catches up
+    two = {"rank": np.array([0, 1, 2, 3, 0, 1]), "ts": np.array([10, 10, 10, 10, 14, 14]) * S,
+           "exited": np.zeros(6, np.int64)}
+    hosts = ["h0", "h0", "h1", "h1"]
+    assert beats_current(two, 15 * S, 3 * S)  # one host: its newest beat is current
+    assert not beats_current(two, 15 * S, 3 * S, hosts)
+    assert beats_current(dict(two, exited=np.array([0, 0, 1, 1, 0, 0])), 15 * S, 3 * S, hosts)
 
 
 def test_pending_triggers_are_tried_again_at_their_cost_and_a_hang_within_a_second() -> None:
