@@ -288,11 +288,12 @@ def beats_current(beats: Columns, at_ns: int, gap_ns: int,
     rank = ints(beats, "rank")[sel] if "rank" in beats else np.zeros(int(sel.sum()), np.int64)
     ts = ts[sel]
     if hosts is not None and len(hosts) and rank.size:
-        names = np.asarray(hosts, dtype=object)
-        ok = (rank >= 0) & (rank < names.size)
-        host = np.full(rank.size, "", dtype=object)
-        host[ok] = names[rank[ok]]
-        _, host_code = np.unique(host.astype(str), return_inverse=True)
+        # one code per rank from the topology's hosts (world-sized), then one lookup per beat;
+        # ranks outside the topology share code 0
+        _, of_rank = np.unique(np.asarray(hosts, dtype=str), return_inverse=True)
+        ok = (rank >= 0) & (rank < of_rank.size)
+        host_code = np.zeros(rank.size, dtype=np.int64)
+        host_code[ok] = of_rank[rank[ok]] + 1
     else:
         host_code = np.zeros(rank.size, dtype=np.int64)
     newest = np.full(int(host_code.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
