@@ -69,7 +69,8 @@ def serve_raw() -> int:
     migrate(db)
     cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
                     topics=settings.topics, max_messages=settings.writer_max_messages,
-                    within_s=settings.writer_max_seconds)
+                    within_s=settings.writer_max_seconds,
+                    latency_within_s=settings.writer_latency_seconds)
     sapp = StreamsApp(cfg, ClickHouseStore(ClickHouseWriter(db)))
 
     async def serve_sql() -> None:

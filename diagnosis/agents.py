@@ -14,6 +14,14 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   previews when a step's records are stored, and with their window (streams/derived.py);
   JobWatch counts each step once. The feed agents wait at most `FEED_WITHIN_S` to fill a
   buffer. Triggers go to `rw.triggers` (`TriggerRecord` JSON, keyed by job).
+  A job's watch needs its topology (the `jobs` table). Its feed and beats batches that come
+  first wait for it, in order, and are read as soon as it is stored (`_ready_watch`); a worker reads
+  its topics in no particular order, and a replay or a backlog can close a job's first
+  progress windows before its `jobs` record is stored — dropped, they took with them the
+  only progress a stalled rank made, and a timer never started cannot run out (a replayed
+  data stall went undiagnosed this way). At most `WAITING_BATCHES` per job, `WAITING_JOBS`
+  jobs and `WAITING_BYTES` of columns wait; beyond that the oldest are dropped and counted
+  (`waiting_dropped`).
   The progress rows also go to JobWatch as they are: Mycroft's throughput/interval straggler
   test runs on them per sampled (rank, comm) over spans of several steps
   (diagnosis/triggers/mycroft_progress.py) — the per-op test needs ≥ 3 completions per rank
@@ -44,7 +52,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections import deque
+from collections.abc import Callable, Collection
 from typing import Any, cast
 
 import faust
@@ -58,7 +67,12 @@ from diagnosis.columns import Columns, coded_column, ints
 from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch
-from diagnosis.window import Window, latest_op_rows, without_superseded_in_flight
+from diagnosis.window import (
+    Window,
+    latest_op_rows,
+    with_delivered_sends,
+    without_superseded_in_flight,
+)
 from ingest.batch import BatchError, Coded, RecordBatch, decode_batch
 from ingest.records import JobTopology
 from ingest.topics import Topics
@@ -94,6 +108,13 @@ KERNEL_WINDOW_S = 40.0
 FEED_WITHIN_S = 0.05
 #: stored beats batches the trigger may fall behind by (one per host agent and second)
 BEATS_QUEUE = 1024
+#: Batches of a job whose topology is not stored yet, kept until it is (per job; the oldest
+#: go first), and the jobs kept so (the longest waiting go first): module docstring.
+WAITING_BATCHES = 512
+WAITING_JOBS = 64
+#: ... and the bytes their columns hold, all jobs together (a 10,000-rank job's progress
+#: window is a few MB)
+WAITING_BYTES = 256 << 20
 #: how far back a takeover looks for incidents still open
 OPEN_WITHIN_NS = 86_400 * SECOND
 #: The newest version of every incident of the last day whose newest version is not resolved.
@@ -120,6 +141,11 @@ def progress_as_ops(p: Columns) -> tuple[Columns, Columns]:
     beat = ints(p, "last_beat_ts") > 0
     beats = {"rank": rank[beat], "ts": ints(p, "last_beat_ts")[beat]}
     return ops, beats
+
+
+def _nbytes(b: RecordBatch) -> int:
+    """The bytes a batch's columns hold (what a waiting batch costs)."""
+    return sum(int(np.asarray(v).nbytes) for v in b.cols.values())
 
 
 def iterations_as_steps(it: Columns) -> Columns:
@@ -163,7 +189,8 @@ def read_window(db: Database, topo: JobTopology, start_ns: int, now_ns: int,
             tables[kind] = {k.removesuffix("__ns"): coded_column(v.values, v.codes)
                             if isinstance(v, Coded) else np.asarray(v) for k, v in res.items()}
     if "ops" in tables:
-        tables["ops"] = without_superseded_in_flight(latest_op_rows(tables["ops"]), now_ns)
+        tables["ops"] = with_delivered_sends(
+            without_superseded_in_flight(latest_op_rows(tables["ops"]), now_ns), start_ns, now_ns)
     return Window(topo, tables, start_ns, now_ns)
 
 
@@ -226,6 +253,10 @@ class DiagnosisAgents:
         #: stored beats batches waiting for the trigger (`on_stored`); full: dropped, counted
         self._beats: asyncio.Queue[RecordBatch] = asyncio.Queue(maxsize=BEATS_QUEUE)
         self.beats_dropped = 0
+        #: per job without a stored topology: its batches so far, (what, batch), in order
+        self._waiting: dict[str, deque[tuple[str, RecordBatch]]] = {}
+        self._waiting_bytes = 0
+        self.waiting_dropped = 0
         app.task(self._on_beats)
 
     # -- I/O helpers -------------------------------------------------------------------------
@@ -327,7 +358,8 @@ class DiagnosisAgents:
 
     def _held(self) -> set[str]:
         a = self.analyst
-        return set(self.watches) | set(self.topos) | set(self.watermark) | a.jobs \
+        return set(self.watches) | set(self.topos) | set(self.watermark) | set(self._waiting) \
+            | a.jobs \
             | {job for job, _ in a.book.open} | set(a.pending) | set(a.pending_slow)
 
     def _forget(self, jobs: Collection[str]) -> None:
@@ -342,6 +374,8 @@ class DiagnosisAgents:
                         a.pending_slow):
             for job in [j for j in per_job if j in gone]:
                 del per_job[job]
+        for job in [j for j in self._waiting if j in gone]:
+            self._waiting_bytes -= sum(_nbytes(b) for _, b in self._waiting.pop(job))
         a.jobs -= gone
         for key in [k for k in a.book.open if k[0] in gone]:
             del a.book.open[key]
@@ -351,10 +385,9 @@ class DiagnosisAgents:
 
     # -- agents ------------------------------------------------------------------------------
 
-    async def _feed(self, stream: StreamT[Any], what: str
-                    ) -> AsyncIterator[tuple[RecordBatch, JobWatch]]:
-        """The derived feed's batches with their job's watch (bad batches logged and skipped;
-        jobs without a stored topology are skipped)."""
+    async def _feed(self, stream: StreamT[Any], what: str) -> None:
+        """Read the derived feed `what` into the job's watch (bad batches logged and skipped;
+        batches of a job without a stored topology wait for it: `_ready_watch`)."""
         async for events in cast(Stream[bytes], stream).take_events(64, FEED_WITHIN_S):
             for e in events:
                 try:
@@ -364,23 +397,67 @@ class DiagnosisAgents:
                     continue
                 if not self.ownership.owns(b.job_id):  # read during a rebalance
                     continue
-                w = await self._watch(b.job_id)
+                w = await self._ready_watch(what, b)
                 if w is not None:
-                    yield b, w
+                    await self._observe(what, b, w)
 
-    async def _on_progress(self, stream: StreamT[Any]) -> None:
-        async for b, w in self._feed(stream, "progress"):
+    async def _ready_watch(self, what: str, b: RecordBatch) -> JobWatch | None:
+        """The watch of `b`'s job, after the batches that waited for it are read; None while
+        the job's topology is not stored (`b` then waits: module docstring)."""
+        w = await self._watch(b.job_id)
+        if w is None:
+            self._wait(what, b)
+            return None
+        waited = self._waiting.pop(b.job_id, None)
+        if waited:
+            self._waiting_bytes -= sum(_nbytes(early) for _, early in waited)
+            log.info("topology of %s stored: reading the %d batch(es) that waited for it",
+                     b.job_id, len(waited))
+            for kind, early in waited:
+                await self._observe(kind, early, w)
+        return w
+
+    def _wait(self, what: str, b: RecordBatch) -> None:
+        """Keep `b` until its job's topology is stored, within the bounds (module docstring):
+        the longest-waiting job's oldest batches go first."""
+        if b.job_id not in self._waiting and len(self._waiting) >= WAITING_JOBS:
+            self._drop_waiting(next(iter(self._waiting)), all_of=True)
+        q = self._waiting.setdefault(b.job_id, deque())
+        q.append((what, b))
+        self._waiting_bytes += _nbytes(b)
+        if len(q) > WAITING_BATCHES:
+            self._drop_waiting(b.job_id)
+        while self._waiting_bytes > WAITING_BYTES and self._waiting:
+            self._drop_waiting(next(iter(self._waiting)))
+
+    def _drop_waiting(self, job: str, all_of: bool = False) -> None:
+        q = self._waiting[job]
+        for _ in range(len(q) if all_of else 1):
+            self._waiting_bytes -= _nbytes(q.popleft()[1])
+            self.waiting_dropped += 1
+        if not q:
+            del self._waiting[job]
+
+    async def _observe(self, what: str, b: RecordBatch, w: JobWatch) -> None:
+        """One batch of a job with a watch: `progress`, `iterations` or stored `beats`."""
+        if what == "progress":
             ops, beats = progress_as_ops(b.cols)
             we = ints(b.cols, "window_end")
             now = max(self.watermark.get(b.job_id, 0), int(we.max()) if we.size else 0)
             self.watermark[b.job_id] = now
             await self._publish_triggers(w.observe(now, ops=ops, beats=beats, progress=b.cols))
-
-    async def _on_iterations(self, stream: StreamT[Any]) -> None:
-        async for b, w in self._feed(stream, "iterations"):
+        elif what == "iterations":
             steps = iterations_as_steps(b.cols)
             now = self.watermark.get(b.job_id) or int(steps["t_end"].max(initial=0))
             await self._publish_triggers(w.observe(now, steps=steps))
+        else:
+            await self._publish_triggers(w.observe_beats(beat_counters(b)))
+
+    async def _on_progress(self, stream: StreamT[Any]) -> None:
+        await self._feed(stream, "progress")
+
+    async def _on_iterations(self, stream: StreamT[Any]) -> None:
+        await self._feed(stream, "iterations")
 
     def on_stored(self, kind: str, batch: RecordBatch) -> None:
         """A raw batch of an owned job is stored (streams.derived.ObservingStore's listener):
@@ -399,9 +476,9 @@ class DiagnosisAgents:
             try:
                 if not self.ownership.owns(b.job_id):
                     continue
-                w = await self._watch(b.job_id)
+                w = await self._ready_watch("beats", b)
                 if w is not None:
-                    await self._publish_triggers(w.observe_beats(beat_counters(b)))
+                    await self._observe("beats", b, w)
             except Exception:  # never stop reading beats for one bad batch or a broker blip
                 log.exception("beats trigger failed for %s", b.job_id)
 

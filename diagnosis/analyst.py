@@ -136,6 +136,9 @@ class Analyst:
     swept_at: dict[str, int] = field(default_factory=dict)
     triggers: dict[tuple[str, str], Trigger] = field(default_factory=dict)
     resolved_hangs: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
+    #: (job, incident class) -> the moment of the job's time its open incident's newest version
+    #: was read up to: its re-checks read no earlier (`_recheck`)
+    read_to: dict[tuple[str, str], int] = field(default_factory=dict)
     analysis_ms: list[float] = field(default_factory=list)
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
     #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived,
@@ -339,11 +342,15 @@ class Analyst:
         d = engine.to_diagnosis(c, w, self.triggers[(t.job_id, cls)], incident_id=iid, version=1,
                                 status="open", detected_ns=now_ns, analysis_ms=ms)
         out = self.book.conclude(d)
+        if out is not None and out.status != "resolved":
+            key = (t.job_id, cls)
+            self.read_to[key] = max(self.read_to.get(key, 0), w.now_ns)
         if out is not None and out.status == "open":
             early = self.config.recheck_s - self.config.first_recheck_s
             self.last_check[t.job_id] = now_ns - int(early * SECOND)
         if out is not None and out.status == "resolved":
             self.triggers.pop((t.job_id, cls), None)
+            self.read_to.pop((t.job_id, cls), None)
         return [out] if out is not None else []
 
     def tick(self, now_ns: int) -> list[Diagnosis]:
@@ -444,7 +451,8 @@ class Analyst:
         while their excess persists (`diagnosis.slow.context.judge`, confirm)."""
         d = self.book.current(job, "performance")
         ranks = tuple(d.culprit_ranks) if d is not None else ()
-        return lambda w, now: slow.analyze(w, now, confirm=ranks)
+        stage = d.stage if d is not None else None
+        return lambda w, now: slow.analyze(w, now, confirm=ranks, confirm_stage=stage)
 
     def _ops_sweep(self, job: str, at: int, now_ns: int) -> list[Diagnosis]:
         """A sweep of a job without stage records (diagnosis/ops_rca.py)."""
@@ -459,7 +467,15 @@ class Analyst:
         return self._publish(c, w, t, now_ns, ms)
 
     def _recheck(self, job: str, classes: list[str], now_ns: int) -> list[Diagnosis]:
-        at = self.event_clock(job, now_ns)
+        """Each open incident of `classes` analysed again, at the event clock — or, where that
+        stands before the moment the incident was concluded at, at that moment: the event clock
+        of a job that has ended stops at its progress watermark plus the feed's lateness, which
+        can lie before the evidence that opened the incident (a killed rank's exit beat, read
+        by a trigger on the beats' own clock). A re-check there finds nothing; a real job whose
+        rank was killed had its incident resolved 5 s later, and opened again when the beats'
+        silence fired another trigger."""
+        at = max([self.event_clock(job, now_ns),
+                  *(self.read_to.get((job, cls), 0) for cls in classes)])
         w = self._window(job, at)
         if w is None:
             return []
@@ -472,6 +488,7 @@ class Analyst:
                 r = self.book.clear(job, cls, now_ns)
                 if r is not None:
                     self.triggers.pop((job, cls), None)
+                    self.read_to.pop((job, cls), None)
                     if cls == "hang":
                         self.resolved_hangs[job] = (frozenset(r.culprit_ranks), now_ns)
                     out.append(r)

@@ -34,7 +34,12 @@ from diagnosis.analyst import Analyst, AnalystConfig
 from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.model import Diagnosis
 from diagnosis.triggers.watch import JobWatch, steps_from_stages
-from diagnosis.window import Window, latest_op_rows, without_superseded_in_flight
+from diagnosis.window import (
+    Window,
+    latest_op_rows,
+    with_delivered_sends,
+    without_superseded_in_flight,
+)
 from ingest.units import SECOND
 
 COMPONENT_OF_TRUTH = {"gpu": "gpu_compute", "nic": "nic_rdma", "pcie": "pcie_host",
@@ -275,7 +280,8 @@ def window_of(store: _Store, topo: Any, start_ns: int, now_ns: int,
             keep |= (t["t_end"] == 0) & (ts <= now_ns)
         tables[kind] = {c: v[keep] for c, v in t.items()}
     if "ops" in tables:  # as the worker reads it (diagnosis.agents.read_window)
-        tables["ops"] = without_superseded_in_flight(tables["ops"], now_ns)
+        tables["ops"] = with_delivered_sends(
+            without_superseded_in_flight(tables["ops"], now_ns), start_ns, now_ns)
     return Window(topo, tables, start_ns, now_ns)
 
 

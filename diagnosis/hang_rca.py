@@ -296,6 +296,8 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
     except (ValueError, IndexError):
         halt = []
     min_op = [f for f in alg2 if f.rule == "mycroft.alg2.min_op"]
+    if min_op and _catching_up(w, now_ns, stuck_ns, min_op):
+        return None  # a stall the job recovered from: `analyze_past_stall` names it
     if min_op:
         return _min_op(w, now_ns, min_op, halt, alg2)
     cycle = next((f for f in alg2 if f.rule == "mycroft.alg2.deadlock"), None)
@@ -319,6 +321,30 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
     return None
 
 
+def _catching_up(w: Window, now_ns: int, stuck_ns: int, min_op: list[Finding]) -> bool:
+    """Whether every rank the min-op findings blame is moving again after a stall of the whole
+    job (`past_stall`) that ended by `now_ns`: each completed a call since the stall's end,
+    the newest less than `stuck_ns` ago. Read in the moments after a stall ends, the ranks that
+    stalled are finishing their interrupted step while their peers still wait in the next
+    collective for them: Alg. 2 blames them all for not having reached it (a pipeline replica
+    catching up after its rank 5 recovered was named [0, 1, 4, 5], stage "fwd mb=4 pp=0", at
+    0.95 — a broker's failover had delayed the analysis past the recovery). They are late, not
+    hung; the stall is the one to name, and `analyze_past_stall` does. A rank blamed that has
+    not moved for `stuck_ns` is hung again, and a job without a recovered stall (a rank
+    looping on calls its peers never join) is judged as always."""
+    gap = past_stall(w)
+    if gap is None or gap[1] > now_ns:
+        return False
+    ops = w.get("ops")
+    t_end, rank = ints(ops, "t_end"), ints(ops, "rank")
+    blamed = distinct(np.array([r for f in min_op for r in f.culprit_ranks], dtype=np.int64))
+    # each blamed rank's newest completion since the stall's end: one pass over the ops
+    sel = (t_end >= gap[1]) & (t_end <= now_ns) & np.isin(rank, blamed)
+    newest = np.full(blamed.size, -1, dtype=np.int64)
+    np.maximum.at(newest, np.searchsorted(blamed, rank[sel]), t_end[sel])
+    return bool(np.all((newest >= 0) & (now_ns - newest < stuck_ns)))
+
+
 def _desync(w: Window, now_ns: int, stuck_ns: int, cycle: Finding, alg2: list[Finding]
             ) -> Conclusion | None:
     """A deadlock cycle where some ranks entered a collective most of its members never reach:
@@ -326,6 +352,10 @@ def _desync(w: Window, now_ns: int, stuck_ns: int, cycle: Finding, alg2: list[Fi
     that reached it; when one op holds at most half its members and less than every other op
     of the cycle, its ranks left the program order the others follow (a collective the peers
     skip, or a different communicator than theirs) — they are the cause, the rest wait for them.
+    Beside one peer (a 2-rank group) both sides hold half their members; then the side inside a
+    collective on a communicator that has never completed one is the one that left (a real
+    pipeline stage's rank entering an all-reduce on a copy of its DP group was named with its
+    whole pipeline).
     Mycroft Alg. 2 reports a cycle as a deadlock of all its ranks; the arrival shares are our
     refinement: a desync has a minority side, a true ordering deadlock (two halves issuing two
     collectives in opposite order) has none and stays a deadlock."""
@@ -346,9 +376,20 @@ def _desync(w: Window, now_ns: int, stuck_ns: int, cycle: Finding, alg2: list[Fi
         members = np.asarray(w.grid.comm_members.get(c, np.unique(ll.rank[here])), dtype=np.int64)
         arrived = np.unique(ll.rank[here][ll.op_seq[here] >= seq])
         share[(c, seq)] = np.isin(members, arrived).sum() / max(members.size, 1)
-    low = min(share, key=lambda k: share[k])
-    if share[low] > 0.5 or any(share[k] <= share[low] for k in share if k != low):
+    least = min(share.values())
+    lows = [k for k in share if share[k] == least]
+    if least > 0.5:
         return None
+    if len(lows) > 1:
+        # a tie (two 2-member groups each half arrived): the side that left the program
+        # order is the one inside a collective on a communicator that never completed one
+        done = ints(ops, "t_end")
+        finished = {str(c) for c in np.unique(col(ops, "comm_id")[(done > 0) & (done <= now_ns)])}
+        fresh = [k for k in lows if k[0] not in finished]
+        if len(fresh) != 1:
+            return None
+        lows = fresh
+    low = lows[0]
     ranks = tuple(sorted(ops_of[low]))
     c, seq = low
     row = next(i for i in np.flatnonzero(cyc) if str(ll.comm_id[i]) == c

@@ -70,6 +70,87 @@ def without_superseded_in_flight(ops: Columns, now_ns: int) -> Columns:
     return {k: np.asarray(v)[keep] for k, v in ops.items()}
 
 
+#: the most receives of a pair whose sends were posted before a window began (so are not in it)
+ALIGN_MAX = 3
+
+
+def with_delivered_sends(ops: Columns, start_ns: int, now_ns: int) -> Columns:
+    """`ops` with each Send still in flight at `now_ns` whose data its receiver took given that
+    Recv's end. The tracer sees an asynchronous send (isend) complete only at its rank's next
+    call or stage boundary (`ingest.torch.tracer`): a rank that posts one and then hangs in its
+    own compute leaves it in flight for ever, and the hang analysis took that rank for one
+    waiting inside its send rather than the one its peers wait for (a real 8-rank pipeline
+    hung in a backward was not diagnosed at all).
+
+    Sends and receives between one pair of ranks on one communicator match in order: the n-th
+    Send the window holds (posted since `start_ns`) is taken by the (n + e)-th Recv, e the
+    receives posted in the window whose sends came before it (0 but for a send crossing its
+    start). e is the smallest of 0…`ALIGN_MAX` under which no Recv ended before its Send was
+    posted; a pair none fits (clock offsets between hosts larger than a transfer) is left as
+    it is — as is a Send whose Recv has not ended. A smaller e than the true one fits only if
+    the sender ran a message ahead of its receiver through the whole window (or the receiver's
+    clock runs ahead of the sender's by more than that lead). Only the pairs
+    with a Send in flight are looked at: one sort of their sends and receives."""
+    if not ops or "peer" not in ops or "op" not in ops or not len(ops["rank"]):
+        return ops
+    t_end = ints(ops, "t_end")
+    rank, peer, t0 = ints(ops, "rank"), ints(ops, "peer", -1), ints(ops, "t_start")
+    op_names, op_code = codes(col(ops, "op", ""))
+    names = op_names.astype(str)
+    send_code, recv_code = np.flatnonzero(names == "Send"), np.flatnonzero(names == "Recv")
+    rows = np.flatnonzero(np.isin(op_code, np.r_[send_code, recv_code]) & (t0 >= start_ns)
+                          & (t0 <= now_ns) & (peer >= 0))
+    is_send = np.isin(op_code[rows], send_code)
+    todo = is_send & ((t_end[rows] == 0) | (t_end[rows] > now_ns))
+    if not todo.any():
+        return ops
+    rank, peer = rank[rows], peer[rows]
+    _, comm = codes(col(ops, "comm_id")[rows])
+    span = int(max(int(rank.max()), int(peer.max()))) + 2
+    c64 = comm.astype(np.int64)
+    # (comm, sender, receiver) of a Send, and of a Recv
+    pair = np.where(is_send, (c64 * span + (rank + 1)) * span + (peer + 1),
+                    (c64 * span + (peer + 1)) * span + (rank + 1))
+    wanted = np.unique(pair[todo])
+    mine = np.isin(pair, wanted)
+    s_rows = rows[mine & is_send]
+    r_rows = rows[mine & ~is_send]
+    if r_rows.size == 0:
+        return ops
+    pair_of = np.zeros(len(t_end), dtype=np.int64)
+    pair_of[rows] = pair
+    pair = pair_of
+    s_rows = s_rows[np.lexsort((t0[s_rows], pair[s_rows]))]
+    r_rows = r_rows[np.lexsort((t0[r_rows], pair[r_rows]))]
+    s_pair = np.searchsorted(wanted, pair[s_rows])
+    r_pair = np.searchsorted(wanted, pair[r_rows])
+    r_first = np.searchsorted(r_pair, np.arange(wanted.size), side="left")
+    r_count = np.bincount(r_pair, minlength=wanted.size)
+    s_first = np.searchsorted(s_pair, np.arange(wanted.size), side="left")
+    s_ord = np.arange(s_rows.size) - s_first[s_pair]  # n-th Send of its pair (from 0)
+    r_done = (t_end[r_rows] > 0) & (t_end[r_rows] <= now_ns)
+    shift = np.full(wanted.size, -1, dtype=np.int64)
+    for e in range(ALIGN_MAX + 1):
+        j = s_ord + e
+        has = j < r_count[s_pair]
+        rr = np.where(has, r_first[s_pair] + j, 0)
+        bad = has & r_done[rr] & (t_end[r_rows[rr]] < t0[s_rows])
+        fits = (np.bincount(s_pair[bad], minlength=wanted.size) == 0) & (shift < 0)
+        shift[fits] = e
+    j = s_ord + shift[s_pair]
+    flying = (t_end[s_rows] == 0) | (t_end[s_rows] > now_ns)
+    ok = flying & (shift[s_pair] >= 0) & (j < r_count[s_pair])
+    rr = np.where(ok, r_first[s_pair] + j, 0)
+    ok &= r_done[rr]
+    if not ok.any():
+        return ops
+    out = dict(ops)
+    end = t_end.copy()
+    end[s_rows[ok]] = t_end[r_rows[rr[ok]]]
+    out["t_end"] = end
+    return out
+
+
 @dataclass
 class Window:
     topo: JobTopology

@@ -251,7 +251,9 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
             c.lib = ensure_jars(settings, progress)
             c.start(timeout=timeout, progress=progress)
     specs = settings.topics.specs(settings.kafka_partitions)
-    created = ensure_topics(bootstrap(settings), specs)
+    # a local cluster started here has its size known: its topics wait for every node
+    created = ensure_topics(bootstrap(settings), specs,
+                            brokers=1 if settings.kafka_bootstrap else settings.kafka_brokers)
     progress(f"topics: created {len(created)} of {len(specs)}" if created
              else f"topics: all {len(specs)} present")
     if worker and workers > 1:

@@ -40,6 +40,13 @@ from streams.store import ClickHouseStore
 
 log = logging.getLogger(__name__)
 
+#: Raw kinds a diagnosis waits on — a hang's positions and silence (ops, beats), a slowdown's
+#: steps (stages) — written within `AppConfig.latency_within_s`; the bulk kinds (kernels,
+#: flows, chunks, work requests) feed windows of seconds and keep the longer batching.
+#: Faust's `take_events` flushes on a timer, not when the stream goes quiet: a batch waits for
+#: the timer's next turn, on average half its period.
+LATENCY_KINDS = frozenset({"ops", "stages", "beats"})
+
 #: Exit code when the worker stops with rows it could not store (offsets left uncommitted).
 EXIT_UNSTORED = 75
 #: Waits (s) between tries of a topology insert or a dead letter's publish while the store or
@@ -56,12 +63,19 @@ class AppConfig:
     topics: Topics
     max_messages: int = 256
     within_s: float = 0.5
+    #: the wait of `LATENCY_KINDS` (at most `within_s`)
+    latency_within_s: float = 0.1
     commit_interval_s: float = 1.0
     #: Consumer-group session timeout (heartbeats every sixth of it, at most 3 s).
     session_timeout_s: float = 60.0
     #: Plausible event times around the producer's clock (streams.raw_sink.TimeBounds); None
     #: accepts any time the contract does.
     bounds: TimeBounds | None = None
+
+    def within(self, kind: str) -> float:
+        """How long the writer of raw `kind` waits to fill a batch."""
+        return min(self.within_s, self.latency_within_s) if kind in LATENCY_KINDS \
+            else self.within_s
 
 
 class IdempotentProducer(KafkaProducer):
@@ -143,10 +157,11 @@ class StreamsApp:
         self.sinks[kind] = sink
         topic = self.app.topic(self.cfg.topics.for_kind(kind), value_serializer="raw",
                                key_serializer="raw")
+        within = self.cfg.within(kind)
 
         async def consume(stream: StreamT[Any]) -> None:
             stream_ = cast(Stream[bytes], stream)
-            async for events in stream_.take_events(self.cfg.max_messages, self.cfg.within_s):
+            async for events in stream_.take_events(self.cfg.max_messages, within):
                 msgs = [Message(e.message.topic, e.message.partition, e.message.offset,
                                 e.message.value or b"", _timestamp_ns(e.message))
                         for e in events]

@@ -52,6 +52,7 @@ from diagnosis.slow import (
     phases,
 )
 from diagnosis.slow.context import (
+    LINK_STAGES,
     STAGE_COLS,
     Ctx,
     SlowConfig,
@@ -59,6 +60,7 @@ from diagnosis.slow.context import (
     judged_steps,
     reach_start,
     stage_matrix,
+    stage_total,
 )
 from diagnosis.window import Window
 from ingest.agent.shape import infer_pipeline
@@ -70,9 +72,11 @@ ANALYSES = (compute.suspects, own_time.suspects, phases.suspects, launch.suspect
 
 
 def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
-            confirm: tuple[int, ...] = ()) -> Conclusion | None:
+            confirm: tuple[int, ...] = (), confirm_stage: str | None = None
+            ) -> Conclusion | None:
     """The slowdown conclusion over `w`, or None. `confirm`: the culprit ranks of an incident
-    already open, kept while their excess persists (module docstring of `context`)."""
+    already open, kept while their excess persists, `confirm_stage` its stage (module
+    docstring of `context`)."""
     cfg = config or SlowConfig()
     if not w.get("stages"):
         return None
@@ -81,7 +85,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
         return None
     st = w.get("stages")
     lo = int(ints(st, "t_start")[in_steps(ints(st, "step"), steps)].min())
-    ctx = Ctx(w, cfg, steps, step_ns, peer_stages(w), lo, job_step, frozenset(confirm))
+    ctx = Ctx(w, cfg, steps, step_ns, peer_stages(w), lo, job_step, frozenset(confirm),
+              confirm_stage in LINK_STAGES)
     sus: list[Suspicion] = [s for fn in ANALYSES for s in fn(ctx)]
     sus += p2p.suspects(ctx, {r for x in sus for r in x.ranks})
     sus = _merge_hosts(w, sus)
@@ -91,7 +96,7 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus, explained = _explained_links(sus, cfg)
     sus += explained
     sus[0] = cpu.refine(ctx.w.get("beats"), pcie.refine(ctx, sus[0]), _onset(ctx, sus[0]),
-                        ctx.lo_ns, ctx.step_ns)
+                        ctx.lo_ns, ctx.step_ns, _judged_end(ctx))
     top = sus[0]
     # a rank whose scheduler counters cannot judge its CPU yet (one beat since the onset): a
     # starved CPU and slower work look alike until they can
@@ -273,6 +278,13 @@ def _frontier_summary(f: frontier_labels.FrontierReport, top: Suspicion) -> str:
     agree = "agrees" if set(blamed) & set(top.ranks) else "differs"
     return (f"frontier shares {shares}; top stage {f.top1}; blame on ranks {blamed} ({agree} "
             f"with the culprit); labels {', '.join(f.labels)}")
+
+
+def _judged_end(ctx: Ctx) -> int:
+    """When the last judged step ended (its latest rank)."""
+    st = ctx.w.get("stages")
+    sel = in_steps(ints(st, "step"), ctx.steps)
+    return int(np.max((ints(st, "t_start") + stage_total(st))[sel]))
 
 
 def _onset(ctx: Ctx, top: Suspicion) -> int | None:

@@ -48,7 +48,11 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   a rank that shares its cores is descheduled now and then, a heavy tail the MAD reads as
   quiet.
 - `confirm`: units of an incident already open need only stay material on most steps
-  (hysteresis: the opening needed the evidence above, staying open needs persistence).
+  (hysteresis: the opening needed the evidence above, staying open needs persistence). A
+  link's units only for an incident that named a link: links differ by topology, so a link's
+  persistent excess is no evidence of its own — kept for an incident about the rank's
+  callbacks, a sender's link that was always 5x its like links' (a simulated job) became the
+  incident's stage.
 The strength of the evidence (`z`) feeds the conclusion's confidence.
 """
 
@@ -107,6 +111,10 @@ class Verdict:
     since: Array  # row of the first step in excess (the change's onset; 0: the whole window)
 
 
+#: the stages a link suspect names (p2p hops, DP and TP rings)
+LINK_STAGES = ("pp_p2p", "dp_allreduce", "tp_collectives")
+
+
 @dataclass
 class Ctx:
     w: Window
@@ -117,7 +125,11 @@ class Ctx:
     lo_ns: int = 0  # first start of a judged step (stages)
     job_step: Array = field(default_factory=lambda: np.zeros(0))  # job step time per step
     confirm: frozenset[int] = frozenset()  # ranks of an open incident (hysteresis)
+    #: the open incident named a link (`LINK_STAGES`): only then are its ranks' links confirmed
+    confirm_links: bool = False
     _ops_sel: Array | None = None
+    #: per-analysis results more than one analysis reads (own_time.own_times per stage)
+    memo: dict[str, Array] = field(default_factory=dict)
 
     def noise_floor(self) -> float:
         """`job_noise` × the robust σ of the job's step time over the judged steps: an excess
@@ -389,6 +401,14 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
         if few[x] and (not job_moved or _common(m, x, res[3], gi)):
+            continue
+        # beside too few like units to compare (a rank of a 2-rank pipeline stage, a link of
+        # two), a unit's only evidence is its own series: its change must hold twice the
+        # onset. A rank sharing contended cores is crowded off them for a few steps now and
+        # then, a change of its own time as real as a fault's and over in half a second (a
+        # real pipeline stage's forward 14 → 29-45 ms for 6 steps in a contended control; a
+        # healthy gloo link's transfers 2.3 → 6 ms/step for 4)
+        if peers[x] < cfg.min_peers and res[3] < 2 * k:
             continue
         hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change
         # a change the job's step time does not show is weaker evidence: it must hold twice

@@ -67,8 +67,9 @@ def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
     first[kinv] = np.arange(kinv.size)
     m = comm_matrix(ctx, step[first], ci[first], mn, cu.size)
     members = ctx.w.grid.comm_members
-    mine = np.asarray([bool(ctx.confirm & set(members.get(str(c), np.zeros(0)).tolist()))
-                       for c in cu.tolist()], dtype=bool)
+    mine = np.asarray([ctx.confirm_links and bool(
+        ctx.confirm & set(members.get(str(c), np.zeros(0)).tolist())) for c in cu.tolist()],
+        dtype=bool)
     # peers: the rings of the same pipeline stage (other stages carry other gradients)
     pp_stage = np.asarray([int(ctx.stage_of[members[str(c)][0]]) if str(c) in members and
                            members[str(c)].size else -1 for c in cu.tolist()], dtype=np.int64)

@@ -16,6 +16,18 @@ stage context managers nest in a training loop. Asynchronous calls that overlap 
 bucketed all-reduces) are taken out too: that under-counts every rank's own time alike, and the
 culprit's least, since its calls are the shortest.
 
+A pipeline is the exception: its schedule interleaves the microbatches' forwards and backwards
+(1F1B), so only their combined span — from the end of data loading, forward plus backward long —
+is where it looks; where each pass lies inside it is not known. Its point-to-point calls between
+stages are therefore given to a pass by their direction (activations go to a later stage: the
+forward's Recv from the previous stage and Send to the next; gradients the other way: the
+backward's), and taken out wherever they lie in that span. Those sends are asynchronous and the
+tracer sees them complete only at its next call or stage boundary (`ingest.torch.tracer`), so a
+call counts only until the rank's next call starts: a send posted before more compute does not
+take that compute out, while time spent inside the call (a transport slow to accept the data)
+or a blocking receive stays out. Laid end to end instead, a 4x slower backward on the last
+stage showed as a slower forward as often as not, its backward's own time as a few ms.
+
 Used for ranks without kernel records (CPU training, no CUPTI): with kernels the device time
 itself is measured (`diagnosis.slow.compute`). A rank whose forward, backward and optimizer
 are all slower by a like ratio is starved of CPU (a co-located process; "host cpu",
@@ -26,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnosis.columns import ints
+from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.conclusion import Suspicion
 from diagnosis.rules.base import Component
 from diagnosis.slow.context import Array, Ctx, in_steps, judge, matrix, stage_matrix
@@ -40,7 +52,15 @@ ALIKE_RATIO = 1.3  # fwd, bwd and optim all this much slower: CPU starvation
 
 def own_times(ctx: Ctx, name: str) -> Array:
     """float [steps, world]: the `name` stage's duration minus the union of the rank's calls'
-    intervals inside its span, per judged step (nan where there is no stage record)."""
+    intervals inside its span, per judged step (nan where there is no stage record). Computed
+    once per analysis (`ctx.memo`); callers must not change it."""
+    key = f"own_time:{name}"
+    if key not in ctx.memo:
+        ctx.memo[key] = _own_times(ctx, name)
+    return ctx.memo[key]
+
+
+def _own_times(ctx: Ctx, name: str) -> Array:
     st, ops = ctx.w.get("stages"), ctx.w.get("ops")
     world, n = ctx.w.grid.world, ctx.steps.size
     sel = in_steps(ints(st, "step"), ctx.steps) & (ints(st, "rank") < world)
@@ -61,9 +81,22 @@ def own_times(ctx: Ctx, name: str) -> Array:
         row = np.full(orank.size, -1, dtype=np.int64)
         row[ok] = table[ctx.step_index(ostep[ok]) * world + orank[ok]]
         hit = row >= 0
+        lo, hi = a[row[hit]], a[row[hit]] + dur[row[hit]]
+        flow = _pipeline_direction(ctx, ops, osel)
+        if flow is not None:  # a pipeline (module docstring)
+            forward = name == "model_fwd_loss"
+            t1 = np.where(flow != 0, np.minimum(t1, _next_call(orank, t0, t1)), t1)
+            f = flow[hit]
+            between = f != 0
+            mine = f == (1 if forward else -1)
+            combined = ints(st, "model_fwd_loss", 0)[sel] + ints(st, "model_backward", 0)[sel]
+            block_lo = ints(st, "t_start")[sel] + ints(st, "data_next_wait", 0)[sel]
+            blo, bhi = block_lo[row[hit]], block_lo[row[hit]] + combined[row[hit]]
+            lo = np.where(between, blo, lo)
+            hi = np.where(between, np.where(mine, bhi, blo), hi)
         row, t0, t1 = row[hit], t0[hit], t1[hit]
-        lo, hi = a[row], a[row] + dur[row]
-        cs, ce = np.maximum(t0, lo) - lo, np.minimum(t1, hi) - lo  # relative to the span
+        base = lo if flow is None else blo  # the row's own origin: its span or its block
+        cs, ce = np.maximum(t0, lo) - base, np.minimum(t1, hi) - base  # relative to the row
         inside = ce > cs
         busy = _union_by(row[inside], cs[inside], ce[inside], rank.size)
         # a step is complete once the rank has a stored call of a later step: the calls of
@@ -73,6 +106,35 @@ def own_times(ctx: Ctx, name: str) -> Array:
         known = step < newest[rank]
     own = np.where(known, np.maximum(dur - busy, 0.0), np.nan)
     return matrix(ctx, step, rank, own, aligned=True)
+
+
+def _pipeline_direction(ctx: Ctx, ops: Columns, osel: Array) -> Array | None:
+    """Per selected call: +1 a point-to-point call carrying activations (Send to a later stage,
+    Recv from an earlier one), -1 one carrying gradients, 0 any other; None when the job's
+    ranks form one stage (no pipeline)."""
+    if np.unique(ctx.stage_of).size < 2 or "peer" not in ops:
+        return None
+    names, code = codes(col(ops, "op"))
+    labels = names.astype(str)
+    send = np.isin(code[osel], np.flatnonzero(labels == "Send"))
+    recv = np.isin(code[osel], np.flatnonzero(labels == "Recv"))
+    rank, peer = ints(ops, "rank")[osel], ints(ops, "peer", -1)[osel]
+    world = ctx.stage_of.size
+    ok = (send | recv) & (peer >= 0) & (peer < world) & (rank >= 0) & (rank < world)
+    out = np.zeros(rank.size, dtype=np.int64)
+    me, other = ctx.stage_of[rank[ok]], ctx.stage_of[peer[ok]]
+    later = np.sign(other - me)  # +1: the peer is a later stage
+    out[ok] = np.where(send[ok], later, -later)
+    return out
+
+
+def _next_call(rank: Array, t0: Array, t1: Array) -> Array:
+    """Per call: the start of the same rank's next call (t1 itself for its last one)."""
+    order = np.lexsort((t0, rank))
+    nxt = t1.copy()
+    same = rank[order][1:] == rank[order][:-1]
+    nxt[order[:-1][same]] = t0[order][1:][same]
+    return np.asarray(np.maximum(nxt, t0))
 
 
 def _union_by(group: Array, start: Array, end: Array, n: int) -> Array:
@@ -98,7 +160,7 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     with_kernels = np.unique(ints(k, "rank")) if k else np.zeros(0, np.int64)
     verdicts = {}
     for name, short in PASSES:
-        m = own_times(ctx, name)
+        m = own_times(ctx, name).copy()
         m[:, with_kernels[with_kernels < m.shape[1]]] = np.nan  # their device time is measured
         verdicts[short] = judge(ctx, m, ctx.cfg.min_ratio)
     optim = judge(ctx, stage_matrix(ctx, "optim_step"), 1.0)

@@ -13,6 +13,7 @@ import numpy as np
 from diagnosis.columns import codes, col, ints
 from diagnosis.conclusion import Suspicion
 from diagnosis.rules.pipeline_ops import pp_call_microbatch
+from diagnosis.slow import own_time
 from diagnosis.slow.context import Array, Ctx, judge, reference
 from diagnosis.window import Window
 
@@ -21,6 +22,14 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     """PP transfers, per link (sender → receiver): the transfer time of one Send/Recv pair is
     the shorter of the two calls' times — the later poster's; the other includes waiting for
     it (the AR node's argument, VenusTrace, applied to a p2p pair) — summed per (step, link).
+    An asynchronous send seen complete late (gloo's isend, at its rank's next call) makes the
+    receive's time the shorter, and that receive holds its wait for a sender that posted late:
+    a sender whose own compute slowed shows as its link too: a link whose sender's own time
+    rose with it is no suspect (`_late_sender`), and one whose change began no earlier than a
+    rank's own slowdown is explained by it (`_explained_links`). Bounding the
+    transfer by the receive's end minus the later post would need the two hosts' clocks to
+    agree to well under a transfer time; with the simulator's ±3 ms offsets it read most
+    transfers as 0 and lost a slower NIC and PCIe link.
     Pairs: the n-th Send of a step from a to b with the n-th Recv of that step on b from a. The
     reference is the lower quartile over links of the same (sender stage, receiver stage);
     only hops between hosts are examined (a NIC carries them); thresholds as for the DP rings.
@@ -89,15 +98,16 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     ref = reference(m, groups)
     v = judge(ctx, m, ctx.cfg.net_ratio, groups, ref=ref, floor=ctx.cfg.net_abs_ns, job_gate=False,
               sparse=True,
-              confirmable=np.isin(ls, list(ctx.confirm)))
+              confirmable=np.isin(ls, list(ctx.confirm)) & ctx.confirm_links)
     flag, exc, ratio = v.flag, v.exc, v.ratio
     out = []
     hit = np.flatnonzero(flag)
     hit = hit[np.argsort(-exc[hit], kind="stable")]
     cls = ctx.stage_of[ls] * ctx.w.grid.pp + ctx.stage_of[ld]
+    own = own_time.own_times(ctx, "model_fwd_loss") + own_time.own_times(ctx, "model_backward")
     for i in hit.tolist():
         x = int(ls[i])
-        if x in named:
+        if x in named or _late_sender(own[:, x], int(v.since[i]), float(exc[i])):
             continue
         named.add(x)  # one suspect per sender: its most delayed link
         # a slower NIC slows every transfer (the typical one too); a proxy that sometimes
@@ -119,6 +129,24 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
                              + f" ({v.how[i]} {v.z[i]:.1f}σ)", float(v.z[i]), str(v.how[i]),
                              int(ctx.steps[v.since[i]])))
     return out
+
+
+def _late_sender(own: Array, since: int, excess: float) -> bool:
+    """Whether the sender's own forward + backward time (`own_time`, per judged step) rose by
+    at least half the link's excess per step since the link's onset row `since`: its receiver
+    then waits for a sender that posts late, and with an asynchronous send seen complete late
+    that wait is the pair's shorter time — the rank's compute, not its link (Mycroft §5,
+    VenusTrace §3: communication is the root cause when the ranks' own work is normal). Own
+    time trails the transfers by a step or two (a step's is known once the rank's calls of a
+    later step are stored), so the link's own verdict can come first and the rank's own
+    suspect not yet exist (a real pipeline's last stage 4x slower in its backward was named
+    for its link for a second). Unknown rows do not count."""
+    before, after = own[:since], own[since:]
+    if not np.isfinite(before).any() or not np.isfinite(after).any():
+        return False
+    with np.errstate(all="ignore"):
+        rise = float(np.nanmedian(after)) - float(np.nanmedian(before))
+    return rise >= 0.5 * excess
 
 
 def host_codes(w: Window) -> Array:

@@ -25,6 +25,25 @@ Thresholds and choices:
   outside ±α) is reported as a "regression" trigger — VenusTrace would otherwise keep comparing
   against a stale value forever;
 - one trigger per hang episode: a rank re-arms when it progresses again.
+
+Silences seen after the fact (beyond the papers, which assume the tracer's log arrives as it is
+written): the timer is judged at the newest time the feed has reached, so a silence that began
+and ended between two looks is never seen live. That happens whenever records arrive faster than
+they were made: a replayed capture, a backlog after a broker failover, a feed that closes many
+windows at once after a pause — and then whether a stall was reported depended on how the
+records happened to be sliced (the step times that arm the timer travel on another feed, and
+could come before or after the silence's windows). So every fold also measures each rank's
+silence that ended inside it — from its previous progress to the last moment the timer could
+have looked before the next one (a row of the rank that showed none, such as a beat, or the
+feed's previous look; never the next progress itself, which may lie up to a sampling interval
+after the op) — and judges it as the live timer would have: against n × T_expected if T_expected
+was known at the silence's start (in event time: the end of the step that armed it), else
+against the cold timeout. A silence that cannot be judged yet (T_expected unknown, shorter than
+the cold timeout) waits for it, at most `max_pending` of them (the longest kept, the rest
+counted in `pending_dropped`). A silence reported live, or already reported after the fact by
+the other reading of the timer (the beats' counters), is not reported again. The trigger says
+so: `after_the_fact`, with the silence's bounds; its time is the moment the live timer would
+have fired.
 """
 
 from __future__ import annotations
@@ -48,6 +67,7 @@ class HeartbeatConfig:
     min_timeout_ns: int = SECOND
     cold_timeout_ns: int = 300 * SECOND
     rebase_after: int = 5
+    max_pending: int = 256
 
 
 @dataclass
@@ -62,6 +82,15 @@ class HeartbeatState:
     last_alive_ns: Array = field(init=False)
     hung: Array = field(init=False)
     last_step: int = -1
+    #: event time from which T_expected is known (the end of the step that armed it); 0: never
+    ready_ns: int = 0
+    #: per rank: silences that start before this were reported
+    covered_ns: Array = field(init=False)
+    #: the progress feed's newest look (the `now_ns` of the last `heartbeat_trigger`)
+    look_ns: int = 0
+    #: silences ended but not judged yet (T_expected unknown): rank, start, end
+    pending: tuple[Array, Array, Array] = field(init=False)
+    pending_dropped: int = 0
 
     def __post_init__(self) -> None:
         c = self.config
@@ -69,6 +98,9 @@ class HeartbeatState:
         self.last_progress_ns = np.zeros(self.world, dtype=np.int64)
         self.last_alive_ns = np.zeros(self.world, dtype=np.int64)
         self.hung = np.zeros(self.world, dtype=bool)
+        self.covered_ns = np.zeros(self.world, dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int64)
+        self.pending = (empty, empty, empty)
 
     @property
     def timeout_ns(self) -> int:
@@ -78,22 +110,30 @@ class HeartbeatState:
 
 
 def observe_steps(state: HeartbeatState, step: Array, duration_ns: Array,
-                  now_ns: int) -> list[Trigger]:
+                  now_ns: int, end_ns: Array | None = None) -> list[Trigger]:
     """Fold completed steps into T_expected, in step order; rows may repeat a step (one row per
     rank, e.g. from `stages`): a step's time is the max over its rows (the job waits for the
-    slowest rank). Steps at or before the last one seen are ignored."""
+    slowest rank). Steps at or before the last one seen are ignored. `end_ns` (per row) dates
+    the moment T_expected became known, for the silences judged after the fact (default:
+    `now_ns`); silences waiting for it are judged here."""
     step = np.asarray(step, dtype=np.int64)
     dur = np.asarray(duration_ns, dtype=np.float64)
+    end = np.full(step.size, now_ns, dtype=np.int64) if end_ns is None \
+        else np.asarray(end_ns, dtype=np.int64)
     new = step > state.last_step
     if not new.any():
         return []
     uniq, inv = np.unique(step[new], return_inverse=True)
     per_step = np.full(uniq.size, -np.inf)
     np.maximum.at(per_step, inv, dur[new])
+    step_end = np.zeros(uniq.size, dtype=np.int64)
+    np.maximum.at(step_end, inv, end[new])
     out: list[Trigger] = []
-    for s, d in zip(uniq.tolist(), per_step.tolist(), strict=True):
+    for s, d, e in zip(uniq.tolist(), per_step.tolist(), step_end.tolist(), strict=True):
         before = float(state.expected.value)
         _, rebased = state.expected.update(d)
+        if not state.ready_ns and bool(state.expected.ready):
+            state.ready_ns = max(int(e), 1)
         if bool(rebased):
             out.append(Trigger(state.job_id, now_ns, "regression", (), {
                 "rule": "venustrace.expected_step", "step": int(s),
@@ -101,18 +141,27 @@ def observe_steps(state: HeartbeatState, step: Array, duration_ns: Array,
                 "alpha": state.config.alpha, "consecutive_steps": state.config.rebase_after,
             }))
     state.last_step = int(uniq[-1])
-    return out
+    return out + _judge_silences(state, *state.pending, extra={})
 
 
 def heartbeat_trigger(state: HeartbeatState, progress: Columns, beats: Columns,
                       now_ns: int) -> list[Trigger]:
     """Update timers from `progress` (ops rows: rank, t_enqueue, t_end) and `beats` (rank, ts),
     then report ranks silent for longer than the timeout at `now_ns` (first time per episode)."""
+    fired: list[Trigger] = []
     if progress:
         rank = ints(progress, "rank")
         ts = np.maximum(ints(progress, "t_enqueue", 0), ints(progress, "t_end", 0))
         ok = (rank >= 0) & (rank < state.world) & (ts <= now_ns)
+        lr, lt = rank[ok], ts[ok]
+        if beats:
+            br, bt = ints(beats, "rank"), ints(beats, "ts")
+            keep = (br >= 0) & (br < state.world) & (bt <= now_ns)
+            lr, lt = np.concatenate([lr, br[keep]]), np.concatenate([lt, bt[keep]])
+        fired += _silences(state, state.last_progress_ns, rank[ok], ts[ok], lr, lt,
+                           state.look_ns)
         np.maximum.at(state.last_progress_ns, rank[ok], ts[ok])
+    state.look_ns = max(state.look_ns, now_ns)
     if beats:
         rank = ints(beats, "rank")
         ts = ints(beats, "ts")
@@ -120,9 +169,92 @@ def heartbeat_trigger(state: HeartbeatState, progress: Columns, beats: Columns,
         np.maximum.at(state.last_alive_ns, rank[ok], ts[ok])
     state.last_alive_ns = np.maximum(state.last_alive_ns, state.last_progress_ns)
 
-    fired, state.hung = _timer(state, now_ns, state.last_progress_ns, state.last_alive_ns,
-                               state.hung, {})
-    return fired
+    live, state.hung = _timer(state, now_ns, state.last_progress_ns, state.last_alive_ns,
+                              state.hung, {})
+    return fired + live
+
+
+def _silences(state: HeartbeatState, last_ns: Array, rank: Array, ts: Array,
+              look_rank: Array, look_ts: Array, prev_look_ns: int,
+              extra: dict[str, object] | None = None) -> list[Trigger]:
+    """The silences that end in a fold of progress times (`rank`, `ts`) into per-rank
+    `last_ns` (module docstring, "Silences seen after the fact"), judged now or kept.
+
+    A silence is what the live timer could have seen: from a rank's previous progress to the
+    latest moment it could have looked before the next one — the previous look of the whole
+    feed (`prev_look_ns`) or a row of the rank that showed no progress (`look_rank`,
+    `look_ts`: its beats, its other rows). Never the gap between two progress rows itself: the
+    op behind the later one may have come any time after the previous look, and a gap between
+    samples would overstate the silence by up to a sampling interval."""
+    new = ts > last_ns[rank]
+    if not new.any():
+        return []
+    r = np.concatenate([rank[new], look_rank])
+    t = np.concatenate([ts[new], look_ts])
+    event = np.zeros(r.size, dtype=bool)
+    event[: int(new.sum())] = True
+    order = np.lexsort((~event, t, r))  # at equal times, the progress before the look
+    r, t, event = r[order], t[order], event[order]
+    same = np.zeros(r.size, dtype=bool)
+    same[1:] = r[1:] == r[:-1]
+    idx = np.arange(r.size)
+    # the rank's previous progress: its newest event before this row, else `last_ns`
+    prev_ev = np.maximum.accumulate(np.where(event, idx, -1))
+    prev_ev = np.concatenate([[-1], prev_ev[:-1]])
+    own = (prev_ev >= 0) & (r[np.maximum(prev_ev, 0)] == r)
+    since = np.where(own, t[np.maximum(prev_ev, 0)], last_ns[r])
+    # the latest look before this progress: the rank's previous row, or the feed's last look
+    look = np.where(same, np.concatenate([[0], t[:-1]]), 0)
+    look = np.maximum(look, np.where(prev_look_ns < t, prev_look_ns, 0))
+    quiet = event & (since > 0) & (look - since > state.config.min_timeout_ns)
+    quiet &= since >= state.covered_ns[r]
+    if not quiet.any():
+        return []
+    pr, ps, pe = state.pending
+    return _judge_silences(state, np.concatenate([pr, r[quiet]]),
+                           np.concatenate([ps, since[quiet]]),
+                           np.concatenate([pe, look[quiet]]), extra=extra or {})
+
+
+def _judge_silences(state: HeartbeatState, rank: Array, start: Array, end: Array,
+                    extra: dict[str, object]) -> list[Trigger]:
+    """Report the silences (rank, start, end) the live timer would have reported; keep those
+    that need T_expected until it is known (the longest `max_pending`)."""
+    c = state.config
+    empty = np.zeros(0, dtype=np.int64)
+    state.pending = (empty, empty, empty)
+    if rank.size == 0:
+        return []
+    rank, start, end = (np.asarray(a, dtype=np.int64) for a in (rank, start, end))
+    fresh = start >= state.covered_ns[rank]
+    rank, start, end = rank[fresh], start[fresh], end[fresh]
+    known = bool(state.expected.ready)
+    armed = known & (start >= state.ready_ns)
+    timeout = np.where(armed, state.timeout_ns, c.cold_timeout_ns)
+    fire = end - start > timeout
+    wait = ~fire & ~known
+    if wait.any():
+        keep = np.flatnonzero(wait)
+        if keep.size > c.max_pending:
+            state.pending_dropped += keep.size - c.max_pending
+            keep = keep[np.argsort(start[keep] - end[keep], kind="stable")[: c.max_pending]]
+        state.pending = (rank[keep], start[keep], end[keep])
+    if not fire.any():
+        return []
+    r, s, e, to = rank[fire], start[fire], end[fire], timeout[fire]
+    np.maximum.at(state.covered_ns, r, e)
+    first = r[s <= s.min() + c.min_timeout_ns]
+    return [Trigger(state.job_id, int((s + to).min()), "hang", tuple(sorted(set(r.tolist()))), {
+        "rule": "venustrace.heartbeat", **extra, "after_the_fact": True,
+        "timeout_ns": int(to.max()), "n": c.n,
+        "expected_step_ns": float(state.expected.value) if known else None,
+        "new_ranks": sorted(set(r.tolist()))[:64],
+        "first_silent": sorted(set(first.tolist()))[:64],
+        "live": sorted(set(r.tolist()))[:64], "silent_no_beats": [],
+        "silences": [{"rank": int(a), "start_ns": int(b), "end_ns": int(d)}
+                     for a, b, d in zip(r[:64], s[:64], e[:64], strict=True)],
+        "last_progress_ns_min": int(s.min()),
+    })]
 
 
 def _timer(state: HeartbeatState, now_ns: int, progress_ns: Array, alive_ns: Array, hung: Array,
@@ -134,6 +266,11 @@ def _timer(state: HeartbeatState, now_ns: int, progress_ns: Array, alive_ns: Arr
     fire = silent & ~hung
     if not fire.any():
         return [], silent
+    # this episode is reported: the other reading of the timer dates its start a little
+    # differently (window ends, beat times), within the timeout's floor
+    w = np.flatnonzero(fire)
+    state.covered_ns[w] = np.maximum(state.covered_ns[w],
+                                     progress_ns[w] + state.config.min_timeout_ns)
     w = np.flatnonzero(silent)
     lp = progress_ns[w]
     alive = (now_ns - alive_ns[w]) <= timeout
@@ -200,10 +337,14 @@ def beat_progress_trigger(state: HeartbeatState, bp: BeatProgress, beats: Column
     (first time per episode; a rank re-arms when it progresses again)."""
     if not beats or "last_op_seq" not in beats:
         return []
+    extra: dict[str, object] = {"progress": "op counters in the host agents' beats",
+                                "clock": "beats"}
+    quiet: list[Trigger] = []
     rank, ts, seq = ints(beats, "rank"), ints(beats, "ts"), ints(beats, "last_op_seq")
     comm = np.asarray(beats.get("comm_id", np.full(rank.size, "", dtype=object)))
     exited = ints(beats, "exited", 0) if "exited" in beats else np.zeros(rank.size, np.int64)
     ok = (rank >= 0) & (rank < bp.world) & (seq >= 0) & (exited == 0) & (comm != "")
+    clock_before = bp.clock_ns
     if ts.size:
         bp.clock_ns = max(bp.clock_ns, int(ts.max()))
         valid = (rank >= 0) & (rank < bp.world) & (exited == 0)
@@ -219,10 +360,19 @@ def beat_progress_trigger(state: HeartbeatState, bp: BeatProgress, beats: Column
         head[1:] = key[order][1:] != key[order][:-1]
         k, newest, first = key[order][head], s[order][head], t[order][head]
         flat = bp.seq.reshape(-1)
+        old_seq = flat[key].copy()
         moved = newest > flat[k]
         flat[k[moved]] = newest[moved]
-        np.maximum.at(bp.changed_ns, k[moved] // bp.seq.shape[1], first[moved])
-    fired, bp.hung = _timer(state, bp.clock_ns, bp.changed_ns, bp.beat_ns, bp.hung,
-                            {"progress": "op counters in the host agents' beats",
-                             "clock": "beats"})
-    return fired
+        who = k[moved] // bp.seq.shape[1]
+        # every beat that showed a newer count is progress (a batch may hold many beats)
+        o = np.lexsort((t, key))
+        ks, ss, ts_ = key[o], s[o], t[o]
+        before = np.concatenate([[-1], ss[:-1]])
+        before = np.where(np.concatenate([[False], ks[1:] == ks[:-1]]), before, old_seq[o])
+        step = ss > before
+        valid = (rank >= 0) & (rank < bp.world) & (exited == 0)
+        quiet = _silences(state, bp.changed_ns, ks[step] // bp.seq.shape[1], ts_[step],
+                          rank[valid], ts[valid], clock_before, extra)
+        np.maximum.at(bp.changed_ns, who, first[moved])
+    live, bp.hung = _timer(state, bp.clock_ns, bp.changed_ns, bp.beat_ns, bp.hung, extra)
+    return quiet + live

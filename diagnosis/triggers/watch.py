@@ -176,7 +176,8 @@ class JobWatch:
         done = np.asarray([k for k in sorted(self.step_ns)
                            if self.heartbeat.last_step < k < newest], dtype=np.int64)
         out = observe_steps(self.heartbeat, done,
-                            np.asarray([self.step_ns[int(k)] for k in done]), now_ns)
+                            np.asarray([self.step_ns[int(k)] for k in done]), now_ns,
+                            np.asarray([self.step_end[int(k)] for k in done], dtype=np.int64))
         keys = sorted(self.step_ns)[-self.config.series:]
         for k in [k for k in self.step_ns if k < keys[0]]:
             self.step_ns.pop(k)

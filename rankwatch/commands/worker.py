@@ -87,7 +87,8 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     writer = ClickHouseWriter(db)
     cfg = AppConfig(app_id=f"rankwatch-{settings.topic_prefix}", bootstrap=settings.bootstrap,
                     topics=settings.topics, max_messages=settings.writer_max_messages,
-                    within_s=settings.writer_max_seconds, bounds=time_bounds(settings),
+                    within_s=settings.writer_max_seconds,
+                    latency_within_s=settings.writer_latency_seconds, bounds=time_bounds(settings),
                     session_timeout_s=settings.kafka_session_timeout_s)
     topics: dict[str, Any] = {}
 

@@ -117,8 +117,14 @@ def _retrying(bootstrap: str, timeout: float, what: str,
             time.sleep(0.5)
 
 
-def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], timeout: float = 30.0) -> list[str]:
+def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], timeout: float = 30.0,
+                  brokers: int = 1) -> list[str]:
     """Create the topics of `specs` that do not exist; return the names created.
+
+    `brokers`: how many brokers the cluster is known to have (a local cluster this command
+    started); creation waits up to `timeout` for the metadata to list them, since the factor
+    follows the brokers listed and a node that answers first may not list its peers yet (a
+    3-node cluster's topics were once created with 2 replicas).
 
     Idempotent. Existing topics are left as they are (adding partitions would move keys). The
     replication factor and ``min.insync.replicas`` follow the cluster's size (`replication`:
@@ -142,6 +148,10 @@ def ensure_topics(bootstrap: str, specs: Sequence[TopicSpec], timeout: float = 3
         tried = True
         return _wait(admin.create_topics(new, request_timeout=timeout), {"TOPIC_ALREADY_EXISTS"})
 
+    deadline = time.monotonic() + timeout
+    while brokers > 1 and probe(bootstrap, timeout=2.0, brokers=brokers) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     with _admin_errors(bootstrap):
         created = _retrying(bootstrap, timeout, "creating topics", create)
         if tried:

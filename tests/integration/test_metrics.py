@@ -74,6 +74,8 @@ def test_prometheus_scrapes_the_worker(kafka: KafkaService, settings_factory: An
             # every message committed: the ops topic's lag comes back to 0
             wait_value(prom, f'rankwatch_consumer_lag_messages{{topic="{s.topics.ops}"}}', 0)
             assert query(prom, 'rankwatch_open_incidents{class="hang"}')
+            # job-m never stored a topology: its feed batches wait for it, none dropped
+            wait_value(prom, 'rankwatch_trigger_batches_dropped_total{reason="topology_wait"}', 0)
             assert query(prom, 'up{job="rankwatch"}')[0]["value"][1] == "1"
             with urllib.request.urlopen(f"{prom}/api/v1/rules", timeout=5) as r:
                 groups = json.loads(r.read())["data"]["groups"]

@@ -1,13 +1,19 @@
 """The diagnosis agents bound a job's event time by the derived feed's configured lateness, and
-drop what they hold of a job another worker owns now."""
+drop what they hold of a job another worker owns now; batches read before their job's topology
+wait for it."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import cast
 
 import faust
+import numpy as np
+import pytest
 
+import diagnosis.agents as mod
 from diagnosis.agents import DiagnosisAgents
+from ingest.batch import RecordBatch
 from ingest.topics import Topics
 from ingest.units import SECOND
 from rankwatch.commands.worker import build
@@ -62,3 +68,51 @@ def test_a_handed_over_job_leaves_no_pending_trigger_behind() -> None:
     a._forget(["gone"])
     assert "gone" not in a._held()
     assert set(a.analyst.pending) == set(a.analyst.pending_slow) == {"kept"}
+
+
+def test_batches_before_the_topology_wait_for_it_in_order_and_are_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's feed and beats batches read before its `jobs` record is stored wait for it and
+    are read first, in order, once it is; the waiting is bounded and what it drops counted."""
+    a = agents()
+    stored: set[str] = set()
+    seen: list[tuple[str, str, int]] = []
+
+    async def watch(job: str) -> object | None:
+        return object() if job in stored else None
+
+    async def observe(what: str, b: RecordBatch, w: object) -> None:
+        seen.append((what, b.job_id, int(b.cols["n"][0])))
+
+    monkeypatch.setattr(a, "_watch", watch)
+    monkeypatch.setattr(a, "_observe", observe)
+    monkeypatch.setattr(mod, "WAITING_BATCHES", 3)
+    monkeypatch.setattr(mod, "WAITING_JOBS", 2)
+
+    def batch(job: str, n: int) -> RecordBatch:
+        return RecordBatch("progress", job, "test", n, {"n": np.asarray([n])})
+
+    async def run() -> None:
+        for n, what in enumerate(["progress", "beats", "iterations", "progress"]):
+            assert await a._ready_watch(what, batch("j", n)) is None
+        assert a.waiting_dropped == 1  # 3 kept per job: the oldest went
+        stored.add("j")
+        w = await a._ready_watch("progress", batch("j", 4))
+        assert w is not None and "j" not in a._waiting
+        # three more jobs without a topology: the longest waiting is dropped whole
+        for job in ("x", "y", "z"):
+            await a._ready_watch("progress", batch(job, 0))
+            await a._ready_watch("progress", batch(job, 1))
+        assert set(a._waiting) == {"y", "z"} and a.waiting_dropped == 3
+        # and the bytes held, all jobs together: the longest waiting job's oldest go first
+        monkeypatch.setattr(mod, "WAITING_BYTES", 3 * 8)
+        await a._ready_watch("progress", batch("z", 2))
+        assert [int(b.cols["n"][0]) for _, b in a._waiting["z"]] == [0, 1, 2]
+        assert "y" not in a._waiting and a._waiting_bytes == 24 and a.waiting_dropped == 5
+
+    asyncio.run(run())
+    # the waiting batches are read in order, before the batch that found the topology (which
+    # its caller reads)
+    assert seen == [("beats", "j", 1), ("iterations", "j", 2), ("progress", "j", 3)]
+    a._forget(["z"])
+    assert a._waiting == {} and a._waiting_bytes == 0

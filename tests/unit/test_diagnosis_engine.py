@@ -233,3 +233,28 @@ def test_the_same_conclusion_rising_into_high_confidence_is_an_update() -> None:
     assert up is not None and (up.status, up.version, up.confidence) == ("updated", 2, 0.95)
     assert book.conclude(at(0.6)) is None  # a fall is not news
     assert book.conclude(at(0.9)) is None  # the published version is already high
+
+
+def test_ranks_catching_up_after_a_stall_are_not_named_for_it() -> None:
+    """Rank 5 of a TP × PP × DP job stalls 10 s in its backward and recovers. Read in the moments
+    after (an analysis a broker's failover delayed), its replica is finishing the interrupted
+    step while the other replica still waits in the gradient all-reduce for it: every rank of
+    the replica "never reached" that op. They are moving, not hung — the stall is what to name,
+    on rank 5, as recovered; and a read at any moment of the catch-up says so."""
+    from diagnosis import hang_rca
+
+    cfg = JobConfig(job_id="t", tp=2, pp=2, dp=2, steps=26, microbatches=8)
+    d = collect(Simulation(cfg, ["hang rank=5 stage=bwd mb=2 at=4s for=10s"]).batches())
+    topo = d.pop("jobs")["topology"][0]
+    full = Window(topo, d, 0, int(d["ops"]["t_end"].max()))
+    gap = hang_rca.past_stall(full)
+    assert gap is not None
+    named = set()
+    for k in range(1, 24):  # every 25 ms of the 0.6 s after the stall's end
+        at = gap[1] + k * 25_000_000
+        w = Window(topo, d, 0, at)
+        c = engine.diagnose(w, Trigger("t", at, "hang", ()), at)
+        assert c is not None, at
+        named.add((c.ranks, c.stage))
+        assert c.ranks == (5,) and "recovered" in c.labels, (k, c.ranks, c.stage, c.labels)
+    assert named == {((5,), "bwd mb=2 pp=1")}

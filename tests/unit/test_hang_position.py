@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from diagnosis import hang_rca
-from diagnosis.window import Window, without_superseded_in_flight
+from diagnosis.window import Window, with_delivered_sends, without_superseded_in_flight
 from ingest.records import Communicator, JobTopology
 from ingest.units import MILLISECOND as MS
 
@@ -159,3 +159,85 @@ def test_a_data_parallel_pass_is_microbatch_0_unless_the_rank_sends_p2p() -> Non
     p2p["rank"][-1], p2p["peer"][-1], p2p["op"][-1] = 2, 3, "Send"
     w = Window(dp_pair(), {"ops": p2p, "beats": b}, 0, 900 * MS)
     assert hang_rca._inside_stage(w, 2, 9, 900 * MS) == ("bwd pp=0", "gpu_compute")
+
+
+def _p2p_pair(sends: list[tuple[int, int]], recvs: list[tuple[int, int]]
+              ) -> dict[str, np.ndarray]:
+    """Sends of rank 0 to rank 1 and receives of rank 1 from rank 0: (t_start, t_end) in ms,
+    t_end 0 for a call in flight."""
+    rows = [(0, i, "Send", 1, a * MS, b * MS, 0) for i, (a, b) in enumerate(sends)]
+    rows += [(1, i, "Recv", 0, a * MS, b * MS, 0) for i, (a, b) in enumerate(recvs)]
+    return ops(rows)
+
+
+def _send_ends(o: dict[str, np.ndarray], start_ms: int, now_ms: int) -> list[int]:
+    got = with_delivered_sends(o, start_ms * MS, now_ms * MS)
+    return [int(t) // MS for t, op in zip(got["t_end"], got["op"], strict=True) if op == "Send"]
+
+
+def test_an_isend_in_flight_whose_receive_ended_is_delivered() -> None:
+    """The tracer sees an isend complete only at its rank's next call: a send in flight whose
+    (in-order) receive has ended was taken, and ends with it; one whose receive is still
+    waiting, or not posted, was not."""
+    sends = [(10, 12), (20, 0), (30, 0)]
+    assert _send_ends(_p2p_pair(sends, [(9, 11), (19, 21), (29, 31)]), 0, 40) == [12, 21, 31]
+    assert _send_ends(_p2p_pair(sends, [(9, 11), (19, 21), (29, 0)]), 0, 40) == [12, 21, 0]
+    assert _send_ends(_p2p_pair(sends, [(9, 11), (19, 21)]), 0, 40) == [12, 21, 0]
+    # a receive that ends after the moment analysed has not ended yet
+    assert _send_ends(_p2p_pair(sends, [(9, 11), (19, 21), (29, 31)]), 0, 30) == [12, 21, 0]
+
+
+def test_a_receive_whose_send_came_before_the_window_shifts_the_pairing() -> None:
+    """The window holds calls posted since its start: a receive posted in it may take a send
+    posted before it. Paired n-th with n-th, the send posted at 15 ms would take the receive
+    that ended at 11 ms, before it was posted; the pairing that fits no such thing pairs it
+    with the next receive, and the send posted at 25 ms has no receive that ended."""
+    o = _p2p_pair([(5, 6), (15, 0), (25, 0)], [(9, 11), (16, 17)])
+    assert _send_ends(o, 8, 40) == [6, 17, 0]
+
+
+def test_a_middle_stage_hung_after_its_isend_is_the_culprit() -> None:
+    """3 stages, 2 microbatches: rank 1 (the middle stage) sent the gradient of microbatch 0
+    with an isend its receiver (rank 0) took, then hung at the start of its next backward.
+    The tracer never saw that isend complete (no later call), so it stays in flight; read as
+    it is, rank 1 looks like a rank waiting inside a send its peer is receiving (no culprit).
+    Rank 0 waits for the gradient of microbatch 1, rank 2 for rank 1 to take its own."""
+    o = ops([
+        (0, 0, "Send", 1, 1 * MS, 2 * MS, 7), (0, 1, "Send", 1, 4 * MS, 6 * MS, 7),
+        (0, 2, "Recv", 1, 6 * MS, 13 * MS, 7), (0, 3, "Recv", 1, 14 * MS, 0, 7),
+        (1, 0, "Recv", 0, 1 * MS, 2 * MS, 7), (1, 1, "Send", 2, 3 * MS, 4 * MS, 7),
+        (1, 2, "Recv", 0, 4 * MS, 5 * MS, 7), (1, 3, "Send", 2, 6 * MS, 10 * MS, 7),
+        (1, 4, "Recv", 2, 10 * MS, 11 * MS, 7), (1, 5, "Send", 0, 12 * MS, 0, 7),
+        (2, 0, "Recv", 1, 2 * MS, 4 * MS, 7), (2, 1, "Send", 1, 8 * MS, 11 * MS, 7),
+        (2, 2, "Recv", 1, 9 * MS, 10 * MS, 7), (2, 3, "Send", 1, 12 * MS, 0, 7),
+    ])
+    now = 3000 * MS
+    topo = pipeline(pp=3, microbatches=2)
+    beats = {k: np.concatenate([beat(r, 7, "model.backward", now - 200 * MS)[k]
+                                for r in range(3)]) for k in beat(0, 0, "", 0)}
+    as_read = Window(topo, {"ops": without_superseded_in_flight(o, now), "beats": beats}, 0, now)
+    c = hang_rca.analyze(as_read, now)
+    assert c is None or c.ranks != (1,)  # the defect this guards against
+    fixed = Window(topo, {"ops": with_delivered_sends(without_superseded_in_flight(o, now), 0,
+                                                      now), "beats": beats}, 0, now)
+    c = hang_rca.analyze(fixed, now)
+    assert c is not None and c.kind == "hang" and c.ranks == (1,), c
+    assert c.stage == "bwd mb=1 pp=1", c
+
+
+def test_desync_beside_one_peer_is_the_side_on_a_never_used_communicator() -> None:
+    """A 2-rank group: rank 0 waits in the group's all-reduce #5, rank 1 sits in the first
+    all-reduce of a copy of the group that rank 0 never joins. Each side holds half its
+    members; the copy has never completed a call, the group has completed five: rank 1 left
+    the program order."""
+    topo = JobTopology(job_id="j", ts=0, world_size=2, dp=2, hosts=["h"] * 2,
+                       communicators=[Communicator(comm_id="dp", kind="dp", members=[0, 1]),
+                                      Communicator(comm_id="side", kind="dp", members=[0, 1])])
+    rows = [(r, "dp", s, (100 + 10 * s) * MS, (105 + 10 * s) * MS) for r in (0, 1)
+            for s in range(5)]
+    rows += [(0, "dp", 5, 200 * MS, 0), (1, "side", 0, 190 * MS, 0)]
+    now = 5000 * MS
+    beats = {"rank": np.arange(2), "ts": np.full(2, now - 100 * MS),
+             "comm_id": np.full(2, "dp", object), "last_op_seq": np.full(2, 5)}
+    c = hang_rca.analyze(Window(topo, {"ops": collective(rows), "beats": beats}, 0, now), now)
+    assert c is not None and c.ranks == (1,) and "collective_desync" in c.labels, c

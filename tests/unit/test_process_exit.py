@@ -122,3 +122,36 @@ def test_the_analyst_looks_for_exits_and_opens_one_incident() -> None:
         ("open", "hang", [2], "process")]
     assert out[0].rules[0] == "rankwatch.process_exit"
     assert not [d for d in a.tick(w.now_ns + 3 * S) if d.status == "open"]
+
+
+def test_an_ended_jobs_incident_is_rechecked_where_it_was_concluded() -> None:
+    """The event clock of a job that ended stops at its progress watermark plus the feed's
+    lateness, here before the exit beats. A trigger judged on the beats' clock opened the
+    incident from them; its re-checks read no earlier than that, so they find the dead rank
+    again instead of nothing: the incident stays open, not resolved and opened again."""
+    from diagnosis.triggers.base import Trigger
+
+    w = killed_rank_2()
+    reads: list[int] = []
+
+    def read(job_id: str, start_ns: int, now_ns: int,
+             kinds: Collection[str] | None = None) -> Window:
+        reads.append(now_ns)
+        cut = {"ops": "t_start", "beats": "ts"}
+        tables = {k: {c: v[w.tables[k][cut[k]] <= now_ns] for c, v in w.tables[k].items()}
+                  for k in w.tables if kinds is None or k in kinds}
+        return Window(w.topo, tables, start_ns, now_ns)
+
+    watermark = 40 * STEP + 100 * MS  # the survivors' last calls: before the exit beats
+    a = Analyst(read, event_clock=lambda job, now: watermark)
+    a.jobs.add("j")
+    t = Trigger("j", w.now_ns, "hang", (0, 1, 3), {"rule": "venustrace.heartbeat",
+                                                  "clock": "beats"})
+    opened = a.on_trigger(t, w.now_ns)
+    assert [(d.status, d.culprit_ranks, d.stage) for d in opened] == [("open", [2], "process")]
+    out = [d for k in range(1, 20) for d in a.tick(w.now_ns + k * S)]
+    assert not [d for d in out if d.status in ("resolved", "open")], \
+        [(d.status, d.version) for d in out]
+    assert reads[-1] >= w.now_ns  # the re-checks read up to the incident's own moment
+    # a lagging clock alone: the same re-checks at it find nothing (what the fix prevents)
+    assert hang_rca.analyze(read("j", 0, watermark), watermark) is None

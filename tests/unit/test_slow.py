@@ -9,11 +9,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnosis import slow
-from diagnosis.slow import context, network, own_time
+from diagnosis.slow import context, network, own_time, p2p
 from diagnosis.window import Window, assign_steps
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
@@ -519,21 +520,27 @@ def test_a_tp_group_whose_transfers_slowed_is_named_as_a_whole() -> None:
     """A TP group's collectives take longer for every member (a slower link between them): its
     transfer time — the shortest member time per op — rose beyond its own noise with the job's
     step time. Two TP groups per pipeline stage are too few to compare, so it is judged by its
-    own rise; without chunk counters nothing says which member's link it is: the whole group,
-    marked as such. With chunk counters, TP groups are left to the members' DP rings."""
-    counted, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no", steps=16)
+    own rise, held twice the onset (8 steps; 6 are not enough); without chunk counters
+    nothing says which member's link it is: the whole group, marked as such. With chunk
+    counters, TP groups are left to the members' DP rings."""
+    counted, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no", steps=20)
     w = Window(counted.topo, {k: v for k, v in counted.tables.items() if k != "chunks"},
                counted.start_ns, counted.now_ns)
     rng = np.random.default_rng(5)
-    job = np.full(16, 300e6) + rng.normal(0, 3e6, 16)
-    job[10:] += 60e6
-    slow_link = _tp_delayed(w, "tp:pp2:dp0", 10, 30_000_000)
-    sus = [s for s in network.suspects(_ctx(slow_link, 16, job, step_ns=300e6))
+    job = np.full(20, 300e6) + rng.normal(0, 3e6, 20)
+    job[12:] += 60e6
+    slow_link = _tp_delayed(w, "tp:pp2:dp0", 12, 30_000_000)
+    sus = [s for s in network.suspects(_ctx(slow_link, 20, job, step_ns=300e6))
            if s.stage == "tp_collectives"]
     assert [(s.ranks, s.component, s.whole_ring) for s in sus] == [((8, 9), "nic_rdma", True)]
-    for quiet in (w, _tp_delayed(counted, "tp:pp2:dp0", 10, 30_000_000)):
-        assert not [s for s in network.suspects(_ctx(quiet, 16, job, step_ns=300e6))
+    for quiet in (w, _tp_delayed(counted, "tp:pp2:dp0", 12, 30_000_000)):
+        assert not [s for s in network.suspects(_ctx(quiet, 20, job, step_ns=300e6))
                     if s.stage == "tp_collectives"]
+    # the same rise 6 steps old: not yet held long enough
+    early = _tp_delayed(w, "tp:pp2:dp0", 14, 30_000_000)
+    assert not [s for s in network.suspects(_ctx(early, 20, np.r_[job[:14], job[12:18]],
+                                                 step_ns=300e6))
+                if s.stage == "tp_collectives"]
 
 
 def test_a_tp_member_with_slower_compute_is_named_not_its_group() -> None:
@@ -553,3 +560,203 @@ def test_intermittent_evidence_names_the_rank_at_most_at_075() -> None:
     c = slow.analyze(w, now)
     assert c is not None and (c.kind, c.ranks, c.stage) == ("jitter", (9,), "data")
     assert "evidence_sparse" in c.labels and c.confidence == slow.SPARSE_CONFIDENCE == 0.75
+
+
+MS = 1_000_000
+Call = tuple[str, int, int, int]  # op, peer, t_start, t_end
+
+
+def _replica_step(t0: tuple[int, int], m: int, slow_bwd: float, link_delay: int,
+                  rng: np.random.Generator) -> tuple[dict[int, list[Call]], list[list[int]]]:
+    """One step of one replica of a 2-stage 1F1B pipeline (stage 0 = side 0, stage 1 = side
+    1), from each side's step start: per side its calls in order and [forward, backward,
+    all-reduce start]. Stage 0: one warm-up forward, then forward i+1 / backward i; stage 1:
+    forward i / backward i. A send is asynchronous: it completes when its receiver takes the
+    data, and its record ends at the first of its rank's later calls (or the step's
+    all-reduce) that finds it complete."""
+    hop = MS // 2
+    t = [t0[0] + MS, t0[1] + MS]  # after 1 ms of data loading
+    calls: list[list[list[int | str]]] = [[], []]  # [op, peer side, t_start, microbatch | end]
+    passes = [[0, 0, 0], [0, 0, 0]]
+    posted = [[0] * m, [0] * m]  # activations (side 0) and gradients (side 1) handed over
+    done: dict[tuple[int, int], int] = {}  # (sender side, microbatch) -> send complete
+
+    def jitter(ms: float) -> int:
+        return int(ms * MS * (1 + 0.03 * float(rng.standard_normal())))
+
+    def send(side: int, i: int, delay: int) -> None:
+        calls[side].append(["Send", 1 - side, t[side], i])
+        t[side] += delay
+        posted[side][i] = t[side] + hop
+        t[side] += 20_000
+
+    def recv(side: int, i: int) -> None:
+        done[(1 - side, i)] = max(t[side], posted[1 - side][i])
+        calls[side].append(["Recv", 1 - side, t[side], done[(1 - side, i)] + 20_000])
+        t[side] = done[(1 - side, i)] + 20_000
+
+    def forward0(i: int) -> None:
+        start = t[0]
+        t[0] += jitter(2)
+        send(0, i, link_delay)
+        passes[0][0] += t[0] - start
+
+    def backward0(i: int) -> None:
+        start = t[0]
+        recv(0, i)
+        t[0] += jitter(5)
+        passes[0][1] += t[0] - start
+
+    def both1(i: int) -> None:
+        start = t[1]
+        recv(1, i)
+        t[1] += jitter(2)
+        passes[1][0] += t[1] - start
+        start = t[1]
+        t[1] += jitter(5 * slow_bwd)
+        send(1, i, 0)
+        passes[1][1] += t[1] - start
+
+    forward0(0)
+    for i in range(m):
+        both1(i)
+        if i + 1 < m:
+            forward0(i + 1)
+        backward0(i)
+    out: dict[int, list[Call]] = {}
+    for side in (0, 1):
+        passes[side][2] = t[side]
+        looks = np.asarray([int(c[2]) for c in calls[side]] + [t[side]], dtype=np.int64)
+        out[side] = []
+        for op, peer, c0, x in calls[side]:
+            end = int(x)
+            if op == "Send":
+                seen = looks[looks >= done[(side, int(x))]]
+                end = int(seen[0]) if seen.size else t[side]
+            out[side].append((str(op), int(peer), int(c0), end))
+    return out, passes
+
+
+def _pipeline_window(slow_rank: int, factor: float, from_step: int, steps: int = 40,
+                     m: int = 4, link_delay: int = 0) -> Window:
+    """A 2-stage x 2-replica 1F1B pipeline (stage 0 on host a, stage 1 on host b), as the
+    real catalog's gloo job runs it (`_replica_step`): per microbatch a forward of 2 ms and a
+    backward of 5 ms, asynchronous sends seen complete late (a send's record spans the
+    compute after it, and a slow receiver's whole backward), blocking receives; the step ends
+    with each stage's gradient all-reduce, inside the backward stage. `slow_rank`'s backward
+    compute is `factor`x from `from_step`; with `link_delay` (ns) its sends instead hand
+    their data over that much late, inside the call (a slower wire)."""
+    from ingest.records import Communicator, JobTopology
+
+    topo = JobTopology(job_id="p", ts=0, world_size=4, pp=2, dp=2, microbatches=m,
+                       hosts=["a", "a", "b", "b"],
+                       communicators=[Communicator(comm_id="world", kind="world",
+                                                   members=[0, 1, 2, 3]),
+                                      Communicator(comm_id="dp0", kind="dp", members=[0, 1]),
+                                      Communicator(comm_id="dp1", kind="dp", members=[2, 3])])
+    stages: list[tuple[int, ...]] = []  # rank step t_start fwd bwd
+    # rank, comm, op_seq, op, peer, t_start, t_end, step
+    ops: list[tuple[int, str, int, str, int, int, int, int]] = []
+    rng = np.random.default_rng(5)
+    seq = [0] * 4
+    t_rank = [10**18] * 4
+    for s in range(steps):
+        late = s >= from_step
+        joined: dict[int, tuple[int, int, int]] = {}  # rank -> fwd, bwd, all-reduce start
+        for rep in range(2):
+            ranks = (rep, 2 + rep)  # its stage 0 and stage 1 ranks
+            calls, passes = _replica_step(
+                (t_rank[ranks[0]], t_rank[ranks[1]]), m,
+                factor if late and ranks[1] == slow_rank else 1.0,
+                link_delay if late and ranks[0] == slow_rank else 0, rng)
+            for side, r in enumerate(ranks):
+                for op, peer, c0, c1 in calls[side]:
+                    ops.append((r, "world", seq[r], op, ranks[peer], c0, c1, s))
+                    seq[r] += 1
+                joined[r] = (passes[side][0], passes[side][1], passes[side][2])
+        for stage, members in ((0, (0, 1)), (1, (2, 3))):
+            done = max(joined[r][2] for r in members) + MS
+            for r in members:
+                fwd, bwd, ar = joined[r]
+                ops.append((r, f"dp{stage}", s, "AllReduce", -1, ar, done, s))
+                stages.append((r, s, t_rank[r], fwd, bwd + done - ar))
+                t_rank[r] = done + MS  # the optimizer
+    st = np.asarray(stages, dtype=np.int64)
+    zero = np.zeros(len(stages), dtype=np.int64)
+    tables = {"stages": {"rank": st[:, 0], "step": st[:, 1], "t_start": st[:, 2],
+                         "data_next_wait": zero + MS, "model_fwd_loss": st[:, 3],
+                         "model_backward": st[:, 4], "callbacks": zero, "optim_step": zero + MS,
+                         "step_other": zero},
+              "ops": {"rank": np.asarray([o[0] for o in ops], dtype=np.int64),
+                      "comm_id": np.asarray([o[1] for o in ops], dtype=object),
+                      "op_seq": np.asarray([o[2] for o in ops], dtype=np.int64),
+                      "op": np.asarray([o[3] for o in ops], dtype=object),
+                      "bytes": np.full(len(ops), 4096, dtype=np.int64),
+                      "peer": np.asarray([o[4] for o in ops], dtype=np.int64),
+                      "stream": np.zeros(len(ops), dtype=np.int64),
+                      "t_enqueue": np.asarray([o[5] for o in ops], dtype=np.int64),
+                      "t_start": np.asarray([o[5] for o in ops], dtype=np.int64),
+                      "t_end": np.asarray([o[6] for o in ops], dtype=np.int64),
+                      "step": np.asarray([o[7] for o in ops], dtype=np.int64)}}
+    return Window(topo, tables, 10**18, max(t_rank))
+
+
+def test_a_pipeline_ranks_slower_backward_is_its_backward_not_its_forward() -> None:
+    """In a 1F1B pipeline the passes interleave and the sends are asynchronous: the last
+    stage's backward 4x slower must show in its own backward time, not its forward's; its
+    gradient link looks slower too (its receiver waits for it), and is that backward's
+    effect."""
+    w = _pipeline_window(slow_rank=3, factor=4.0, from_step=25)
+    c = slow.analyze(w, w.now_ns)
+    assert c is not None and c.ranks == (3,) and (c.stage, c.component) == (
+        "bwd pp=1", "gpu_compute"), c
+    rules = {f.rule for f in c.findings}
+    assert "rankwatch.own_time.bwd" in rules, rules
+    assert "rankwatch.own_time.fwd" not in rules, rules
+    steps, step_ns, job = context.judged_steps(w, slow.SlowConfig())
+    ctx = context.Ctx(w, slow.SlowConfig(), steps, step_ns, slow.peer_stages(w),
+                      int(np.asarray(w.get("stages")["t_start"]).min()), job, frozenset())
+    late, early = steps >= 27, steps < 24
+    own_b = own_time.own_times(ctx, "model_backward")
+    own_f = own_time.own_times(ctx, "model_fwd_loss")
+    # the backward's own time is its compute: 4 x 5 ms per step, 4x on the culprit
+    assert np.nanmedian(own_b[early]) == pytest.approx(20e6, rel=0.1)
+    assert np.nanmedian(own_b[late, 3]) == pytest.approx(80e6, rel=0.1)
+    # the forward's own time does not move with the backward
+    assert np.nanmedian(own_f[late, 3]) == pytest.approx(np.nanmedian(own_f[early, 3]), rel=0.1)
+    # its gradient link's shorter time is the receive, which waits for the late sender: a
+    # link suspect only while nothing says the sender's own work rose with it
+    assert p2p.suspects(ctx, set()) == []
+    ctx_link = context.Ctx(w, slow.SlowConfig(), steps, step_ns, slow.peer_stages(w),
+                           ctx.lo_ns, job, frozenset())
+    ctx_link.memo["own_time:model_fwd_loss"] = np.zeros_like(own_f)  # as if its work were flat
+    ctx_link.memo["own_time:model_backward"] = np.zeros_like(own_b)
+    assert [s.ranks for s in p2p.suspects(ctx_link, set())] == [(3,)]
+
+
+def test_a_pipeline_ranks_slower_sends_are_its_link() -> None:
+    """The same pipeline with rank 1's sends handing their data over 6 ms late, inside the
+    call: its link is named, not its forward (the time inside the call is not its own)."""
+    w = _pipeline_window(slow_rank=1, factor=1.0, from_step=25, link_delay=6_000_000)
+    c = slow.analyze(w, w.now_ns)
+    assert c is not None and c.ranks == (1,) and (c.stage, c.component) == (
+        "pp_p2p", "nic_rdma"), c
+    assert not {f.rule for f in c.findings} & {"rankwatch.own_time.fwd",
+                                                "rankwatch.own_time.bwd"}
+
+
+def test_a_fault_free_pipeline_has_no_conclusion() -> None:
+    w = _pipeline_window(slow_rank=-1, factor=1.0, from_step=0)
+    assert slow.analyze(w, w.now_ns) is None
+
+
+def test_a_links_lasting_excess_keeps_only_an_incident_that_named_a_link() -> None:
+    """Rank 1's sends are 6 ms late from the job's start: a lasting difference, which links
+    have by topology — no verdict. An open incident on rank 1 that named its link keeps it
+    while the excess persists; one that named another of its stages does not get the link as
+    its new stage."""
+    w = _pipeline_window(slow_rank=1, factor=1.0, from_step=0, link_delay=6_000_000)
+    assert slow.analyze(w, w.now_ns) is None
+    kept = slow.analyze(w, w.now_ns, confirm=(1,), confirm_stage="pp_p2p")
+    assert kept is not None and (kept.ranks, kept.stage) == ((1,), "pp_p2p"), kept
+    assert slow.analyze(w, w.now_ns, confirm=(1,), confirm_stage="callbacks") is None

@@ -126,3 +126,48 @@ def test_a_culprit_with_one_beat_since_the_onset_has_its_cpu_unjudged() -> None:
     assert not cpu.unjudged(no_counters, TOP, 19_800_000_000)
     host = Suspicion((1, 2), "data", "data_loader", 30e6, (), "", 9.0, "change", 40)
     assert not cpu.unjudged(b, host, 19_800_000_000)  # a host-level suspect: refine skips it
+
+
+def shares(per_interval: dict[int, np.ndarray], dt: int = S) -> dict[str, np.ndarray]:
+    """Beats every `dt` from 0 s; rank r waits per_interval[r][i] of interval i."""
+    rows: list[tuple[int, int, int]] = []
+    for r, sh in per_interval.items():
+        wait = np.concatenate([[0], np.cumsum(np.asarray(sh) * dt)]).astype(np.int64)
+        rows += [(r, i * dt, int(w)) for i, w in enumerate(wait)]
+    rank, t, w = (np.array(x) for x in zip(*rows, strict=True))
+    return {"rank": rank, "ts": t, "sched_wait_ns": w, "sched_run_ns": t - w}
+
+
+def test_the_rise_is_judged_against_the_shares_own_scatter() -> None:
+    """A real job's numbers: rank 1 shares its core with two busy processes from 10 s and waits
+    10-15 % of each second; its peers wait 3-7 %, as it did before. The rise (about 7 points)
+    is several times the scatter (~2 points): its CPU, where a ratio of 2x its peers' share
+    plus 5 % missed it by a point. The same mean rise among shares scattered 3x wider is
+    noise."""
+    rng = np.random.default_rng(7)
+
+    def job(sd: float) -> dict[str, np.ndarray]:
+        return shares({r: np.clip(np.concatenate([
+            0.05 + sd * rng.standard_normal(10),
+            (0.12 if r == 1 else 0.05) + sd * rng.standard_normal(10)]), 0, 1)
+            for r in range(4)})
+
+    small = replace(TOP, score=3e6)  # its excess: 3 ms of a 60 ms step
+    out = cpu.refine(job(0.015), small, 10 * S, step_ns=60e6)
+    assert (out.stage, out.component) == ("host cpu", "host_software")
+    assert cpu.refine(job(0.045), small, 10 * S, step_ns=60e6) == small
+
+
+def test_since_ends_with_the_judged_steps() -> None:
+    """The job's end after the judged steps: every rank runnable as it tears down, and a
+    counter that went back (a new process behind the rank) are not read as its share."""
+    per = {r: np.asarray([0.05] * 10 + [0.6 if r == 1 else 0.05] * 8 + [0.55, 0.55])
+           for r in range(4)}
+    b = shares(per)
+    b["sched_wait_ns"][(b["rank"] == 1) & (b["ts"] == 20 * S)] = 0  # a reset at the end
+    _, _, after = cpu.wait_shares(b, 10 * S, until_ns=18 * S)
+    assert np.allclose(after, [0.05, 0.6, 0.05, 0.05])
+    _, _, whole = cpu.wait_shares(b, 10 * S)
+    assert whole[0] > 0.1 and whole[1] < 0.6  # the end read in: the peers look starved too
+    out = cpu.refine(b, TOP, 10 * S, until_ns=18 * S)
+    assert out.stage == "host cpu" and "60%" in out.summary

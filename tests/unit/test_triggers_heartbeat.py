@@ -153,3 +153,76 @@ def test_the_clock_is_the_beats_own_and_rows_without_a_counter_are_not_progress(
     # a batch holding only older beats leaves the clock where it was
     beat_progress_trigger(st, bp, counted([1], 1 * S, [9]))
     assert bp.clock_ns == 6 * S
+
+
+def _stalled_windows(world: int = 2, stalled: int = 1, *, at: int = 3, stall: int = 8,
+                     until: int = 15) -> list[dict[str, np.ndarray]]:
+    """One progress row per rank and 1 s window; `stalled` makes no progress in
+    [at, at + stall) s, and every other rank waits for it in the same span."""
+    return [prog(list(range(world)) if not at <= i < at + stall else [], i * S)
+            for i in range(1, until)] + [prog([stalled], (at + stall) * S)]
+
+
+def test_a_silence_between_two_looks_is_reported_after_the_fact():
+    """A whole stall arrives before the timer looks (a replay, a backlog): the silence that
+    ended inside the fold is judged as the live timer would have judged it, once."""
+    st = HeartbeatState("j", world=2, config=HeartbeatConfig(n=2.0))
+    observe_steps(st, np.arange(3), np.full(3, S // 2), 0, end_ns=np.full(3, S // 2))
+    windows = _stalled_windows()
+    batch = {k: np.concatenate([w[k] for w in windows]) for k in windows[0]}
+    alive = [beats([0, 1], i * S) for i in range(1, 15)]  # every rank beats on, stuck or not
+    out = heartbeat_trigger(st, batch, {k: np.concatenate([b[k] for b in alive])
+                                        for k in alive[0]}, 14 * S + S // 2)
+    assert [(t.kind, t.ranks) for t in out] == [("hang", (0, 1))]
+    ev = out[0].evidence
+    assert ev["after_the_fact"] and ev["first_silent"] == [0, 1]
+    assert out[0].ts == 2 * S + st.timeout_ns  # when the live timer would have fired
+    assert ev["silences"] == [{"rank": 0, "start_ns": 2 * S, "end_ns": 10 * S},
+                              {"rank": 1, "start_ns": 2 * S, "end_ns": 10 * S}]
+    assert heartbeat_trigger(st, prog([0, 1], 15 * S), {}, 15 * S) == []  # once
+    # progress rows alone, with nothing between them, are no evidence of a silence
+    blind = HeartbeatState("j", world=2, config=HeartbeatConfig(n=2.0))
+    observe_steps(blind, np.arange(3), np.full(3, S // 2), 0, end_ns=np.full(3, S // 2))
+    assert heartbeat_trigger(blind, batch, {}, 14 * S + S // 2) == []
+
+
+def test_the_verdict_does_not_depend_on_whether_steps_or_the_stall_arrive_first():
+    """The step times that arm the timer travel on their own feed: a stall folded before
+    them waits, and is judged against the timer armed at its start."""
+    late = HeartbeatState("j", world=2)
+    fired = [t for i, w in enumerate(_stalled_windows(), start=1)
+             for t in heartbeat_trigger(late, w, {}, i * S)]
+    assert fired == [] and late.pending[0].size == 2  # T_expected unknown: not judged yet
+    out = observe_steps(late, np.arange(3), np.full(3, S // 2), 16 * S,
+                        end_ns=np.asarray([S // 2, S, 3 * S // 2]))
+    assert [(t.kind, t.ranks, t.evidence["after_the_fact"]) for t in out] == \
+        [("hang", (0, 1), True)]
+    live = HeartbeatState("j", world=2)
+    observe_steps(live, np.arange(3), np.full(3, S // 2), 0, end_ns=np.full(3, S // 2))
+    seen = [t for i, w in enumerate(_stalled_windows(), start=1)
+            for t in heartbeat_trigger(live, w, {}, i * S)]
+    assert [t.ranks for t in seen] == [(0, 1)] and "after_the_fact" not in seen[0].evidence
+
+
+def test_a_silence_before_the_timer_was_armed_is_held_to_the_cold_timeout():
+    """Start-up (model build, first data) is slow and unjudged live; after the fact too."""
+    st = HeartbeatState("j", world=1, config=HeartbeatConfig(cold_timeout_ns=60 * S))
+    for t in (S, 9 * S):  # an 8 s gap before the second step
+        assert heartbeat_trigger(st, prog([0], t), {}, t) == []
+    assert observe_steps(st, np.arange(1, 4), np.full(3, S), 12 * S,
+                         end_ns=np.asarray([9, 10, 11]) * S) == []
+    assert st.pending[0].size == 0  # judged: below the cold timeout, dropped
+
+
+def test_a_live_hang_is_not_reported_again_by_either_reading_of_the_timer():
+    st, bp = _warm(2)
+    for i in range(1, 4):
+        heartbeat_trigger(st, prog([0, 1], i * S), {}, i * S)
+        beat_progress_trigger(st, bp, counted([0, 1], i * S, [i, i]))
+    live = [t for i in range(4, 8) for t in heartbeat_trigger(st, prog([0], i * S), {}, i * S)]
+    assert [t.ranks for t in live] == [(1,)]
+    # rank 1 moves again; the beats arrive late, the whole silence in one batch
+    assert heartbeat_trigger(st, prog([0, 1], 8 * S), {}, 8 * S) == []
+    rows = [counted([0, 1], i * S, [i, 3 if i < 8 else 8]) for i in range(4, 9)]
+    b = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    assert beat_progress_trigger(st, bp, b) == []
