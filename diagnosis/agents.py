@@ -15,7 +15,8 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   JobWatch counts each step once. The feed agents wait at most `FEED_WITHIN_S` to fill a
   buffer. Triggers go to `rw.triggers` (`TriggerRecord` JSON, keyed by job).
   A job's watch needs its topology (the `jobs` table). Its feed and beats batches that come
-  first wait for it, in order, and are read as soon as it is stored (`_ready_watch`); a worker reads
+  first wait for it, in order, and are read as soon as it is stored (`_ready_watch`; the
+  timer looks for it too, `_release_waiting`, for when no later batch comes); a worker reads
   its topics in no particular order, and a replay or a backlog can close a job's first
   progress windows before its `jobs` record is stored — dropped, they took with them the
   only progress a stalled rank made, and a timer never started cannot run out (a replayed
@@ -115,6 +116,8 @@ WAITING_JOBS = 64
 #: ... and the bytes their columns hold, all jobs together (a 10,000-rank job's progress
 #: window is a few MB)
 WAITING_BYTES = 256 << 20
+#: how often the timer looks for the waiting jobs' topologies
+RELEASE_EVERY_NS = SECOND
 #: how far back a takeover looks for incidents still open
 OPEN_WITHIN_NS = 86_400 * SECOND
 #: The newest version of every incident of the last day whose newest version is not resolved.
@@ -257,6 +260,7 @@ class DiagnosisAgents:
         self._waiting: dict[str, deque[tuple[str, RecordBatch]]] = {}
         self._waiting_bytes = 0
         self.waiting_dropped = 0
+        self._release_due_ns = 0  # the next look for the waiting jobs' topologies (`_tick`)
         app.task(self._on_beats)
 
     # -- I/O helpers -------------------------------------------------------------------------
@@ -408,14 +412,32 @@ class DiagnosisAgents:
         if w is None:
             self._wait(what, b)
             return None
-        waited = self._waiting.pop(b.job_id, None)
+        await self._release(b.job_id, w)
+        return w
+
+    async def _release(self, job: str, w: JobWatch) -> None:
+        """Read the batches of `job` that waited for its topology, in order."""
+        waited = self._waiting.pop(job, None)
         if waited:
             self._waiting_bytes -= sum(_nbytes(early) for _, early in waited)
             log.info("topology of %s stored: reading the %d batch(es) that waited for it",
-                     b.job_id, len(waited))
+                     job, len(waited))
             for kind, early in waited:
                 await self._observe(kind, early, w)
-        return w
+
+    async def _release_waiting(self, now_ns: int) -> None:
+        """Release the waiting jobs whose topology is stored by now: a job's last batches may
+        all be read before its topology is stored (a replayed capture is read in seconds), and
+        then no later batch would release them. One indexed lookup per waiting job, at most
+        once a second."""
+        if not self._waiting or now_ns < self._release_due_ns:
+            return
+        self._release_due_ns = now_ns + RELEASE_EVERY_NS
+        for job in list(self._waiting):
+            if self.ownership.owns(job):
+                w = await self._watch(job)
+                if w is not None:
+                    await self._release(job, w)
 
     def _wait(self, what: str, b: RecordBatch) -> None:
         """Keep `b` until its job's topology is stored, within the bounds (module docstring):
@@ -506,6 +528,7 @@ class DiagnosisAgents:
         try:
             now = self.clock()
             await self._restore()
+            await self._release_waiting(now)
             self.analyst.jobs |= set(self.watches)
             self.analyst.jobs = {j for j in self.analyst.jobs if self.ownership.owns(j)}
             if self.lock.locked():

@@ -115,10 +115,11 @@ class Settings(BaseModel):
     #: record batch of up to ~1 MiB) or what arrived within this many seconds, whichever first.
     writer_max_messages: Annotated[int, Field(ge=1, le=100_000)] = 256
     writer_max_seconds: Annotated[float, Field(gt=0, le=60)] = 0.5
-    #: … and for the kinds a diagnosis waits on (ops, stages, beats: `streams.app.LATENCY_KINDS`)
-    #: at most this many seconds: a batch waits for the writer's timer, on average half of it
-    #: (0.5 s cost the real catalog's slowdowns 3 steps at the median). Fewer seconds, more
-    #: inserts: at most one per this many seconds per kind while records trickle in.
+    #: … and for the kinds a diagnosis waits on (ops, stages, beats, jobs:
+    #: `streams.app.LATENCY_KINDS`) at most this many seconds: a batch waits for the writer's
+    #: timer, on average half of it (0.5 s cost the real catalog's slowdowns 3 steps at the
+    #: median). Fewer seconds, more inserts: at most one per this many seconds per kind while
+    #: records trickle in.
     writer_latency_seconds: Annotated[float, Field(gt=0, le=60)] = 0.1
     worker_id: str = "worker-1"
     #: Derived streams (streams/derived.py): event-time windows close at max event time seen

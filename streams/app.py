@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 #: steps (stages) — written within `AppConfig.latency_within_s`; the bulk kinds (kernels,
 #: flows, chunks, work requests) feed windows of seconds and keep the longer batching.
 #: Faust's `take_events` flushes on a timer, not when the stream goes quiet: a batch waits for
-#: the timer's next turn, on average half its period.
-LATENCY_KINDS = frozenset({"ops", "stages", "beats"})
+#: the timer's next turn, on average half its period. A job's topology (`jobs`, a few records
+#: per job) is waited on too: the trigger agents read nothing of a job before it is stored.
+LATENCY_KINDS = frozenset({"ops", "stages", "beats", "jobs"})
 
 #: Exit code when the worker stops with rows it could not store (offsets left uncommitted).
 EXIT_UNSTORED = 75
@@ -179,7 +180,8 @@ class StreamsApp:
         topic = self.app.topic(self.cfg.topics.jobs, value_serializer="raw", key_serializer="raw")
 
         async def consume(stream: StreamT[Any]) -> None:
-            async for events in cast(Stream[bytes], stream).take_events(64, self.cfg.within_s):
+            within = self.cfg.within("jobs")
+            async for events in cast(Stream[bytes], stream).take_events(64, within):
                 topos: list[tuple[Any, Any]] = []
                 dead: list[DeadLetter] = []
                 for e in events:

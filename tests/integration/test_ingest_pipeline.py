@@ -67,6 +67,18 @@ class Pipeline:
             time.sleep(0.2)
         return got
 
+    def why_not(self, job: str) -> str:
+        """What a failed wait leaves to read: the job's stored rows and the worker's own lines
+        (triggers, diagnoses, warnings), for a failure seen only in CI."""
+        counts = {t: self.count(t, f"job_id = '{job}'")
+                  for t in ("jobs", "ops", "beats", "stages", "progress", "iterations",
+                            "diagnoses")}
+        log = stack.worker_daemon(self.settings).log_file
+        text = log.read_text(errors="replace") if log.exists() else ""
+        mine = [ln for ln in text.splitlines()
+                if "diagnosis." in ln or " WARNING " in ln or " ERROR " in ln]
+        return f"rows of {job}: {counts}; worker log ({log}):\n" + "\n".join(mine[-60:])
+
     def publisher(self) -> BatchPublisher:
         return BatchPublisher(self.settings.bootstrap, self.settings.topics)
 
@@ -319,7 +331,8 @@ def test_a_real_gpu_stall_is_diagnosed_by_the_worker(pipeline: Pipeline, tmp_pat
                          timeout=120)
     assert out.returncode == 0, out.stderr
     where = "job_id = 'gpu-stall' AND kind = 'hang'"
-    assert pipeline.wait_count("diagnoses", 1, where, timeout=90) >= 1
+    assert pipeline.wait_count("diagnoses", 1, where, timeout=90) >= 1, \
+        pipeline.why_not("gpu-stall")
     first = pipeline.sql(f"SELECT culprit_ranks, stage, component FROM diagnoses WHERE {where} "
                          "ORDER BY detected_ns, version LIMIT 1")
     assert first == "[1]\tdata\tdata_loader", first

@@ -116,3 +116,41 @@ def test_batches_before_the_topology_wait_for_it_in_order_and_are_bounded(
     assert seen == [("beats", "j", 1), ("iterations", "j", 2), ("progress", "j", 3)]
     a._forget(["z"])
     assert a._waiting == {} and a._waiting_bytes == 0
+
+
+def test_the_timer_releases_a_job_whose_last_batch_came_before_its_topology(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch of a replayed job may be read before its topology is stored; no later batch
+    then finds the topology, so the timer looks for it — at most once a second — and reads
+    the waiting batches in order."""
+    a = agents()
+    stored: set[str] = set()
+    seen: list[int] = []
+    looks: list[str] = []
+
+    async def watch(job: str) -> object | None:
+        looks.append(job)
+        return object() if job in stored else None
+
+    async def observe(what: str, b: RecordBatch, w: object) -> None:
+        seen.append(int(b.cols["n"][0]))
+
+    monkeypatch.setattr(a, "_watch", watch)
+    monkeypatch.setattr(a, "_observe", observe)
+
+    async def run() -> None:
+        for n in range(3):
+            await a._ready_watch("progress", RecordBatch("progress", "j", "test", n,
+                                                         {"n": np.asarray([n])}))
+        looks.clear()
+        await a._release_waiting(10 * SECOND)  # not stored yet: still waiting
+        assert looks == ["j"] and seen == [] and "j" in a._waiting
+        stored.add("j")
+        await a._release_waiting(10 * SECOND + SECOND // 2)  # looked half a second ago
+        assert looks == ["j"] and seen == []
+        await a._release_waiting(11 * SECOND)
+        assert seen == [0, 1, 2] and a._waiting == {} and a._waiting_bytes == 0
+        await a._release_waiting(12 * SECOND)  # nothing waits: no look
+        assert looks == ["j", "j"]
+
+    asyncio.run(run())

@@ -108,16 +108,16 @@ def test_a_topology_the_store_refuses_is_not_retried(sapp: StreamsApp) -> None:
 
 
 def test_the_kinds_a_diagnosis_waits_on_are_written_sooner() -> None:
-    """Ops, stages and beats wait `latency_within_s` for a batch, the bulk kinds `within_s`;
-    a latency wait longer than `within_s` does not lengthen theirs."""
+    """Ops, stages, beats and topologies wait `latency_within_s` for a batch, the bulk kinds
+    `within_s`; a latency wait longer than `within_s` does not lengthen theirs."""
     from ingest.records import KINDS
     from streams.app import LATENCY_KINDS
 
     assert LATENCY_KINDS.issubset(KINDS)
     cfg = AppConfig("rankwatch-test-within", "127.0.0.1:9", Topics(), within_s=0.5,
                     latency_within_s=0.1)
-    assert {k: cfg.within(k) for k in ("ops", "stages", "beats", "kernels", "flows")} == \
-        {"ops": 0.1, "stages": 0.1, "beats": 0.1, "kernels": 0.5, "flows": 0.5}
+    assert {k: cfg.within(k) for k in ("ops", "stages", "beats", "jobs", "kernels", "flows")} \
+        == {"ops": 0.1, "stages": 0.1, "beats": 0.1, "jobs": 0.1, "kernels": 0.5, "flows": 0.5}
     slow = AppConfig("rankwatch-test-within", "127.0.0.1:9", Topics(), within_s=0.2,
                      latency_within_s=1.0)
     assert slow.within("stages") == 0.2
