@@ -424,6 +424,11 @@ class Runner:
                     b"rings ->" not in (cdir / "agent.log").read_bytes():
                 time.sleep(0.1)
             res.agent_start_cpu_s = _cpu_s(agent.pid)
+            if agent.poll() is not None:  # nothing would reach the worker: not a miss
+                res.error = f"the agent exited at start (exit {agent.returncode}; see agent.log)"
+                res.error += f" [{cdir}]"
+                score(res, [])
+                return res
         # busy until their parent (this process) is gone, however it ends
         hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True)
                 for _ in range(case.contention)]
@@ -570,6 +575,13 @@ def run_catalog(cases: Sequence[Case], say: Say, home: Path | None = None,
 
     if provision.torch_site() is None:
         raise RuntimeError(f"no CPU torch for the training processes: {provision.last_error}")
+    if any(c.traced for c in cases):
+        from ingest import ring
+        try:  # without it every traced case runs untraced and scores as missed
+            ring.load_library()
+        except ring.RingLibraryMissing as e:
+            raise RuntimeError(f"the tracer cannot attach: {e} (`make build` builds "
+                               "everything)") from None
     results: list[CaseResult] = []
     with tempfile.TemporaryDirectory(prefix="rankwatch-real-") as tmp:
         base = home or Path(tmp)

@@ -3,6 +3,8 @@ diagnoses against a job's truth (bench.real; the end-to-end run is tests/e2e/tes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.real import catalog
@@ -153,3 +155,21 @@ def test_steps_after_rebuilds_end_times_from_durations() -> None:
     # three 100 ms steps back to back ending at ONSET + 250 ms: ends at -50, +50, +150... +250
     run = {"step_ns": [100_000_000] * 3, "end_ns": ONSET + 250_000_000}
     assert steps_after(run, ONSET) == [50.0, 150.0, 250.0]
+
+
+def test_a_catalog_the_tracer_cannot_attach_to_is_refused(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without the ring library every traced case would train untraced and score as missed:
+    the run is refused before any stack starts, saying what to build."""
+    from bench.real import harness
+    from ingest import ring
+    from ingest.torch import provision
+
+    def missing(*_a: object) -> None:
+        raise ring.RingLibraryMissing("native/build/librankwatch_ring.so not found")
+
+    monkeypatch.setattr(provision, "torch_site", lambda: tmp_path)
+    monkeypatch.setattr(ring, "load_library", missing)
+    monkeypatch.setattr(harness, "Runner", None)  # a stack started would fail on calling it
+    with pytest.raises(RuntimeError, match=r"tracer cannot attach.*make build"):
+        harness.run_catalog(catalog.select("", quick=True), lambda m: None, home=tmp_path)
