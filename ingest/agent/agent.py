@@ -16,9 +16,9 @@ Loop (one thread; `run` until stopped):
    its own beats); a rank whose producer is found dead gets one last row, `exited` 1;
    publish the job topology when a rank's sidecar changed;
 4. hand the columns to the outbox (outbox.py): one encoded batch per (job, kind) when it holds
-   `max_rows` rows or is `linger_s` old, published through `BatchPublisher` (idempotent, zstd,
-   linger), with a bounded spill for what the broker does not take (outage), retried first,
-   dropped oldest-first and counted.
+   `max_rows` rows or is `linger_s` old (`latency_linger_s` for `LATENCY_KINDS`), published
+   through `BatchPublisher` (idempotent, zstd, linger), with a bounded spill for what the
+   broker does not take (outage), retried first, dropped oldest-first and counted.
 
 A ring whose producer is dead is drained (skipping slots it reserved but never committed), its
 open ops are published in flight, and the ring is unlinked. `stats()` reports lag and drop
@@ -66,6 +66,10 @@ class AgentConfig:
     idle_after_s: float = 2.0  # no record for this long: the host is idle ...
     idle_poll_s: float = 0.25  # ... and the loop looks this often (beats stay on time)
     linger_s: float = 0.25
+    #: ... and the kinds a diagnosis waits on: a step's stage record (the step trigger needs two
+    #: slow steps, the analysis four, each delayed by the wait) and the beats (a hang's
+    #: silence); a few small batches a second per job
+    latency_linger_s: float = 0.05
     max_rows: int = 65_536
     beat_s: float = 1.0
     inflight_s: float = 2.0
@@ -97,6 +101,9 @@ class Counters:
 
 
 #: kind in the ring -> (contract kind, columns builder)
+#: Kinds published after `AgentConfig.latency_linger_s` rather than `linger_s`.
+LATENCY_KINDS = ("stages", "beats")
+
 _SIMPLE: dict[str, tuple[str, Callable[..., decode.Cols]]] = {
     "kernel": ("kernels", decode.kernel_columns),
     "flow": ("flows", decode.flow_columns),
@@ -111,7 +118,9 @@ class Agent:
         self.cfg = cfg
         self.rings: dict[str, RankRing] = {}
         self.out = Outbox(publisher, cfg.producer, linger_s=cfg.linger_s,
-                          max_rows=cfg.max_rows, spill_bytes=cfg.spill_bytes)
+                          max_rows=cfg.max_rows, spill_bytes=cfg.spill_bytes,
+                          lingers={k: min(cfg.linger_s, cfg.latency_linger_s)
+                                   for k in LATENCY_KINDS})
         self._append = self.out.append
         self.counters = Counters()
         self._dtypes = ring.record_dtypes()

@@ -1,7 +1,8 @@
 """The agent's way out: per-(job, kind) column buffers → encoded batches → Kafka, with a spill.
 
 - `append` adds a drain's columns to the (job, kind) buffer; a buffer becomes one record batch
-  when it holds `max_rows` rows or is `linger_s` old (`flush`). String columns are
+  when it holds `max_rows` rows or is `linger_s` old (`lingers` per kind: `flush`). String
+  columns are
   dictionary-encoded with `np.unique` (no Python loop over rows).
 - A batch goes to the publisher (`BatchPublisher`: idempotent, zstd, linger). One the client
   will not queue now, or whose delivery fails (broker down past ``message.timeout.ms``), goes into
@@ -47,10 +48,12 @@ class Delivery:
 
 class Outbox:
     def __init__(self, publisher: Publisher, producer: str, *, linger_s: float, max_rows: int,
-                 spill_bytes: int) -> None:
+                 spill_bytes: int, lingers: dict[str, float] | None = None) -> None:
         self.pub = publisher
         self.producer = producer
         self.linger_s, self.max_rows = linger_s, max_rows
+        #: per kind, a linger other than `linger_s` (the kinds a diagnosis waits on)
+        self.lingers = dict(lingers or {})
         self.buffers: dict[tuple[str, str], tuple[list[Cols], int, float]] = {}
         self.spill = Spill(spill_bytes)
         self.counters = Delivery()
@@ -70,7 +73,7 @@ class Outbox:
         """Encode and send every buffer that is due (all of them with `force`)."""
         now = time.monotonic()
         for (job, kind), (_, _, t0) in list(self.buffers.items()):
-            if force or now - t0 >= self.linger_s:
+            if force or now - t0 >= self.lingers.get(kind, self.linger_s):
                 self._flush_one(job, kind)
 
     def _flush_one(self, job: str, kind: str) -> None:

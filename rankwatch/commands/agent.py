@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help=f"shared-memory name prefix of the rings (default {DEFAULT_PREFIX})")
     p.add_argument("--job", help="only this job's rings (default: every job)")
     p.add_argument("--linger", type=float, default=0.25, help="seconds a batch may wait")
+    p.add_argument("--latency-linger", type=float, default=0.05,
+                   help="seconds a batch of stage records or beats may wait (the step and "
+                        "hang triggers wait on them; default 0.05)")
     p.add_argument("--beat", type=float, default=1.0, help="heartbeat interval, seconds")
     p.add_argument("--inflight", type=float, default=2.0,
                    help="publish an op still running after this many seconds as in flight")
@@ -55,12 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    for name in ("linger", "beat", "inflight"):
+    for name in ("linger", "latency_linger", "beat", "inflight"):
         if getattr(args, name) <= 0:
-            print(f"rankwatch agent: --{name} must be > 0", file=sys.stderr)
+            print(f"rankwatch agent: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
     cfg = AgentConfig(sidecar_dir=Path(args.sidecar_dir), job=args.job, prefix=args.prefix,
-                      linger_s=args.linger,
+                      linger_s=args.linger, latency_linger_s=args.latency_linger,
                       beat_s=args.beat, inflight_s=args.inflight,
                       spill_bytes=args.spill_mb << 20, remove_dead=not args.keep_dead)
     pub: Publisher

@@ -369,3 +369,31 @@ def test_stats_file_written_only_when_they_change(tmp_path: Path, prefix: str) -
     agent.counters.read += 1
     agent.write_stats()
     assert orjson.loads(path.read_text())["read"] == 1
+
+
+def test_stage_records_and_beats_linger_less_than_the_bulk_kinds(
+        tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's stage record and a beat wait `latency_linger_s` in the outbox, the bulk kinds
+    `linger_s`: the step trigger and a hang's silence wait on the first two."""
+    pub = FakePublisher()
+    agent = Agent(AgentConfig(tmp_path, prefix=prefix, linger_s=0.25, latency_linger_s=0.05),
+                  pub)
+    clock, sent = [100.0], []
+
+    def flush_one(job: str, kind: str) -> None:
+        sent.append(kind)
+        agent.out.buffers.pop((job, kind))
+
+    monkeypatch.setattr("ingest.agent.outbox.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr(agent.out, "_flush_one", flush_one)
+    for kind in ("stages", "beats", "ops", "kernels"):
+        agent.out.append("j", kind, {"rank": np.array([0])})
+    clock[0] += 0.04
+    agent.out.flush()
+    assert sent == []
+    clock[0] += 0.02
+    agent.out.flush()
+    assert sorted(sent) == ["beats", "stages"]
+    clock[0] += 0.2
+    agent.out.flush()
+    assert sorted(sent) == ["beats", "kernels", "ops", "stages"] and agent.out.buffers == {}
