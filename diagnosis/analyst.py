@@ -42,9 +42,10 @@ finished job would drift to "process died".
   it fires on the job's step time at the onset, when too few slow steps are stored for a
   change to stand out of the noise (`slow.context`: `onset_steps` of them, stored). Until a
   conclusion or the time is up, the analysis runs again at the advancing event clock, each
-  try no sooner than the last one's cost (read and analysis) over `sweep_share` after it, and
-  at least `retry_s` (a small job every quarter second, a large one as seldom as its sweeps):
-  a slowdown is named once its evidence is stored, not at the next sweep, seconds later.
+  try no sooner than the last one's cost (read and analysis) over `pending_share` after it, and
+  at least `retry_s` (a small job every quarter second; a large one's tries may take five
+  times a sweep's `sweep_share` of the clock, as a fault is suspected, for those few
+  seconds): a slowdown is named once its evidence is stored, not at the next sweep.
   Pending hang triggers are paced the same way, but never wait more than `HANG_RETRY_S`.
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
@@ -117,9 +118,12 @@ class AnalystConfig:
     beat_gap_s: float = 3.0
     #: how long a performance trigger that found nothing is analysed again (`tick`)
     slow_pending_s: float = 6.0
-    #: the shortest gap between two tries of a pending trigger (`_retry_gap`): the agents
-    #: publish every quarter second (their linger), so a try sooner sees nothing new
+    #: the shortest gap between two tries of a pending trigger (`_retry_gap`): the
+    #: diagnosis timer's tick
     retry_s: float = 0.25
+    #: a pending trigger's tries take at most this share of the wall clock (`_retry_gap`):
+    #: more than a sweep's, as a fault is suspected — but only for `slow_pending_s`
+    pending_share: float = 0.25
 
 
 @dataclass
@@ -227,10 +231,13 @@ class Analyst:
 
     def _retry_gap(self, ms: float, hang: bool = False) -> int:
         """ns until the next try of a pending trigger whose last try took `ms`: its cost over
-        `sweep_share`, at least `retry_s` (a slowdown is named a step or two after its
-        evidence is stored, not at a whole second's tick). A hang waits at most `HANG_RETRY_S`
-        however costly its analysis: a job is stalled, and every rank waits."""
-        gap = max(self.config.retry_s, ms / 1e3 / self.config.sweep_share)
+        `pending_share`, at least `retry_s` (a slowdown is named a step or two after its
+        evidence is stored, not at a whole second's tick: the step trigger fires after two
+        slow steps, the analysis needs `onset_steps` of them stored, and at the sweeps' 5 %
+        a 0.1 s try on a busy 2-core host waited 2 s — 20 steps of a 100 ms job — for the
+        next). A hang waits at most `HANG_RETRY_S` however costly its analysis: a job is
+        stalled, and every rank waits."""
+        gap = max(self.config.retry_s, ms / 1e3 / self.config.pending_share)
         return int((min(gap, HANG_RETRY_S) if hang else gap) * SECOND)
 
     def _retry_slow(self, job: str, now_ns: int) -> list[Diagnosis]:

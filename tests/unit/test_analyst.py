@@ -93,7 +93,7 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A straggler trigger fires at the onset, before enough slow steps are stored; its
     analysis finds nothing, so it stays pending and is tried again — no sooner than
-    `retry_s`, and no more often than its cost over `sweep_share` — until it concludes
+    `retry_s`, and no more often than its cost over `pending_share` — until it concludes
     (once) or `slow_pending_s` runs out."""
     from diagnosis.triggers.base import Trigger
     from tests.unit.test_diagnosis_engine import window
@@ -126,7 +126,7 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost(
     assert b.on_trigger(t, now) == []
     b.analysis_ms.clear()
     job = w.topo.job_id
-    b.pending_slow[job] = (t, now, now)  # its last try cost 0.5 s: the next in 10 s
+    b.pending_slow[job] = (t, now, now)  # its last try cost 0.5 s: the next in 2 s (25 %)
     clock = [0.0]
 
     def run(fn: object, w_: Window, n: int) -> tuple[None, float]:
@@ -137,7 +137,7 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost(
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     b.tick(now + S)
     monkeypatch.undo()
-    assert b.pending_slow[job][2] == now + S + 10 * S
+    assert b.pending_slow[job][2] == now + S + 2 * S
     b.tick(now + 7 * S)
     assert job not in b.pending_slow  # expired
 
@@ -379,12 +379,14 @@ def test_beats_stopped_for_every_rank_are_not_stored_yet() -> None:
 
 
 def test_pending_triggers_are_tried_again_at_their_cost_and_a_hang_within_a_second() -> None:
-    """A cheap try is repeated after `retry_s`; a costly one after its cost over `sweep_share`
-    — for a hang at most `HANG_RETRY_S` later, however costly (every rank waits)."""
+    """A cheap try is repeated after `retry_s`; a costly one after its cost over
+    `pending_share` — for a hang at most `HANG_RETRY_S` later, however costly (every rank
+    waits)."""
     from diagnosis.analyst import HANG_RETRY_S
 
-    a = Analyst(lambda *_a, **_k: None, AnalystConfig(retry_s=0.25, sweep_share=0.05))
+    a = Analyst(lambda *_a, **_k: None, AnalystConfig(retry_s=0.25, pending_share=0.05))
     assert a._retry_gap(2.0) == S // 4  # 2 ms / 5 % = 40 ms: the floor
     assert a._retry_gap(100.0) == 2 * S  # 100 ms / 5 %
+    assert Analyst(lambda *_a, **_k: None)._retry_gap(100.0) == int(0.4 * S)  # at 25 %
     assert a._retry_gap(100.0, hang=True) == int(HANG_RETRY_S * S)
     assert a._retry_gap(2.0, hang=True) == S // 4
