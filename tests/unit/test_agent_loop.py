@@ -258,7 +258,10 @@ def test_beats_carry_the_stage_the_rank_is_inside(tmp_path: Path, prefix: str) -
         with clock.backward():
             b = last_beat()
             assert b["step"].tolist() == [7] and b["stage"].tolist() == ["model.backward"]
-            assert before - 8 <= int(b["stage_ts"][0]) <= time.time_ns()
+            # the rank's perf clock reads as wall time by an offset taken with two clock reads
+            # (`StageClock.publish_position`): early by the gap between them, tens of ns when
+            # the thread runs on, more when it is preempted there (20 ns failed an 8 ns bound)
+            assert before - 1_000_000 <= int(b["stage_ts"][0]) <= time.time_ns()
         left = time.time_ns()
         b = last_beat()
         assert b["step"].tolist() == [7] and b["stage"].tolist() == [""]
