@@ -57,7 +57,13 @@ finished job would drift to "process died".
 - exits: every `min_sweep_s`, a job without an open hang incident has the beats stored since
   the last look read (`_exits`): a rank's exit beat (its process ended) has the job judged as
   of its end (`hang_rca.process_exit`) — a job whose ranks all stop within a beat leaves no
-  silent rank for a hang trigger to fire on.
+  silent rank for a hang trigger to fire on. A job every one of whose ranks exited with none
+  waiting on another has ended: its ranks went quiet for the teardown (destroying the process
+  groups, the interpreter's exit: ~2 s on a real 4-rank job) before their exit beats came, and
+  the heartbeat timer took that for a hang on every job's end. Its triggers about moments up to
+  its last exit are not analysed, a pending one is dropped (it was tried again for `pending_s`,
+  a read and an analysis four times a second, while the next job ran), until a rank of the job
+  id beats again after its end.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from typing import Protocol
 import numpy as np
 
 from diagnosis import engine, hang_rca, ops_rca, slow
+from diagnosis.columns import ints
 from diagnosis.conclusion import Conclusion
 from diagnosis.incidents import IncidentBook, incident_class, incident_id
 from diagnosis.model import Diagnosis
@@ -155,6 +162,10 @@ class Analyst:
     #: clock) of the last look for one (`_exits`)
     exits_judged: dict[str, int] = field(default_factory=dict)
     exit_checks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: job -> its newest exit beat, for a job that ended: every rank's process gone, none
+    #: of them left waiting on another (`_exits`). Its triggers about moments before then
+    #: are not analysed and its pending ones are dropped, until a rank beats again after it
+    ended: dict[str, int] = field(default_factory=dict)
 
     def _window(self, job_id: str, at_ns: int,
                 kinds: Collection[str] | None = None) -> Window | None:
@@ -208,6 +219,8 @@ class Analyst:
 
     def on_trigger(self, t: Trigger, now_ns: int) -> list[Diagnosis]:
         self.jobs.add(t.job_id)
+        if t.ts <= self.ended.get(t.job_id, -1):
+            return []  # the silence of a job that ended, not a hang (`_exits`)
         cls = "hang" if t.kind in ("hang", "failure") else "performance"
         if self.book.is_open(t.job_id, cls) or self.book.is_open(t.job_id, "hang"):
             return []
@@ -429,7 +442,10 @@ class Analyst:
         if not beats or "exited" not in beats:
             return []
         ex = np.asarray(beats["exited"]) == 1
-        newest = int(np.asarray(beats["ts"])[ex].max()) if ex.any() else 0
+        ts = np.asarray(beats["ts"])
+        if job in self.ended and (~ex & (ts > self.ended[job])).any():
+            del self.ended[job]  # beats after its end: the job id runs again
+        newest = int(ts[ex].max()) if ex.any() else 0
         if newest <= self.exits_judged.get(job, 0):
             return []
         self.exits_judged[job] = newest
@@ -438,6 +454,12 @@ class Analyst:
             return []
         c, ms = self._run(hang_rca.process_exit, w, at)
         if c is None:
+            if _every_rank_exited(w, at):
+                # a normal end (or one from outside): the silence before it is no hang, and
+                # a trigger it fired would be tried again for `pending_s` for nothing
+                self.ended[job] = newest
+                self.pending.pop(job, None)
+                self.pending_slow.pop(job, None)
             return []
         t = Trigger(job, at, "hang", c.ranks, {"rule": "rankwatch.process_exit"})
         return self._publish(c, w, t, now_ns, ms)
@@ -504,3 +526,14 @@ class Analyst:
                                                              {"rule": "rankwatch.recheck"})
                 out += self._publish(c, w, t, now_ns, ms)
         return out
+
+
+def _every_rank_exited(w: Window, at_ns: int) -> bool:
+    """Whether every rank of `w`'s job has an exit beat (its process ended) by `at_ns`."""
+    beats = w.get("beats")
+    if not beats or "exited" not in beats:
+        return False
+    rank = ints(beats, "rank")
+    ex = (ints(beats, "exited", 0) == 1) & (ints(beats, "ts") <= at_ns) \
+        & (rank >= 0) & (rank < w.grid.world)
+    return np.unique(rank[ex]).size >= w.grid.world

@@ -155,3 +155,49 @@ def test_an_ended_jobs_incident_is_rechecked_where_it_was_concluded() -> None:
     assert reads[-1] >= w.now_ns  # the re-checks read up to the incident's own moment
     # a lagging clock alone: the same re-checks at it find nothing (what the fix prevents)
     assert hang_rca.analyze(read("j", 0, watermark), watermark) is None
+
+
+def test_the_silence_before_a_normal_end_is_not_tried_as_a_hang_for_pending_s() -> None:
+    """Every rank of a job finished its last step, went quiet for its teardown (the heartbeat
+    timer fired) and exited with nothing in flight. The trigger's analysis finds nothing and
+    waits; once the exit beats are seen the job has ended: the pending trigger is dropped, a
+    later trigger about the silence before the end is not analysed, and a rank of the same job
+    id beating after the end makes its triggers count again."""
+    from diagnosis.triggers.base import Trigger
+
+    gone = 41 * STEP + 2 * S
+    seen = {"exits": False, "restart": False, "reads": 0}
+
+    def read(job_id: str, start_ns: int, now_ns: int,
+             kinds: Collection[str] | None = None) -> Window:
+        rows = [(r, 40 * STEP + k * S // 2, 40, "", 0) for r in range(4) for k in (1, 2)]
+        if seen["exits"]:
+            rows += [(r, gone, 40, "", 1) for r in range(4)]
+        if seen["restart"]:
+            rows += [(0, gone + 30 * S, 1, "model.fwd_loss", 0)]
+        if kinds is None:
+            seen["reads"] += 1
+        tables = {"ops": all_reduces({r: 40 for r in range(4)}, set()), "beats": beats(rows)}
+        return Window(ddp4(), {k: v for k, v in tables.items() if kinds is None or k in kinds},
+                      start_ns, now_ns)
+
+    clock = {"at": 40 * STEP + S + S // 2}
+    a = Analyst(read, event_clock=lambda job, now: clock["at"])
+    t = Trigger("j", 40 * STEP + S + 100 * MS, "hang", (0,), {"rule": "venustrace.heartbeat"})
+    now = 50 * S
+    assert a.on_trigger(t, now) == [] and "j" in a.pending
+    assert a.tick(now + S) == [] and "j" in a.pending  # still tried: nothing says it ended
+    seen["exits"], clock["at"] = True, gone + S
+    assert a.tick(now + 3 * S) == []  # the exits are seen: a normal end names no one
+    assert "j" not in a.pending and a.ended == {"j": gone}
+    reads = seen["reads"]
+    late = Trigger("j", gone - S // 2, "hang", (0, 1, 2, 3), {"rule": "venustrace.heartbeat",
+                                                             "after_the_fact": True})
+    assert a.on_trigger(late, now + 4 * S) == [] and "j" not in a.pending
+    assert seen["reads"] == reads  # not analysed at all
+    seen["restart"], clock["at"] = True, gone + 31 * S
+    a.tick(now + 40 * S)
+    assert "j" not in a.ended  # the job id runs again
+    again = Trigger("j", gone + 31 * S, "hang", (0,), {"rule": "venustrace.heartbeat"})
+    a.on_trigger(again, now + 41 * S)
+    assert seen["reads"] > reads
