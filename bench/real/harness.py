@@ -64,6 +64,9 @@ HANG_OBSERVE_S = 12.0
 SETTLE_S = 10.0
 DRAIN_S = 2.0
 CAPTURE = "cap.rwcap"
+#: a slowdown the job's user feels: its median step time at least this much longer
+#: (`CaseResult.job_slowdown`; the rest the job absorbed)
+FELT = 1.05
 ROOT = Path(__file__).resolve().parents[2]
 Say = Callable[[str], None]
 
@@ -99,9 +102,22 @@ class CaseResult:
     step_ms_p50: float | None = None
     #: when rank 0 finished each step from the onset on, in ms after it (`steps_after`)
     step_ends_ms: list[float] = field(default_factory=list)
+    #: the job's median step time over the 30 steps from the onset over the 30 before it
+    #: (`step_ratio`): how much slower the fault made the job, as its user sees it
+    job_slowdown: float | None = None
     agent_cpu_s: float | None = None
     agent_start_cpu_s: float | None = None
     agent_records: int | None = None
+
+
+def step_ratio(run: dict[str, Any], onset_step: int, n: int = 30) -> float | None:
+    """Rank 0's median step time over the `n` steps from `onset_step` over the `n` before it
+    (None without both)."""
+    steps = np.asarray(run.get("step_ns") or [], dtype=np.float64)
+    before, after = steps[max(onset_step - n, 0):onset_step], steps[onset_step:onset_step + n]
+    if not before.size or not after.size or float(np.median(before)) <= 0:
+        return None
+    return round(float(np.median(after)) / float(np.median(before)), 3)
 
 
 def steps_after(run: dict[str, Any], onset_ns: int, limit: int = 400) -> list[float]:
@@ -213,6 +229,7 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
     matched = sum(r.incidents - r.false_alarms for r in results)
     hangs = [r for r in det if r.truth and r.truth["kind"] == "hang"]
     slows = [r for r in det if r.truth and r.truth["kind"] == "slowdown"]
+    felt = [r for r in slows if r.job_slowdown is not None and r.job_slowdown >= FELT]
     right = [r for r in det if r.kind_ok and r.ranks_ok and r.stage_ok and r.component_ok]
     wrong = [r for r in det if r not in right]
     out: dict[str, Any] = {
@@ -232,6 +249,12 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
         "slowdown_latency_steps": {
             "p50": _q([r.latency_steps for r in slows if r.latency_steps is not None], 50),
             "p90": _q([r.latency_steps for r in slows if r.latency_steps is not None], 90)},
+        # the slowdowns the job's own step time shows (≥ FELT slower): a fault the job absorbs
+        # (a pipeline bubble hides a slower optimizer) is named, but its user waits for nothing
+        "felt_slowdown_latency_steps": {
+            "p50": _q([r.latency_steps for r in felt if r.latency_steps is not None], 50),
+            "p90": _q([r.latency_steps for r in felt if r.latency_steps is not None], 90),
+            "cases": len(felt), "absorbed": len(slows) - len(felt)},
         "control_hours": round(ctl_h, 4),
         "control_false_alarms": ctl_fa,
         "false_alarms_per_control_hour": round(ctl_fa / ctl_h, 1) if ctl_h else None,
@@ -479,6 +502,8 @@ class Runner:
             res.step_ms_p50 = round(float(np.median(steps)) / 1e6, 2) if steps.size else None
             if res.truth is not None:
                 res.step_ends_ms = steps_after(res.run, int(res.truth["onset_ns"]))
+                if res.truth.get("onset_step") is not None:
+                    res.job_slowdown = step_ratio(res.run, int(res.truth["onset_step"]))
             res.run["step_ns"] = res.run["step_end_ns"] = []  # keep the report small
         try:
             stats = json.loads((cdir / "agent.json").read_text().strip().splitlines()[-1])
@@ -531,6 +556,10 @@ def table(results: Sequence[CaseResult], s: dict[str, Any]) -> str:
          f"{s['hang_latency_s']['p50']} / {s['hang_latency_s']['p90']}"),
         ("slowdown onset -> diagnosis p50 / p90 (steps)",
          f"{s['slowdown_latency_steps']['p50']} / {s['slowdown_latency_steps']['p90']}"),
+        (f"  of jobs {FELT - 1:.0%}+ slower (p50 / p90, cases)",
+         f"{s['felt_slowdown_latency_steps']['p50']} / "
+         f"{s['felt_slowdown_latency_steps']['p90']} ({s['felt_slowdown_latency_steps']['cases']}"
+         f"; {s['felt_slowdown_latency_steps']['absorbed']} absorbed by the job)"),
         ("false alarms: controls (per control-hour)",
          f"{s['control_false_alarms']} in {s['control_hours'] * 3600:.0f} s "
          f"({s['false_alarms_per_control_hour']}/h)"),
@@ -620,6 +649,8 @@ def rescore(doc: dict[str, Any], workdir: Path, say: Say
             with contextlib.suppress(OSError, ValueError, KeyError):
                 run = json.loads((workdir / "cases" / r.job / "run.json").read_text())
                 r.step_ends_ms = steps_after(run, int(r.truth["onset_ns"]))
+                if r.truth.get("onset_step") is not None:
+                    r.job_slowdown = step_ratio(run, int(r.truth["onset_step"]))
         cap = workdir / "cases" / r.job / CAPTURE
         if r.traced and cap.exists():
             batches, epoch = capture_batches(cap)

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from bench.real import catalog
-from bench.real.harness import CaseResult, score, stage_ok, steps_after, summarize
+from bench.real.harness import (
+    CaseResult,
+    score,
+    stage_ok,
+    step_ratio,
+    steps_after,
+    summarize,
+)
 from diagnosis.model import Diagnosis, Status, Suspect, TriggerRef
 from diagnosis.rules.base import Component, Kind
 from ingest.units import SECOND as S
@@ -155,6 +162,24 @@ def test_steps_after_rebuilds_end_times_from_durations() -> None:
     # three 100 ms steps back to back ending at ONSET + 250 ms: ends at -50, +50, +150... +250
     run = {"step_ns": [100_000_000] * 3, "end_ns": ONSET + 250_000_000}
     assert steps_after(run, ONSET) == [50.0, 150.0, 250.0]
+
+
+def test_slowdowns_the_job_absorbed_are_counted_apart() -> None:
+    """The latency of the slowdowns its user feels (the job's step time ≥ 5 % longer from the
+    onset) is reported beside that of all: a slower optimizer a pipeline bubble hides is named,
+    but nothing waited for it."""
+    assert step_ratio({"step_ns": [50] * 40 + [60] * 40}, 40) == 1.2
+    assert step_ratio({"step_ns": [50] * 40}, 40) is None  # no step from the onset on
+    out = []
+    for ratio, at_s in ((1.4, 0.2), (1.0, 1.0)):
+        r = fault_result(kind="slowdown", fault="slow")
+        r.job_slowdown = ratio
+        score(r, [diag("a", 1, [2], "bwd mb=0 pp=0", "gpu_compute", at_s, kind="slowdown")])
+        out.append(r)
+    s = summarize(out)
+    assert s["slowdown_latency_steps"]["p90"] == 18.4  # 4 and 20 steps
+    felt = s["felt_slowdown_latency_steps"]
+    assert (felt["p50"], felt["p90"], felt["cases"], felt["absorbed"]) == (4.0, 4.0, 1, 1)
 
 
 def test_a_catalog_the_tracer_cannot_attach_to_is_refused(
