@@ -106,6 +106,8 @@ class Stage(Record):
 
     `t_start` is the step's start on that rank; the six durations sum to the step time because
     `step_other` is the residual. `device_ns` is sampled GPU time for the step, -1 when unsampled.
+    `sched_wait_ns` is the time the rank's training thread spent runnable but waiting for a CPU
+    during the step (Linux schedstat, read at its start and end; -1 when unknown).
     """
 
     rank: Rank
@@ -118,6 +120,7 @@ class Stage(Record):
     optim_step: Count
     step_other: Count
     device_ns: Annotated[int, Field(ge=-1)] = -1
+    sched_wait_ns: Annotated[int, Field(ge=-1)] = -1
 
 
 class Kernel(Record):

@@ -68,7 +68,7 @@ from ingest.agent.shape import infer_pipeline
 __all__ = ["SlowConfig", "analyze", "reach_start"]
 
 ANALYSES = (compute.suspects, own_time.suspects, phases.suspects, launch.suspects,
-            network.suspects)
+            network.suspects, cpu.suspects)
 
 
 def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
@@ -95,12 +95,16 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus.sort(key=lambda s: -s.score)
     sus, explained = _explained_links(sus, cfg)
     sus += explained
-    sus[0] = cpu.refine(ctx.w.get("beats"), pcie.refine(ctx, sus[0]), _onset(ctx, sus[0]),
-                        ctx.lo_ns, ctx.step_ns, _judged_end(ctx))
+    # a starved CPU: judged on the steps' own counters where the stage records carry them,
+    # else on the beats'
+    sus[0], by_steps = cpu.refine_steps(ctx, pcie.refine(ctx, sus[0]))
+    if not by_steps:
+        sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]), ctx.lo_ns,
+                            ctx.step_ns, _judged_end(ctx))
     top = sus[0]
     # a rank whose scheduler counters cannot judge its CPU yet (one beat since the onset): a
     # starved CPU and slower work look alike until they can
-    cpu_open = cpu.unjudged(ctx.w.get("beats"), top, _onset(ctx, top))
+    cpu_open = not by_steps and cpu.unjudged(ctx.w.get("beats"), top, _onset(ctx, top))
     # a rank starved of CPU over the whole span since the onset (`cpu.refine`) is a sustained
     # slowdown, however spiky the stage it showed in
     spiky = top.how == "sparse" or "intermittent" in top.summary

@@ -33,16 +33,48 @@ A fixed ratio (2 × the before and peer shares + 5 %) was used first and judged 
 nothing but its size: on a real 4-rank job whose rank 1 shared its core with two busy
 processes, the rank waited 10–15 % of each second against its peers' 3–7 % (scatter ~2 %),
 1 point short of the ratio's 13.4 %, and its slowdown was named by its backward.
+
+Per step (`refine_steps`, preferred): the tracer records in every stage record the time the
+step's thread waited for a CPU (`sched_wait_ns`, read at the step's start and end), so the
+shares are measured over exactly the steps the slowdown verdict judged — its baseline steps
+before the onset, its slow steps since — not over whole beat intervals that straddle the onset
+and the step boundaries. The beats, one a second, left a slowdown's first conclusions unjudged
+for up to two seconds (`unjudged`: their confidence capped), and on the real job above judged a
+starved rank on two or three intervals; the steps give one sample each. A share here is the
+step set's total wait over its total time, per rank; the scatter it is judged against is the
+per-step shares' deviation from their rank's and side's share (pooled RMS), as a standard error:
+`NOISE_K` standard errors of the difference of two such means (the suspect's since the onset
+against its own before, and against its peers' since), at least `MARGIN` of the wall clock. The
+extra wait must explain `EXPLAIN` of the suspect's excess, in ns per step as measured. Stage
+records without the counter (an older tracer: -1) leave the judgement to the beats.
+
+As a suspect of its own (`suspects`): a rank starved of CPU need not show in any stage's own
+time — its slower work is spread over every stage, and in a data-parallel job its peers' time
+rises with it as they wait for it in the gradient all-reduce (a real 4-rank job, rank 1 sharing
+its core with two busy processes: its backward 29 ms before and after, its peers' 29 → 33 ms;
+its CPU wait 1.0 → 6.2 ms a step, theirs 1.0 → 2.0; no incident). The steps' CPU wait per rank
+(a trailing mean over `onset_steps` steps: step to step it is bursty) is then judged as every
+other quantity is (`context.judge`, peers: its stage's ranks, their median the reference): a
+*change* (beyond its own noise, with the job's step time risen beyond its excursions; or
+*absorbed*: at least doubled, held twice the onset, the job's noisy step time not beyond its
+excursions — on the job above it rose 6 %, under its earlier 80 ms steps) or an open incident's
+rank that stays starved (*confirm*) — not a persistent difference (a rank that always waited
+more was always this fast). The job's median step time since the onset must have risen by the
+materiality floor (`min_share` of the step), and the rank's extra wait must explain `EXPLAIN`
+of that rise: a rank doing more CPU work on contended cores waits more too, in proportion to
+the work, not for all of it.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import numpy as np
 
 from diagnosis.columns import Columns, ints
 from diagnosis.conclusion import Suspicion
+from diagnosis.slow.context import Ctx, in_steps, judge, matrix, stage_total
 
 RULE = "rankwatch.cpu_starved"
 MIN_SHARE = 0.2
@@ -143,6 +175,143 @@ def refine(beats: Columns, top: Suspicion, since_ns: int | None,
                    summary=f"{top.summary}; {who} waited for a CPU {mine:.0%} of the time "
                            f"since (before: {base:.0%}, its peers: {peer:.0%}): starved of CPU, "
                            "not slower work")
+
+
+def step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
+    """(wait, time): float [judged steps, world] matrices of each step's CPU wait and wall time
+    per rank (nan where a rank has no stage record or no counter); None when no judged step of
+    the window carries the counter."""
+    st = ctx.w.get("stages")
+    if not st or "sched_wait_ns" not in st:
+        return None
+    sel = in_steps(ints(st, "step"), ctx.steps)
+    wait = ints(st, "sched_wait_ns", -1)[sel]
+    if not (wait >= 0).any():
+        return None
+    step, rank = ints(st, "step")[sel], ints(st, "rank")[sel]
+    w = matrix(ctx, step, rank, np.maximum(wait, 0), aligned=True)
+    t = matrix(ctx, step, rank, stage_total(st)[sel], aligned=True)
+    known = matrix(ctx, step, rank, (wait >= 0).astype(np.int64), aligned=True) > 0
+    bad = ~known | ~(t > 0)
+    w[bad], t[bad] = np.nan, np.nan
+    return w, t
+
+
+def suspects(ctx: Ctx) -> list[Suspicion]:
+    """Ranks whose steps' CPU wait rose beyond its noise and explains the job's slowdown
+    (module docstring, "As a suspect of its own")."""
+    got = step_waits(ctx)
+    if got is None:
+        return []
+    wait, _ = got
+    # a rank's wait is bursty step to step (woken first, it often runs at once; then waits a
+    # whole quantum): its level is judged as a trailing mean over `onset_steps` steps
+    k = ctx.cfg.onset_steps
+    if wait.shape[0] < 2 * k:
+        return []
+    known = ~np.isnan(wait)
+    csum = np.cumsum(np.where(known, wait, 0.0), axis=0)
+    cnt = np.cumsum(known, axis=0)
+    lag_s = np.vstack([np.zeros((k, wait.shape[1])), csum[:-k]])
+    lag_n = np.vstack([np.zeros((k, wait.shape[1])), cnt[:-k]])
+    with np.errstate(all="ignore"):
+        level = (csum - lag_s) / (cnt - lag_n)
+    level[: k - 1] = np.nan
+    level[~known] = np.nan
+    # the reference is the median of the rank's stage peers (itself included), not their
+    # lower quartile: a wait is noise proportional to its level, and when every rank of a
+    # host waits more at once (its cores crowded), each one's distance to the least of
+    # them grows with the level while its distance to their median stays centred on zero
+    ref = np.full_like(level, np.nan)
+    groups = ctx.stage_of
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step without any rank's level
+        for g in np.unique(groups).tolist():
+            cols = np.flatnonzero(groups == g)
+            if cols.size >= 2:
+                ref[:, cols] = np.nanmedian(level[:, cols], axis=1)[:, None]
+    v = judge(ctx, level, 1.5, ref=ref)
+    out = []
+    for x in np.flatnonzero(v.flag).tolist():
+        how = str(v.how[x])
+        if how not in ("change", "absorbed", "confirm"):
+            continue
+        if how != "confirm":
+            row = int(v.since[x])
+            js = ctx.job_step
+            if not 0 < row < js.size:
+                continue
+            rise = float(np.median(js[row:])) - float(np.median(js[:row]))
+            if rise < ctx.cfg.min_share * ctx.step_ns or float(v.exc[x]) < EXPLAIN * rise:
+                continue
+        out.append(Suspicion((x,), "host cpu", "host_software", float(v.exc[x]), (RULE,),
+                             f"rank {x}: its steps waited {v.exc[x] / 1e6:.1f} ms more for a "
+                             f"CPU than its peers' ({v.ratio[x]:.1f}x; {how} {v.z[x]:.1f}σ): "
+                             "starved of CPU", float(v.z[x]), how, int(ctx.steps[v.since[x]])))
+    return out
+
+
+def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion, bool]:
+    """(`top`, re-labelled as its host's CPU when the per-step counters show its rank — each of
+    its ranks — starved since its onset; whether they could judge it at all: at least two
+    steps with the counter since the onset on every suspect rank, and a peer with some). The
+    module docstring has the test."""
+    got = step_waits(ctx)
+    if got is None or not top.ranks or top.stage == "host cpu":
+        return top, False
+    wait, tot = got
+    world = wait.shape[1]
+    mine_cols = np.asarray(sorted({r for r in top.ranks if 0 <= r < world}), dtype=np.int64)
+    if mine_cols.size != len(set(top.ranks)):
+        return top, False
+    hit = np.flatnonzero(ctx.steps == top.onset_step)
+    row = int(hit[0]) if top.onset_step >= 0 and hit.size else 0
+    after, before = slice(row, None), slice(0, row)
+    ok = ~np.isnan(wait)
+    n_after = ok[after].sum(axis=0)
+    n_before = ok[before].sum(axis=0)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without steps on a side
+        share_a = np.nansum(wait[after], axis=0) / np.nansum(tot[after], axis=0)
+        share_b = np.nansum(wait[before], axis=0) / np.nansum(tot[before], axis=0)
+        per = wait / tot
+        dev = np.concatenate([(per[after] - share_a)[ok[after]],
+                              (per[before] - share_b)[ok[before]]])
+        wait_a = np.nanmean(wait[after], axis=0)
+        wait_b = np.nanmean(wait[before], axis=0)
+    peers = np.setdiff1d(np.flatnonzero(n_after >= 2), mine_cols)
+    if (n_after[mine_cols] < 2).any() or not peers.size:
+        return top, False
+    if top.how == "confirm":
+        # the re-check of an open culprit: its judged steps may all lie after the onset (see
+        # `refine`); its peers are the reference
+        base, base_wait, nb = 0.0, 0.0, 0
+    else:
+        if (n_before[mine_cols] < 2).any():
+            return top, True  # no steps of its own before the onset: no rise to measure
+        base = float(np.max(share_b[mine_cols]))
+        base_wait = float(np.max(wait_b[mine_cols]))
+        nb = int(n_before[mine_cols].min())
+    na = int(n_after[mine_cols].min())
+    mine = float(np.min(share_a[mine_cols]))
+    peer = float(np.median(share_a[peers]))
+    peer_wait = float(np.median(wait_a[peers]))
+    sd = float(np.sqrt(np.mean(dev ** 2))) if dev.size else 0.0
+    need_base = max(MARGIN, NOISE_K * sd * np.sqrt(1.0 / na + (1.0 / nb if nb else 0.0)))
+    need_peer = max(MARGIN, NOISE_K * sd * np.sqrt(1.0 / na + 1.0 / (na * peers.size)))
+    if mine - base < need_base or mine - peer < need_peer:
+        return top, True
+    extra = float(np.min(wait_a[mine_cols])) - max(base_wait, peer_wait)
+    if extra < EXPLAIN * top.score:
+        return top, True  # its extra waiting is too small a part of its excess to be the cause
+    who = f"rank {top.ranks[0]}" if len(top.ranks) == 1 else \
+        f"each of ranks {', '.join(map(str, top.ranks))}"
+    return replace(top, stage="host cpu", component="host_software",
+                   rules=(*top.rules, RULE),
+                   summary=f"{top.summary}; {who} waited for a CPU {mine:.0%} of its steps' "
+                           f"time since (before: {base:.0%}, its peers: {peer:.0%}; "
+                           f"{extra / 1e6:.1f} ms more a step): starved of CPU, not slower "
+                           "work"), True
 
 
 def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:

@@ -139,6 +139,10 @@ class StepEmitter:
         for name, d in res.stages.items():
             cols[name] = np.rint(d.ravel()[pos] * 1e9).astype(np.int64)
         cols["device_ns"] = np.rint(res.device.ravel()[pos] * 1e9).astype(np.int64)
+        if res.sched_wait is not None:  # the step's CPU wait, as the tracer reads it
+            wait = res.sched_wait.ravel()[pos]
+            cols["sched_wait_ns"] = np.rint(np.where(np.isfinite(wait), wait, 0.0) * 1e9
+                                            ).astype(np.int64)
         return cols
 
     def kernels(self, res: StepResult) -> list[Cols]:

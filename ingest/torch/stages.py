@@ -21,6 +21,11 @@ events around `fwd_loss` on the current stream and polls them (``Event.query``, 
 ``synchronize``) when the step closes; a ready pair gives ``device_ns``, otherwise -1 (missing).
 It never enters the ordered vector.
 
+CPU wait: a traced step also records ``sched_wait_ns``, the time its thread spent runnable but
+waiting for a CPU between the step's start and end (Linux ``/proc/thread-self/schedstat``, read
+at both; -1 where unreadable). A rank whose step got slower because other processes took its
+CPU waits where it used to run; one whose work got slower does not (`diagnosis.slow.cpu`).
+
 Position: entering and leaving a span or a step also publishes where the rank is — its step, the
 stage it is inside (or none: between stages) and since when — in its ring's header
 (`ingest.ring.RingWriter.position`); the host agent copies it into every `beats` row, so a rank
@@ -39,6 +44,8 @@ scratch array.
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 import time
 from typing import Any
 
@@ -96,10 +103,10 @@ class _FwdSpan(_Span):
 
 
 class _Step:
-    __slots__ = ("owner", "p0", "t0")
+    __slots__ = ("owner", "p0", "t0", "w0")
 
     def __init__(self, owner: StageClock) -> None:
-        self.owner, self.t0, self.p0 = owner, 0, 0
+        self.owner, self.t0, self.p0, self.w0 = owner, 0, 0, -1
 
     def __enter__(self) -> _Step:
         o = self.owner
@@ -111,6 +118,7 @@ class _Step:
             tracer.step = o.step_index
             if tracer.outstanding:
                 tracer.harvest()
+            self.w0 = o.sched_wait()
         self.t0 = t0 = time.time_ns()
         self.p0 = p0 = _perf()
         pos = o.pos
@@ -130,8 +138,10 @@ class _Step:
         tracer = o.tracer
         if tracer is not None:
             device = o.cuda_poll() if o.events_armed else -1
+            w1 = o.sched_wait()
             tracer.sink.stage(o.step_index, self.t0, a[0], a[1], a[2], a[3], a[4],
-                              other if other > 0 else 0, device)
+                              other if other > 0 else 0, device,
+                              w1 - self.w0 if self.w0 >= 0 and w1 >= self.w0 else -1)
             if tracer.outstanding:
                 tracer.harvest()
             gather = tracer.hosts
@@ -151,6 +161,7 @@ class StageClock:
         self.events_armed = False
         self._events: tuple[Any, Any] | None = None
         self.pos = scratch_position()
+        self._sched: tuple[int, int] | None = None  # (thread ident, fd or -1)
         self._step = _Step(self)
         self.spans = {name: (_FwdSpan if i == 1 else _Span)(self, i)
                       for i, name in enumerate(STAGES)}
@@ -168,6 +179,27 @@ class StageClock:
         self.pos = pos
         for span in self.spans.values():
             span.pos = pos
+
+    def sched_wait(self) -> int:
+        """The calling thread's time runnable but waiting for a CPU so far, ns (Linux
+        schedstat, its second field); -1 where it cannot be read. The file stays open per
+        thread: a read is one ``pread`` (~0.4 µs), two per step."""
+        me = threading.get_ident()
+        sched = self._sched
+        if sched is None or sched[0] != me:
+            try:
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = -1
+            if sched is not None and sched[1] >= 0:
+                os.close(sched[1])
+            self._sched = sched = (me, fd)
+        if sched[1] < 0:
+            return -1
+        try:
+            return int(os.pread(sched[1], 96, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return -1
 
     def step(self, index: int | None = None) -> _Step:
         """The step context manager; `index` sets this step's number (default: previous + 1)."""

@@ -197,6 +197,40 @@ def test_stage_vector_closes_to_the_step_time(world1: Path, prefix: str) -> None
     assert (st["device_ns"] == -1).all()  # no CUDA: device time unsampled
 
 
+def test_a_step_records_how_long_its_thread_waited_for_a_cpu(world1: Path,
+                                                            prefix: str) -> None:
+    """`sched_wait_ns`: the training thread's runnable-but-waiting time within the step. With
+    two busy processes pinned to its core, a step of 0.3 s of CPU work waits for most of it."""
+    s = rwt.stages
+    cpus = os.sched_getaffinity(0)
+    core = {min(cpus)}
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        with s.step(0), s.fwd_loss():
+            time.sleep(0.01)
+        os.sched_setaffinity(0, core)
+        for _ in range(2):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            os.sched_setaffinity(hogs[-1].pid, core)
+        time.sleep(0.2)  # the busy processes are running
+        t0 = time.perf_counter_ns()
+        with s.step(1), s.fwd_loss():
+            end = time.process_time() + 0.3  # 0.3 s of this thread's own CPU time
+            while time.process_time() < end:
+                pass
+        wall = time.perf_counter_ns() - t0
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        os.sched_setaffinity(0, cpus)
+    st = Drained(prefix, "t1").stages
+    assert st["step"].tolist() == [0, 1]
+    wait = st["sched_wait_ns"].astype(np.int64)
+    assert (wait >= 0).all()  # read on Linux
+    assert wait[1] >= 0.3 * wall, (wait.tolist(), wall)  # a third of the core was its at most
+
+
 def test_disable_restores_torch_distributed(world1: Path, prefix: str) -> None:
     import torch
     import torch.distributed as dist

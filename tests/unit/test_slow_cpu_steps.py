@@ -1,0 +1,127 @@
+"""diagnosis.slow.cpu.refine_steps: a culprit re-labelled as its host's CPU from the CPU wait
+each stage record carries (`sched_wait_ns`) — over the judged steps since its onset, more than
+its own steps before and its peers' since, beyond the per-step shares' standard error, and
+enough to explain its excess; no verdict (the beats decide) where the records lack the counter."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from diagnosis.conclusion import Suspicion
+from diagnosis.slow import SlowConfig, cpu, peer_stages
+from diagnosis.slow.context import Ctx, judged_steps
+from diagnosis.window import Window
+from ingest.records import Communicator, JobTopology
+from ingest.units import MILLISECOND as MS
+
+STEPS, ONSET = 50, 30
+TOP = Suspicion((1,), "bwd pp=0", "gpu_compute", 10e6, ("rankwatch.excess.model_backward",),
+                "rank 1: model_backward 1.4x its peers", 9.0, "change", ONSET)
+
+
+def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: float = 0.01,
+        counter: bool = True, seed: int = 0) -> Ctx:
+    """4 DDP ranks, 50 steps of 50 ms; rank r's thread waits share[r] = (before step 30,
+    from it) of each step (default 3 %), with Gaussian per-step scatter `noise`; rank 1's
+    step is `extra_ms` longer from step 30 (its backward)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(4):
+        b, a = share.get(r, (0.03, 0.03))
+        for s in range(STEPS):
+            back = 30 * MS + (int(extra_ms * MS) if r == 1 and s >= ONSET else 0)
+            total = 20 * MS + back
+            sh = max((a if s >= ONSET else b) + rng.normal(0, noise), 0.0)
+            rows.append((r, s, s * 60 * MS, 20 * MS, back, int(sh * total) if counter else -1))
+    rank, step, t0, fwd, bwd, wait = (np.array(x, dtype=np.int64) for x in zip(*rows, strict=True))
+    z = np.zeros(rank.size, np.int64)
+    stages: dict[str, np.ndarray] = {"rank": rank, "step": step, "t_start": t0, "data_next_wait": z,
+              "model_fwd_loss": fwd, "model_backward": bwd, "callbacks": z, "optim_step": z,
+              "step_other": z, "sched_wait_ns": wait}
+    topo = JobTopology(job_id="j", ts=0, world_size=4, dp=4, hosts=["h"] * 4,
+                       communicators=[Communicator(comm_id="world", kind="dp",
+                                                   members=[0, 1, 2, 3])])
+    w = Window(topo, {"stages": stages}, 0, STEPS * 60 * MS)
+    cfg = SlowConfig()
+    steps, step_ns, job = judged_steps(w, cfg)
+    return Ctx(w, cfg, steps, step_ns, peer_stages(w), 0, job)
+
+
+def test_a_rank_waiting_for_a_cpu_in_its_slow_steps_is_its_hosts_cpu() -> None:
+    out, judged = cpu.refine_steps(ctx({1: (0.03, 0.3)}), TOP)
+    assert judged and (out.stage, out.component) == ("host cpu", "host_software")
+    assert out.rules == (*TOP.rules, cpu.RULE) and "rank 1 waited for a CPU" in out.summary
+
+
+def test_slower_work_without_more_waiting_is_judged_and_left_as_it_is() -> None:
+    out, judged = cpu.refine_steps(ctx({}), TOP)
+    assert judged and out == TOP
+
+
+def test_peers_waiting_as_much_is_no_starved_rank() -> None:
+    every = {r: (0.03, 0.3) for r in range(4)}
+    out, judged = cpu.refine_steps(ctx(every), TOP)
+    assert judged and out == TOP
+
+
+def test_without_the_counter_the_steps_give_no_verdict() -> None:
+    out, judged = cpu.refine_steps(ctx({1: (0.03, 0.3)}, counter=False), TOP)
+    assert not judged and out == TOP
+
+
+def test_a_rise_inside_the_shares_scatter_is_no_evidence() -> None:
+    """Shares scattered by 0.4 a step: a 10-point rise over 20 steps is ~1 standard error."""
+    out, judged = cpu.refine_steps(ctx({1: (0.03, 0.13)}, noise=0.4), TOP)
+    assert judged and out == TOP
+    quiet, _ = cpu.refine_steps(ctx({1: (0.03, 0.13)}, noise=0.005), TOP)
+    assert quiet.stage == "host cpu"  # the same rise on quiet shares is
+
+
+def test_the_extra_waiting_must_explain_the_excess() -> None:
+    """12 % more of a 60 ms step is ~7 ms: enough for a 10 ms excess, not for a 30 ms one."""
+    c = ctx({1: (0.03, 0.15)}, noise=0.005)
+    assert cpu.refine_steps(c, TOP)[0].stage == "host cpu"
+    big = replace(TOP, score=30e6)
+    assert cpu.refine_steps(c, big)[0] == big
+
+
+def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
+    """A re-check's judged steps may all be slow ones: no baseline of its own is needed."""
+    c = ctx({1: (0.3, 0.3)}, noise=0.005)
+    assert cpu.refine_steps(c, TOP)[0] == TOP  # always waited that much: no rise
+    confirm = replace(TOP, how="confirm")
+    assert cpu.refine_steps(c, confirm)[0].stage == "host cpu"
+
+
+def bursty(share: dict[int, tuple[float, float]], extra_ms: float, seed: int = 1) -> Ctx:
+    """`ctx`, with each step's wait bursty as a real thread's: a third of the steps wait
+    nothing, the others 1.5x as much (the same mean)."""
+    c = ctx(share, extra_ms=extra_ms, noise=0.005, seed=seed)
+    st = dict(c.w.tables["stages"])
+    rng = np.random.default_rng(seed)
+    burst = np.where(rng.random(st["rank"].size) < 1 / 3, 0.0, 1.5)
+    st["sched_wait_ns"] = (st["sched_wait_ns"] * burst).astype(np.int64)
+    w = Window(c.w.topo, {"stages": st}, c.w.start_ns, c.w.now_ns)
+    return replace(c, w=w)
+
+
+def test_a_rank_whose_steps_wait_for_a_cpu_is_a_suspect_of_its_own() -> None:
+    """Nothing else need show it: the steps' own CPU wait, bursty, judged as a trailing mean."""
+    got = cpu.suspects(bursty({1: (0.03, 0.3)}, extra_ms=10.0))
+    assert [(s.ranks, s.stage, s.component, s.how) for s in got] == [
+        ((1,), "host cpu", "host_software", "change")]
+    assert got[0].rules == (cpu.RULE,) and ONSET - 2 <= got[0].onset_step <= ONSET + 4
+
+
+def test_waiting_in_proportion_to_more_work_is_not_starvation() -> None:
+    """A rank whose work doubled on cores it shares waits 10 % of it as before: 2.5 ms more a
+    step for a 25 ms slower job — not the cause."""
+    assert cpu.suspects(bursty({1: (0.1, 0.1)}, extra_ms=25.0)) == []
+
+
+def test_every_rank_waiting_more_and_a_job_not_slower_name_no_one() -> None:
+    assert cpu.suspects(bursty({r: (0.03, 0.3) for r in range(4)}, extra_ms=10.0)) == []
+    assert cpu.suspects(bursty({1: (0.03, 0.3)}, extra_ms=0.0)) == []  # the job is not slower
+    assert cpu.suspects(ctx({1: (0.03, 0.3)}, counter=False)) == []
