@@ -73,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--rescore", metavar="REPORT", default="",
                    help="--real: re-score a kept run (its --out report and --workdir) by "
                         "replaying the captures its agents wrote, in process; no training")
+    p.add_argument("--evidence", action="store_true",
+                   help="--real --rescore: for each slowdown case, when its evidence was "
+                        "complete (records stored as made), beside its live latency")
     p.add_argument("--workdir", default="",
                    help="--real: keep the cases' logs, truth and the stack's data here "
                         "(default: a temporary directory, removed)")
@@ -141,6 +144,8 @@ def rescore_real(args: argparse.Namespace, say: Any) -> int:
     except (OSError, ValueError) as e:
         print(f"rankwatch eval: cannot read the report {args.rescore}: {e}", file=sys.stderr)
         return 2
+    if args.evidence:
+        return evidence_real(doc, Path(args.workdir), args, say)
     results, summary = harness.rescore(doc, Path(args.workdir), say)
     if not any(r.traced for r in results):
         print("rankwatch eval: the report has no traced case to re-score", file=sys.stderr)
@@ -153,6 +158,45 @@ def rescore_real(args: argparse.Namespace, say: Any) -> int:
         print(json.dumps(out, default=str))
     else:
         print(harness.table(results, summary))
+    return 0
+
+
+def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
+                  say: Any) -> int:
+    """`rankwatch eval --real --rescore REPORT --workdir DIR --evidence` (bench/real/evidence)."""
+    from bench.real import harness
+    from bench.real.evidence import evidence_ready
+
+    rows: list[dict[str, Any]] = []
+    cases = [c for c in doc.get("cases") or []
+             if (c.get("truth") or {}).get("kind") == "slowdown" and c.get("traced")]
+    for i, c in enumerate(cases, 1):
+        cap = workdir / "cases" / str(c.get("job")) / harness.CAPTURE
+        if not cap.exists():
+            say(f"[{i}/{len(cases)}] {c['case']}: no capture at {cap}")
+            continue
+        say(f"[{i}/{len(cases)}] {c['case']}: replaying its capture…")
+        t = c["truth"]
+        ready = evidence_ready(cap, int(t["onset_ns"]), t.get("ranks") or [],
+                               c.get("step_ends_ms") or [])
+        rows.append({"case": c["case"], "live_s": c.get("latency_s"),
+                     "live_steps": c.get("latency_steps"),
+                     "evidence_s": ready.after_s if ready else None,
+                     "evidence_steps": ready.steps if ready else None,
+                     "evidence_named": None if ready is None else
+                     f"{list(ready.conclusion.ranks)} {ready.conclusion.stage}"})
+    if not rows:
+        print("rankwatch eval: no slowdown case with a capture to replay", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"evidence": rows}, default=str))
+        return 0
+    print(f"  {'case':<22} {'live: s (steps)':>18} {'evidence complete: s (steps)':>30}  named")
+    for r in rows:
+        live = "-" if r["live_s"] is None else f"{r['live_s']} ({r['live_steps']})"
+        ev = "never" if r["evidence_s"] is None else \
+            f"{r['evidence_s']} ({r['evidence_steps']})"
+        print(f"  {r['case']:<22} {live:>18} {ev:>30}  {r['evidence_named'] or ''}")
     return 0
 
 

@@ -1,0 +1,115 @@
+"""When a slowdown's evidence was complete, from a kept run's capture.
+
+The live latency of a slowdown (onset → first diagnosis) is the time its evidence takes to
+exist — the slow steps the analysis needs before the change stands out of its noise — plus the
+record path (tracer, agent, broker, worker, ClickHouse) and the trigger and its tries. To tell
+the two apart, `evidence_ready` replays a case's capture with every record stored the instant it
+was made (a stage record at its step's end, a call's end at its `t_end`, anything else at its
+own time) and runs the slowdown analysis every `EVERY_MS` from the onset: the first moment it
+names the fault's ranks is when a diagnosis could have been made with a record path and a
+trigger that cost nothing. `rankwatch eval --real --rescore RUN --workdir DIR --evidence` prints
+it beside each slowdown case's live latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diagnosis import slow
+from diagnosis.conclusion import Conclusion
+from diagnosis.evaluate import window_of
+from ingest.units import MILLISECOND, SECOND
+
+EVERY_MS = 20
+HORIZON_S = 8.0
+STAGE_COLS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
+              "step_other")
+TIME_OF = {"ops": "t_start", "flows": "t_start", "kernels": "t_start", "chunks": "ts",
+           "wr": "ts", "beats": "ts"}
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The first moment (s after the onset) the analysis named the fault's ranks, the steps
+    rank 0 finished by then, and what it said."""
+
+    after_s: float
+    steps: int
+    conclusion: Conclusion
+
+
+class _AsMade:
+    """A capture's decoded rows, cut to those made by a moment (`at`): `window_of`'s store."""
+
+    def __init__(self, tables: dict[str, dict[str, np.ndarray]]) -> None:
+        self.full = tables
+        self.at = 0
+        st = tables.get("stages")
+        self.stage_end = (np.asarray(st["t_start"], np.int64)
+                          + sum(np.asarray(st[c], np.int64) for c in STAGE_COLS)) if st else None
+
+    def table(self, kind: str) -> dict[str, np.ndarray]:
+        t = self.full.get(kind)
+        if not t:
+            return {}
+        if kind == "stages":
+            assert self.stage_end is not None
+            keep = self.stage_end <= self.at
+            return {c: v[keep] for c, v in t.items()}
+        keep = np.asarray(t[TIME_OF.get(kind, "ts")], np.int64) <= self.at
+        out = {c: v[keep] for c, v in t.items()}
+        if kind == "ops" and "t_end" in out:  # a call not ended by then is in flight
+            end = np.asarray(out["t_end"], np.int64).copy()
+            end[end > self.at] = 0
+            out["t_end"] = end
+        return out
+
+
+def load(cap: Path) -> tuple[Any, dict[str, dict[str, np.ndarray]]]:
+    """(the job's first topology, its rows per kind) from an agent capture."""
+    from ingest.agent.capture import read_capture
+    from ingest.batch import decode_batch
+
+    topo = None
+    parts: dict[str, list[dict[str, np.ndarray]]] = {}
+    for f in read_capture(cap):
+        b = decode_batch(f.data)
+        if f.kind == "jobs":
+            topo = topo or b.topologies[0]
+            continue
+        parts.setdefault(f.kind, []).append({k: np.asarray(v) for k, v in b.cols.items()})
+    tables = {}
+    for kind, ps in parts.items():
+        cols = set.intersection(*(set(p) for p in ps))
+        tables[kind] = {c: np.concatenate([p[c] for p in ps]) for c in sorted(cols)}
+    return topo, tables
+
+
+def evidence_ready(cap: Path, onset_ns: int, ranks: Collection[int],
+                   step_ends_ms: Sequence[float] = (), horizon_s: float = HORIZON_S,
+                   every_ms: int = EVERY_MS) -> Ready | None:
+    """The first moment after `onset_ns` (every `every_ms`, up to `horizon_s`) at which the
+    slowdown analysis over the records made by then names a culprit among `ranks`; None when
+    it never does in that time (module docstring)."""
+    topo, tables = load(cap)
+    if topo is None or not tables.get("stages"):
+        return None
+    store = _AsMade(tables)
+    want = set(ranks)
+    at = onset_ns
+    while at < onset_ns + int(horizon_s * SECOND):
+        at += every_ms * MILLISECOND
+        store.at = at
+        w = window_of(store, topo, at - 90 * SECOND, at)  # type: ignore[arg-type]
+        c = slow.analyze(w, at)
+        if c is not None and want & set(c.ranks):
+            ms = (at - onset_ns) / 1e6
+            done = int(np.searchsorted(np.asarray(step_ends_ms, dtype=np.float64), ms,
+                                       side="right"))
+            return Ready(round(ms / 1e3, 2), done, c)
+    return None
