@@ -168,12 +168,17 @@ def refine(beats: Columns, top: Suspicion, since_ns: int | None,
             return top
     elif (mine - max(base, peer)) * step_ns < EXPLAIN * top.score:
         return top  # its extra waiting is too small a part of its excess to be the cause
+    return _starved(top, f"{mine:.0%} of the time since (before: {base:.0%}, its peers: "
+                         f"{peer:.0%})")
+
+
+def _starved(top: Suspicion, how_much: str) -> Suspicion:
+    """`top` re-labelled as its host's CPU, the waiting it measured (`how_much`) said."""
     who = f"rank {top.ranks[0]}" if len(top.ranks) == 1 else \
         f"each of ranks {', '.join(map(str, top.ranks))}"
     return replace(top, stage="host cpu", component="host_software",
                    rules=(*top.rules, RULE),
-                   summary=f"{top.summary}; {who} waited for a CPU {mine:.0%} of the time "
-                           f"since (before: {base:.0%}, its peers: {peer:.0%}): starved of CPU, "
+                   summary=f"{top.summary}; {who} waited for a CPU {how_much}: starved of CPU, "
                            "not slower work")
 
 
@@ -304,14 +309,8 @@ def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion, bool]:
     extra = float(np.min(wait_a[mine_cols])) - max(base_wait, peer_wait)
     if extra < EXPLAIN * top.score:
         return top, True  # its extra waiting is too small a part of its excess to be the cause
-    who = f"rank {top.ranks[0]}" if len(top.ranks) == 1 else \
-        f"each of ranks {', '.join(map(str, top.ranks))}"
-    return replace(top, stage="host cpu", component="host_software",
-                   rules=(*top.rules, RULE),
-                   summary=f"{top.summary}; {who} waited for a CPU {mine:.0%} of its steps' "
-                           f"time since (before: {base:.0%}, its peers: {peer:.0%}; "
-                           f"{extra / 1e6:.1f} ms more a step): starved of CPU, not slower "
-                           "work"), True
+    return _starved(top, f"{mine:.0%} of its steps' time since (before: {base:.0%}, its "
+                         f"peers: {peer:.0%}; {extra / 1e6:.1f} ms more a step)"), True
 
 
 def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
