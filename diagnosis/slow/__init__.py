@@ -68,7 +68,7 @@ from ingest.agent.shape import infer_pipeline
 __all__ = ["SlowConfig", "analyze", "reach_start"]
 
 ANALYSES = (compute.suspects, own_time.suspects, phases.suspects, launch.suspects,
-            network.suspects, cpu.suspects)
+            network.suspects)
 
 
 def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,

@@ -93,35 +93,3 @@ def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
     assert cpu.refine_steps(c, TOP)[0] == TOP  # always waited that much: no rise
     confirm = replace(TOP, how="confirm")
     assert cpu.refine_steps(c, confirm)[0].stage == "host cpu"
-
-
-def bursty(share: dict[int, tuple[float, float]], extra_ms: float, seed: int = 1) -> Ctx:
-    """`ctx`, with each step's wait bursty as a real thread's: a third of the steps wait
-    nothing, the others 1.5x as much (the same mean)."""
-    c = ctx(share, extra_ms=extra_ms, noise=0.005, seed=seed)
-    st = dict(c.w.tables["stages"])
-    rng = np.random.default_rng(seed)
-    burst = np.where(rng.random(st["rank"].size) < 1 / 3, 0.0, 1.5)
-    st["sched_wait_ns"] = (st["sched_wait_ns"] * burst).astype(np.int64)
-    w = Window(c.w.topo, {"stages": st}, c.w.start_ns, c.w.now_ns)
-    return replace(c, w=w)
-
-
-def test_a_rank_whose_steps_wait_for_a_cpu_is_a_suspect_of_its_own() -> None:
-    """Nothing else need show it: the steps' own CPU wait, bursty, judged as a trailing mean."""
-    got = cpu.suspects(bursty({1: (0.03, 0.3)}, extra_ms=10.0))
-    assert [(s.ranks, s.stage, s.component, s.how) for s in got] == [
-        ((1,), "host cpu", "host_software", "change")]
-    assert got[0].rules == (cpu.RULE,) and ONSET - 2 <= got[0].onset_step <= ONSET + 4
-
-
-def test_waiting_in_proportion_to_more_work_is_not_starvation() -> None:
-    """A rank whose work doubled on cores it shares waits 10 % of it as before: 2.5 ms more a
-    step for a 25 ms slower job — not the cause."""
-    assert cpu.suspects(bursty({1: (0.1, 0.1)}, extra_ms=25.0)) == []
-
-
-def test_every_rank_waiting_more_and_a_job_not_slower_name_no_one() -> None:
-    assert cpu.suspects(bursty({r: (0.03, 0.3) for r in range(4)}, extra_ms=10.0)) == []
-    assert cpu.suspects(bursty({1: (0.03, 0.3)}, extra_ms=0.0)) == []  # the job is not slower
-    assert cpu.suspects(ctx({1: (0.03, 0.3)}, counter=False)) == []
