@@ -103,10 +103,10 @@ class _FwdSpan(_Span):
 
 
 class _Step:
-    __slots__ = ("owner", "p0", "t0", "w0")
+    __slots__ = ("owner", "p0", "t0", "tid", "w0")
 
     def __init__(self, owner: StageClock) -> None:
-        self.owner, self.t0, self.p0, self.w0 = owner, 0, 0, -1
+        self.owner, self.t0, self.p0, self.w0, self.tid = owner, 0, 0, -1, 0
 
     def __enter__(self) -> _Step:
         o = self.owner
@@ -118,7 +118,8 @@ class _Step:
             tracer.step = o.step_index
             if tracer.outstanding:
                 tracer.harvest()
-            self.w0 = o.sched_wait()
+            self.tid = threading.get_ident()
+            self.w0 = o.sched_wait(self.tid)
         self.t0 = t0 = time.time_ns()
         self.p0 = p0 = _perf()
         pos = o.pos
@@ -138,7 +139,8 @@ class _Step:
         tracer = o.tracer
         if tracer is not None:
             device = o.cuda_poll() if o.events_armed else -1
-            w1 = o.sched_wait()
+            # a step left on another thread than it entered has no wait of one thread
+            w1 = o.sched_wait(self.tid) if threading.get_ident() == self.tid else -1
             tracer.sink.stage(o.step_index, self.t0, a[0], a[1], a[2], a[3], a[4],
                               other if other > 0 else 0, device,
                               w1 - self.w0 if self.w0 >= 0 and w1 >= self.w0 else -1)
@@ -180,11 +182,10 @@ class StageClock:
         for span in self.spans.values():
             span.pos = pos
 
-    def sched_wait(self) -> int:
-        """The calling thread's time runnable but waiting for a CPU so far, ns (Linux
-        schedstat, its second field); -1 where it cannot be read. The file stays open per
-        thread: a read is one ``pread`` (~0.4 µs), two per step."""
-        me = threading.get_ident()
+    def sched_wait(self, me: int) -> int:
+        """The calling thread's (ident `me`) time runnable but waiting for a CPU so far, ns
+        (Linux schedstat, its second field); -1 where it cannot be read. The file stays open
+        per thread: a read is one ``pread`` (~0.4 µs), two per step."""
         sched = self._sched
         if sched is None or sched[0] != me:
             try:
