@@ -105,6 +105,10 @@ def run_real(args: argparse.Namespace) -> int:
         print(m, file=sys.stderr, flush=True)
 
     t0 = time.time()
+    if args.evidence and not args.rescore:
+        print("rankwatch eval: --evidence replays a kept run: give it --rescore run.json "
+              "--workdir DIR", file=sys.stderr)
+        return 2
     if args.rescore:
         return rescore_real(args, say)
     # a SIGTERM (timeout, a scheduler) unwinds like Ctrl-C: the training jobs, agents, CPU hogs
@@ -177,8 +181,12 @@ def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
             continue
         say(f"[{i}/{len(cases)}] {c['case']}: replaying its capture…")
         t = c["truth"]
-        ready = evidence_ready(cap, int(t["onset_ns"]), t.get("ranks") or [],
-                               c.get("step_ends_ms") or [])
+        try:
+            ready = evidence_ready(cap, int(t["onset_ns"]), t.get("ranks") or [],
+                                   c.get("step_ends_ms") or [])
+        except (OSError, ValueError, KeyError) as e:  # a damaged capture or report
+            say(f"[{i}/{len(cases)}] {c['case']}: cannot replay {cap}: {e}")
+            continue
         rows.append({"case": c["case"], "live_s": c.get("latency_s"),
                      "live_steps": c.get("latency_steps"),
                      "evidence_s": ready.after_s if ready else None,

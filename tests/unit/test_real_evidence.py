@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.real.evidence import evidence_ready, load
 from ingest.agent.capture import CaptureWriter
 from ingest.sim.config import JobConfig
@@ -38,3 +40,22 @@ def test_a_capture_without_stage_records_has_no_evidence(tmp_path: Path) -> None
     w = CaptureWriter(tmp_path / "cap")
     w.close()
     assert evidence_ready(tmp_path / "cap", 0, [0]) is None
+
+
+def test_the_command_needs_a_kept_run_and_skips_a_damaged_capture(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from rankwatch.cli import main
+
+    assert main(["eval", "--real", "--evidence"]) == 2  # nothing to replay: no training run
+    assert "--rescore" in capsys.readouterr().err
+    case = {"case": "c", "job": "c-1", "traced": True, "latency_s": 1.0, "latency_steps": 9,
+            "truth": {"kind": "slowdown", "onset_ns": 0, "ranks": [1]}}
+    (tmp_path / "run.json").write_text(json.dumps({"cases": [case]}))
+    (tmp_path / "cases" / "c-1").mkdir(parents=True)
+    (tmp_path / "cases" / "c-1" / "cap.rwcap").write_bytes(b"not a capture")
+    assert main(["eval", "--real", "--rescore", str(tmp_path / "run.json"), "--workdir",
+                 str(tmp_path), "--evidence"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot replay" in err and "no slowdown case" in err
