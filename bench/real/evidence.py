@@ -22,15 +22,12 @@ import numpy as np
 
 from diagnosis import slow
 from diagnosis.conclusion import Conclusion
-from diagnosis.evaluate import window_of
+from diagnosis.evaluate import TIME_COL, window_of
+from diagnosis.slow.context import stage_total
 from ingest.units import MILLISECOND, SECOND
 
 EVERY_MS = 20
 HORIZON_S = 8.0
-STAGE_COLS = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
-              "step_other")
-TIME_OF = {"ops": "t_start", "flows": "t_start", "kernels": "t_start", "chunks": "ts",
-           "wr": "ts", "beats": "ts"}
 
 
 @dataclass(frozen=True)
@@ -50,8 +47,7 @@ class _AsMade:
         self.full = tables
         self.at = 0
         st = tables.get("stages")
-        self.stage_end = (np.asarray(st["t_start"], np.int64)
-                          + sum(np.asarray(st[c], np.int64) for c in STAGE_COLS)) if st else None
+        self.stage_end = (np.asarray(st["t_start"], np.int64) + stage_total(st)) if st else None
 
     def table(self, kind: str) -> dict[str, np.ndarray]:
         t = self.full.get(kind)
@@ -61,7 +57,7 @@ class _AsMade:
             assert self.stage_end is not None
             keep = self.stage_end <= self.at
             return {c: v[keep] for c, v in t.items()}
-        keep = np.asarray(t[TIME_OF.get(kind, "ts")], np.int64) <= self.at
+        keep = np.asarray(t[TIME_COL.get(kind, "ts")], np.int64) <= self.at
         out = {c: v[keep] for c, v in t.items()}
         if kind == "ops" and "t_end" in out:  # a call not ended by then is in flight
             end = np.asarray(out["t_end"], np.int64).copy()
