@@ -351,6 +351,26 @@ def _stop(p: subprocess.Popen[bytes], grace: float = 15.0) -> None:
         p.wait()
 
 
+def _reap(tag: str) -> int:
+    """SIGKILL every process whose command line names `tag` (a case's truth dir), but this one.
+
+    torchrun starts each rank in a session of its own and stops them itself; a torchrun stopped
+    while it is still spawning ranks, or killed after the grace while a hung rank ignores its
+    SIGTERM, leaves ranks no process group reaches. Returns how many were killed."""
+    n = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if tag.encode() not in (d / "cmdline").read_bytes():
+                continue
+            os.kill(int(d.name), signal.SIGKILL)
+            n += 1
+        except OSError:
+            continue
+    return n
+
+
 class Runner:
     """The stack and the per-case processes."""
 
@@ -492,6 +512,8 @@ class Runner:
             if agent is not None:
                 res.agent_cpu_s = _cpu_s(agent.pid)
                 _stop(agent)
+            if _reap(str(cdir)):
+                self.say(f"  {job}: killed ranks torchrun left running")
         res.wall_s = round(time.monotonic() - t0, 1)
         res.job_s = round(res.job_s, 1)
         for name, attr in (("fault.json", "truth"), ("run.json", "run")):

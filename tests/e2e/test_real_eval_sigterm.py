@@ -47,7 +47,12 @@ def torch_ready(pytestconfig: pytest.Config) -> None:
         pytest.skip(f"no CPU torch: {provision.last_error}")
 
 
-def test_sigterm_mid_case_stops_every_process_it_started(tmp_path: Path) -> None:
+# the signal lands as the first rank starts ("-u -m ingest.torch.run": torchrun spawns a session
+# per rank and, stopped mid-spawn, forgets those already started), or mid-case (2 s on)
+@pytest.mark.parametrize(("sign", "after_s"), [("-u -m ingest.torch.run", 0.0),
+                                               ("bench.real.workload", 2.0)])
+def test_sigterm_mid_case_stops_every_process_it_started(tmp_path: Path, sign: str,
+                                                         after_s: float) -> None:
     workdir = tmp_path / "run"
     before = {p for p, _ in ours(workdir)}  # hogs of an unrelated run are not ours
     eval_ = subprocess.Popen(
@@ -59,13 +64,13 @@ def test_sigterm_mid_case_stops_every_process_it_started(tmp_path: Path) -> None
         while time.monotonic() < deadline and eval_.poll() is None:
             running = [c for p, c in ours(workdir) if p not in before]
             # the training job (torchrun names its truth dir) and the hogs beside it are up
-            if any("bench.real.workload" in c for c in running) and \
+            if any(sign in c for c in running) and \
                     any(HOG in c for c in running):
                 break
-            time.sleep(0.5)
+            time.sleep(0.05)
         assert eval_.poll() is None, eval_.stderr.read().decode()[-3000:] if eval_.stderr else ""
         assert time.monotonic() < deadline, "the case never got under way"
-        time.sleep(2)  # mid-case
+        time.sleep(after_s)
         eval_.send_signal(signal.SIGTERM)
         code = eval_.wait(120)
         err = eval_.stderr.read().decode() if eval_.stderr else ""

@@ -198,3 +198,27 @@ def test_a_catalog_the_tracer_cannot_attach_to_is_refused(
     monkeypatch.setattr(harness, "Runner", None)  # a stack started would fail on calling it
     with pytest.raises(RuntimeError, match=r"tracer cannot attach.*make build"):
         harness.run_catalog(catalog.select("", quick=True), lambda m: None, home=tmp_path)
+
+
+def test_reap_kills_every_process_naming_the_case_dir_and_nothing_else(tmp_path: Path) -> None:
+    """A torchrun stopped while it spawns ranks forgets the ones it started (each in a session of
+    its own): the harness kills whatever names the case's directory, and only that."""
+    import subprocess
+    import sys
+
+    from bench.real.harness import _reap
+
+    sleep = "import sys, time; time.sleep(60)"
+    mine = [subprocess.Popen([sys.executable, "-c", sleep, str(tmp_path / "case-a")],
+                             start_new_session=True) for _ in range(2)]
+    other = subprocess.Popen([sys.executable, "-c", sleep, str(tmp_path / "case-b")],
+                             start_new_session=True)
+    try:
+        assert _reap(str(tmp_path / "case-a")) == 2
+        assert [p.wait(10) for p in mine] == [-9, -9]
+        assert other.poll() is None
+        assert _reap(str(tmp_path / "case-a")) == 0
+    finally:
+        for p in (*mine, other):
+            p.kill()
+            p.wait()
