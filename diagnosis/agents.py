@@ -10,10 +10,16 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   event-time watermark (newest progress `window_end`): the feed closes a window every second
   for every (rank, comm) — a stopped rank still gets rows while its host beats — so silence is
   measured in event time and a lagging feed cannot look like a hang. The price is the feed's
-  watermark lag (streams/windows.py: learned per-source lateness). Step rows arrive twice: as
-  previews when a step's records are stored, and with their window (streams/derived.py);
-  JobWatch counts each step once. The feed agents wait at most `FEED_WITHIN_S` to fill a
-  buffer. Triggers go to `rw.triggers` (`TriggerRecord` JSON, keyed by job).
+  watermark lag (streams/windows.py: learned per-source lateness). Step rows arrive three
+  times: from the stage records themselves as the raw sink stores them (`on_stored`, like the
+  beats), as the derived runner's previews at its next tick, and with their window
+  (streams/derived.py); JobWatch counts each step once (its time: the largest seen). The
+  stored records reach the step-time trigger first: the previews wait for the runner's tick
+  (every 0.25 s, longer when it is busy), a publish and this agent's read — on the real
+  catalog's DDP slowdowns the analysis had its evidence 4 steps after the onset and its first
+  try came 7-10 steps after it (`rankwatch eval --real --rescore RUN --evidence`). The feed
+  agents wait at most `FEED_WITHIN_S` to fill a buffer. Triggers go to `rw.triggers`
+  (`TriggerRecord` JSON, keyed by job).
   A job's watch needs its topology (the `jobs` table). Its feed and beats batches that come
   first wait for it, in order, and are read as soon as it is stored (`_ready_watch`; the
   timer looks for it too, `_release_waiting`, for when no later batch comes); a worker reads
@@ -67,7 +73,7 @@ from diagnosis.analyst import Analyst, AnalystConfig
 from diagnosis.columns import Columns, coded_column, ints
 from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
-from diagnosis.triggers.watch import JobWatch
+from diagnosis.triggers.watch import JobWatch, steps_from_stages
 from diagnosis.window import (
     Window,
     latest_op_rows,
@@ -254,15 +260,18 @@ class DiagnosisAgents:
         app.agent(self.t_iterations, name="rankwatch.diagnosis.iterations")(self._on_iterations)
         app.agent(self.t_triggers, name="rankwatch.diagnosis.root_cause")(self._on_triggers)
         app.timer(tick_s)(self._tick)
-        #: stored beats batches waiting for the trigger (`on_stored`); full: dropped, counted
-        self._beats: asyncio.Queue[RecordBatch] = asyncio.Queue(maxsize=BEATS_QUEUE)
+        #: stored beats and stage batches waiting for the trigger (`on_stored`); full:
+        #: dropped, counted per kind
+        self._stored: asyncio.Queue[tuple[str, RecordBatch]] = asyncio.Queue(
+            maxsize=BEATS_QUEUE)
         self.beats_dropped = 0
+        self.stages_dropped = 0
         #: per job without a stored topology: its batches so far, (what, batch), in order
         self._waiting: dict[str, deque[tuple[str, RecordBatch]]] = {}
         self._waiting_bytes = 0
         self.waiting_dropped = 0
         self._release_due_ns = 0  # the next look for the waiting jobs' topologies (`_tick`)
-        app.task(self._on_beats)
+        app.task(self._on_stored)
 
     # -- I/O helpers -------------------------------------------------------------------------
 
@@ -462,15 +471,17 @@ class DiagnosisAgents:
             del self._waiting[job]
 
     async def _observe(self, what: str, b: RecordBatch, w: JobWatch) -> None:
-        """One batch of a job with a watch: `progress`, `iterations` or stored `beats`."""
+        """One batch of a job with a watch: `progress`, `iterations`, or stored `beats` or
+        `stages`."""
         if what == "progress":
             ops, beats = progress_as_ops(b.cols)
             we = ints(b.cols, "window_end")
             now = max(self.watermark.get(b.job_id, 0), int(we.max()) if we.size else 0)
             self.watermark[b.job_id] = now
             await self._publish_triggers(w.observe(now, ops=ops, beats=beats, progress=b.cols))
-        elif what == "iterations":
-            steps = iterations_as_steps(b.cols)
+        elif what in ("iterations", "stages"):
+            steps = iterations_as_steps(b.cols) if what == "iterations" else \
+                steps_from_stages(b.cols)
             now = self.watermark.get(b.job_id) or int(steps["t_end"].max(initial=0))
             await self._publish_triggers(w.observe(now, steps=steps))
         else:
@@ -485,25 +496,30 @@ class DiagnosisAgents:
     def on_stored(self, kind: str, batch: RecordBatch) -> None:
         """A raw batch of an owned job is stored (streams.derived.ObservingStore's listener):
         beats go to the trigger, which reads the ranks' op counters in them without waiting
-        for the progress feed's windows (heartbeat.beat_progress_trigger)."""
-        if kind != "beats":
+        for the progress feed's windows (heartbeat.beat_progress_trigger), and stage records
+        go to the step-time trigger as they are stored, without waiting for the iteration
+        previews of the derived runner's next tick (module docstring)."""
+        if kind not in ("beats", "stages"):
             return
         try:
-            self._beats.put_nowait(batch)
-        except asyncio.QueueFull:  # the trigger is behind: the progress feed still covers it
-            self.beats_dropped += 1
+            self._stored.put_nowait((kind, batch))
+        except asyncio.QueueFull:  # the trigger is behind: the derived feeds still cover it
+            if kind == "beats":
+                self.beats_dropped += 1
+            else:
+                self.stages_dropped += 1
 
-    async def _on_beats(self) -> None:
+    async def _on_stored(self) -> None:
         while True:
-            b = await self._beats.get()
+            kind, b = await self._stored.get()
             try:
                 if not self.ownership.owns(b.job_id):
                     continue
-                w = await self._ready_watch("beats", b)
+                w = await self._ready_watch(kind, b)
                 if w is not None:
-                    await self._observe("beats", b, w)
-            except Exception:  # never stop reading beats for one bad batch or a broker blip
-                log.exception("beats trigger failed for %s", b.job_id)
+                    await self._observe(kind, b, w)
+            except Exception:  # never stop reading for one bad batch or a broker blip
+                log.exception("%s trigger failed for %s", kind, b.job_id)
 
     async def _on_triggers(self, stream: StreamT[Any]) -> None:
         async for events in cast(Stream[bytes], stream).take_events(16, FEED_WITHIN_S):

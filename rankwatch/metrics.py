@@ -171,8 +171,10 @@ class WorkerCollector(Collector):
         yield _counter("rankwatch_triggers", "Triggers published", "kind",
                        {k: float(v) for k, v in dict(agents.trigger_counts).items()})
         yield _counter("rankwatch_trigger_batches_dropped", "Batches the trigger agents "
-                       "dropped: beats while behind, or waiting for a job's topology too long",
+                       "dropped: stored beats or stage records while behind, or waiting for "
+                       "a job's topology too long",
                        "reason", {"beats_queue_full": float(agents.beats_dropped),
+                                  "stages_queue_full": float(agents.stages_dropped),
                                   "topology_wait": float(agents.waiting_dropped)})
         by = Counter((d.kind, d.status) for d in list(agents.published))
         m = CounterMetricFamily("rankwatch_diagnoses", "Diagnosis versions published",

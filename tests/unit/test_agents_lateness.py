@@ -154,3 +154,57 @@ def test_the_timer_releases_a_job_whose_last_batch_came_before_its_topology(
         assert looks == ["j", "j"]
 
     asyncio.run(run())
+
+
+def test_stored_stage_records_reach_the_step_trigger_without_the_derived_feed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage records go to the job's step-time trigger as the raw sink stores them (no
+    iteration preview needed): a rank's steps twice as long fire a straggler trigger; other
+    stored kinds do not reach it, and a full queue drops and counts."""
+    from diagnosis.triggers.base import Trigger
+    from diagnosis.triggers.watch import JobWatch
+    from ingest.records import Communicator, JobTopology
+
+    a = agents()
+    topo = JobTopology(job_id="j", ts=0, world_size=2, dp=2, hosts=["h", "h"],
+                       communicators=[Communicator(comm_id="w", kind="dp", members=[0, 1])])
+    watch = JobWatch(topo)
+    fired: list[Trigger] = []
+
+    async def get_watch(job: str) -> JobWatch | None:
+        return watch if job == "j" else None
+
+    async def publish(ts: list[Trigger]) -> None:
+        fired.extend(ts)
+
+    monkeypatch.setattr(a, "_watch", get_watch)
+    monkeypatch.setattr(a, "_publish_triggers", publish)
+
+    def stages(first: int, n: int, step_ms: int) -> RecordBatch:
+        step = np.repeat(np.arange(first, first + n), 2)
+        rank = np.tile([0, 1], n)
+        dur = np.full(step.size, step_ms * 1_000_000, np.int64)
+        z = np.zeros(step.size, np.int64)
+        t0 = step.astype(np.int64) * 200_000_000
+        return RecordBatch("stages", "j", "test", first, {
+            "rank": rank, "step": step, "t_start": t0, "data_next_wait": z,
+            "model_fwd_loss": dur, "model_backward": z, "callbacks": z, "optim_step": z,
+            "step_other": z})
+
+    async def run() -> None:
+        task = asyncio.ensure_future(a._on_stored())
+        a.on_stored("ops", stages(0, 1, 50))  # not a kind the trigger reads
+        a.on_stored("stages", stages(0, 20, 50))
+        a.on_stored("stages", stages(20, 4, 100))
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if fired:
+                break
+        task.cancel()
+
+    asyncio.run(run())
+    assert [t.kind for t in fired][:1] == ["straggler"]
+    monkeypatch.setattr(a, "_stored", asyncio.Queue(maxsize=1))
+    a.on_stored("stages", stages(0, 1, 50))
+    a.on_stored("stages", stages(1, 1, 50))
+    assert a.stages_dropped == 1 and a.beats_dropped == 0
