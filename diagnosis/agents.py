@@ -69,7 +69,7 @@ import orjson
 from faust.streams import Stream
 from faust.types import StreamT
 
-from diagnosis.analyst import Analyst, AnalystConfig
+from diagnosis.analyst import Analyst, AnalystConfig, newest_per_rank
 from diagnosis.columns import Columns, coded_column, ints
 from diagnosis.model import Diagnosis, TriggerRecord
 from diagnosis.triggers.base import Trigger
@@ -272,6 +272,9 @@ class DiagnosisAgents:
         self.waiting_dropped = 0
         self._release_due_ns = 0  # the next look for the waiting jobs' topologies (`_tick`)
         app.task(self._on_stored)
+        #: set when a job with a pending performance trigger has stage records stored
+        self._evidence = asyncio.Event()
+        app.task(self._on_evidence)
 
     # -- I/O helpers -------------------------------------------------------------------------
 
@@ -385,7 +388,7 @@ class DiagnosisAgents:
         # a pending trigger too: retried here, it would open the new owner's incident twice
         for per_job in (self.watches, self.topos, self.watermark, a.last_check, a.last_sweep,
                         a.swept_at, a.resolved_hangs, a.exits_judged, a.exit_checks, a.pending,
-                        a.pending_slow):
+                        a.pending_slow, a.stages_stored, a.slow_tried_at):
             for job in [j for j in per_job if j in gone]:
                 del per_job[job]
         for job in [j for j in self._waiting if j in gone]:
@@ -499,6 +502,14 @@ class DiagnosisAgents:
         for the progress feed's windows (heartbeat.beat_progress_trigger), and stage records
         go to the step-time trigger as they are stored, without waiting for the iteration
         previews of the derived runner's next tick (module docstring)."""
+        if kind in ("stages", "ops"):
+            try:  # how far the job's stage records and calls are stored (`Analyst.stored`)
+                self.analyst.stored(batch.job_id, kind, *newest_per_rank(kind, batch.cols))
+            except (KeyError, ValueError, TypeError):  # stored, but not this bookkeeping's
+                log.warning("stored %s batch of %s: no rank/time columns", kind, batch.job_id)
+            # a pending slowdown's evidence may be complete: try it now, not at the tick
+            if kind == "stages" and batch.job_id in self.analyst.pending_slow:
+                self._evidence.set()
         if kind not in ("beats", "stages"):
             return
         try:
@@ -520,6 +531,19 @@ class DiagnosisAgents:
                     await self._observe(kind, b, w)
             except Exception:  # never stop reading for one bad batch or a broker blip
                 log.exception("%s trigger failed for %s", kind, b.job_id)
+
+    async def _on_evidence(self) -> None:
+        """Pending performance triggers tried again as their jobs' stage records are stored
+        (`Analyst.retry_slow`: each when its pacing allows), not at the next tick."""
+        while True:
+            await self._evidence.wait()
+            self._evidence.clear()
+            try:
+                async with self.lock:
+                    diags = await asyncio.to_thread(self.analyst.retry_slow, self.clock())
+                await self._publish(diags)
+            except Exception:  # never stop trying for one bad window or a broker blip
+                log.exception("pending slowdown try failed")
 
     async def _on_triggers(self, stream: StreamT[Any]) -> None:
         async for events in cast(Stream[bytes], stream).take_events(16, FEED_WITHIN_S):

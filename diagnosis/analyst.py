@@ -41,12 +41,21 @@ finished job would drift to "process died".
 - a performance trigger whose analysis finds nothing stays pending too, for `slow_pending_s`:
   it fires on the job's step time at the onset, when too few slow steps are stored for a
   change to stand out of the noise (`slow.context`: `onset_steps` of them, stored). Until a
-  conclusion or the time is up, the analysis runs again at the advancing event clock, each
-  try no sooner than the last one's cost (read and analysis) over `pending_share` after it, and
-  at least `retry_s` (a small job every quarter second; a large one's tries may take five
-  times a sweep's `sweep_share` of the clock, as a fault is suspected, for those few
-  seconds): a slowdown is named once its evidence is stored, not at the next sweep.
-  Pending hang triggers are paced the same way, but never wait more than `HANG_RETRY_S`.
+  conclusion or the time is up, the sweep's analysis (`_slow_try`, a few steps of the job's
+  calls rather than 90 s of every kind) runs again at the advancing slow clock
+  (`_slow_clock`), each try no sooner than the last one's cost (read and analysis) over
+  `pending_share` after it, and at least `retry_s` (a small job every quarter second; a large
+  one's tries may take five times a sweep's `sweep_share` of the clock, as a fault is
+  suspected, for those few seconds): a slowdown is named once its evidence is stored, not at
+  the next sweep. Where the caller reports stored stage records (`stored`: the worker's raw
+  sink), a try is timed to them: made only once new ones are stored, then as soon as
+  `evidence_retry_s` and its cost allow (`retry_slow`, which the worker calls as a pending
+  job's stage batch is stored). Pending hang triggers are paced on the tick by their cost too,
+  but never wait more than `HANG_RETRY_S`.
+- a slowdown analysis (trigger, tries, sweep) reads up to the job's slow clock: the moment
+  every rank's stage records and calls are reported stored, or the event clock if later. The
+  event clock follows the progress feed's watermark, which moves one closed one-second window
+  at a time and stood up to a second behind the stored stage records.
 - aftermath: a stall that ends (a hang incident resolved because progress resumed) leaves its
   trace in the step series — the stalled step is long, so ARGUS's jitter test and the sweep see
   it on the same ranks. For `aftermath_s` after such a hang resolved, a performance conclusion
@@ -77,10 +86,11 @@ from typing import Protocol
 import numpy as np
 
 from diagnosis import engine, hang_rca, ops_rca, slow
-from diagnosis.columns import ints
+from diagnosis.columns import Columns, ints
 from diagnosis.conclusion import Conclusion
 from diagnosis.incidents import IncidentBook, incident_class, incident_id
 from diagnosis.model import Diagnosis
+from diagnosis.slow.context import stage_total
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window, announced_ops_stored, beats_current
 from ingest.units import SECOND
@@ -131,6 +141,10 @@ class AnalystConfig:
     #: a pending trigger's tries take at most this share of the wall clock (`_retry_gap`):
     #: more than a sweep's, as a fault is suspected — but only for `slow_pending_s`
     pending_share: float = 0.25
+    #: the shortest gap between two tries of a pending performance trigger of a job whose
+    #: stored stage records are reported (`stored`): tried as new ones are stored, not on
+    #: the tick — and not tried while none are
+    evidence_retry_s: float = 0.05
 
 
 @dataclass
@@ -166,6 +180,41 @@ class Analyst:
     #: of them left waiting on another (`_exits`). Its triggers about moments before then
     #: are not analysed and its pending ones are dropped, until a rank beats again after it
     ended: dict[str, int] = field(default_factory=dict)
+    #: job -> stage batches reported stored (`stored`), and the count at its pending
+    #: performance trigger's last try: a try without new stage records is not made
+    stages_stored: dict[str, int] = field(default_factory=dict)
+    slow_tried_at: dict[str, int] = field(default_factory=dict)
+    #: (job, "stages" | "ops") -> rank -> the newest moment of its records of that kind
+    #: reported stored (`stored`): up to where a slowdown analysis may read (`_slow_clock`)
+    stored_to: dict[tuple[str, str], dict[int, int]] = field(default_factory=dict)
+
+    def stored(self, job_id: str, kind: str, ranks: np.ndarray, ends: np.ndarray) -> None:
+        """A batch of the job's `kind` records is stored (the worker's raw sink), `ends[i]`
+        the newest moment of rank `ranks[i]`'s records in it (`newest_per_rank`). Stage
+        records: the evidence a pending performance trigger waits for may be complete
+        (`_retry_slow`)."""
+        if kind == "stages":
+            self.stages_stored[job_id] = self.stages_stored.get(job_id, 0) + 1
+        seen = self.stored_to.setdefault((job_id, kind), {})
+        for r, e in zip(ranks.tolist(), ends.tolist(), strict=True):
+            if e > seen.get(r, 0):
+                seen[r] = e
+
+    def _slow_clock(self, job: str, now_ns: int) -> int:
+        """The moment a slowdown analysis reads up to: the job's event clock, or, if later, the
+        moment up to which every rank's stage records and calls are reported stored (the
+        earliest rank's newest; never past the wall clock). The event clock follows the
+        progress feed, whose watermark moves a closed one-second window at a time: live, it
+        stood up to a second behind the stored stage records, and the tries of a pending
+        slowdown read the same steps again and again (a slow step is judged once its records
+        are stored: `slow.context.full_steps` keeps only steps every rank has finished)."""
+        at = self.event_clock(job, now_ns)
+        st = self.stored_to.get((job, "stages"))
+        if not st:
+            return at
+        ops = self.stored_to.get((job, "ops"))
+        hi = min(st.values()) if not ops else min(min(st.values()), min(ops.values()))
+        return max(at, min(now_ns, hi))
 
     def _window(self, job_id: str, at_ns: int,
                 kinds: Collection[str] | None = None) -> Window | None:
@@ -224,7 +273,8 @@ class Analyst:
         cls = "hang" if t.kind in ("hang", "failure") else "performance"
         if self.book.is_open(t.job_id, cls) or self.book.is_open(t.job_id, "hang"):
             return []
-        at = self._trigger_clock(t, now_ns, now_ns)
+        at = self._trigger_clock(t, now_ns, now_ns) if cls == "hang" else \
+            self._slow_clock(t.job_id, now_ns)
         w = self._window(t.job_id, at)
         if w is None:
             return []
@@ -237,12 +287,17 @@ class Analyst:
                 self.pending.setdefault(
                     t.job_id, (t, now_ns, now_ns + self._retry_gap(ms, hang=True)))
             elif t.job_id not in self.pending_slow:
-                self.pending_slow[t.job_id] = (t, now_ns, now_ns + self._retry_gap(ms))
+                stored = self.stages_stored.get(t.job_id)
+                floor = None if stored is None else self.config.evidence_retry_s
+                self.pending_slow[t.job_id] = (t, now_ns,
+                                               now_ns + self._retry_gap(ms, floor_s=floor))
+                if stored is not None:
+                    self.slow_tried_at[t.job_id] = stored
             return []
         (self.pending if cls == "hang" else self.pending_slow).pop(t.job_id, None)
         return self._publish(c, w, t, now_ns, ms)
 
-    def _retry_gap(self, ms: float, hang: bool = False) -> int:
+    def _retry_gap(self, ms: float, hang: bool = False, floor_s: float | None = None) -> int:
         """ns until the next try of a pending trigger whose last try took `ms`: its cost over
         `pending_share`, at least `retry_s` (a slowdown is named a step or two after its
         evidence is stored, not at a whole second's tick: the step trigger fires after two
@@ -250,31 +305,75 @@ class Analyst:
         a 0.1 s try on a busy 2-core host waited 2 s — 20 steps of a 100 ms job — for the
         next). A hang waits at most `HANG_RETRY_S` however costly its analysis: a job is
         stalled, and every rank waits."""
-        gap = max(self.config.retry_s, ms / 1e3 / self.config.pending_share)
+        floor = self.config.retry_s if floor_s is None else floor_s
+        gap = max(floor, ms / 1e3 / self.config.pending_share)
         return int((min(gap, HANG_RETRY_S) if hang else gap) * SECOND)
 
     def _retry_slow(self, job: str, now_ns: int) -> list[Diagnosis]:
         """Re-run the analysis of a performance trigger that found nothing (module
-        docstring)."""
+        docstring): the sweep's (`_slow_try`), which reads a few steps of the job's calls,
+        not 90 s of every kind — a try's cost sets the gap to the next. A job whose stored
+        stage records are reported (`stored`) is tried only once new ones are, and then as
+        soon as `evidence_retry_s` and the cost allow."""
         t, since, due = self.pending_slow[job]
         if self.book.is_open(job, "performance") or self.book.is_open(job, "hang") or \
                 now_ns - since > self.config.slow_pending_s * SECOND:
             del self.pending_slow[job]
+            self.slow_tried_at.pop(job, None)
             return []
-        if now_ns < due:
+        stored = self.stages_stored.get(job)
+        if now_ns < due or (stored is not None and stored == self.slow_tried_at.get(job)):
             return []
         t0 = time.perf_counter()
-        at = self.event_clock(job, now_ns)
-        w = self._window(job, at)
-        c, ms = None, 0.0
-        if w is not None:
-            c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        at = self._slow_clock(job, now_ns)
+        tried = self._slow_try(job, at)
+        if tried is None:  # no stage records: the trigger's own analysis, over every kind
+            w = self._window(job, at)
+            c, ms = (None, 0.0) if w is None else \
+                self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        else:
+            c, w, ms = tried
         if c is None or w is None:
             cost = (time.perf_counter() - t0) * 1e3  # the read included: most of a try
-            self.pending_slow[job] = (t, since, now_ns + self._retry_gap(cost))
+            floor = None if stored is None else self.config.evidence_retry_s
+            self.pending_slow[job] = (t, since, now_ns + self._retry_gap(cost, floor_s=floor))
+            if stored is not None:
+                self.slow_tried_at[job] = stored
             return []
         del self.pending_slow[job]
+        self.slow_tried_at.pop(job, None)
         return self._publish(c, w, t, now_ns, ms)
+
+    def retry_slow(self, now_ns: int) -> list[Diagnosis]:
+        """Each pending performance trigger tried again if due (`_retry_slow`): the tick's,
+        and the worker's as a job's stage records are stored."""
+        out: list[Diagnosis] = []
+        for job in sorted(self.pending_slow):
+            out += self._retry_slow(job, now_ns)
+        return out
+
+    def _slow_try(self, job: str, at: int, since_ns: int | None = None
+                  ) -> tuple[Conclusion | None, Window | None, float] | None:
+        """The slowdown analysis of a sweep and of a pending performance trigger's tries, at
+        `at`: over the job's stage records and the other `SWEEP_KINDS` from where the analysis
+        looks (`_sweep_window`; `since_ns`: the previous sweep's clock), nothing while a rank is
+        stuck in a call (a stall in progress is the hang analysis's: a slowdown read off the
+        stalled step would open a second, wrong incident), a conclusion judged again with the
+        beats (the read has none; its culprit may be starved of CPU: slow.cpu). (conclusion,
+        window, analysis ms); None for a job without stage records."""
+        w, cfg = self._sweep_window(job, at, since_ns)
+        if w is not None and not w.get("stages"):
+            return None
+        if w is None or hang_rca.stuck_ranks(w, at).size:
+            return None, w, 0.0
+        c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
+        if c is not None and "beats" not in w.tables:
+            b = self.read(job, w.start_ns, at, ("beats",))
+            if b is not None and b.get("beats"):
+                w = Window(w.topo, {**w.tables, "beats": b.tables["beats"]}, w.start_ns,
+                           w.now_ns)
+                c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
+        return c, w, ms
 
     def _trigger_clock(self, t: Trigger, since_ns: int, now_ns: int) -> int:
         """The moment a trigger's analysis reads up to: the job's event clock, or for a trigger
@@ -377,8 +476,7 @@ class Analyst:
         out: list[Diagnosis] = []
         for job in sorted(self.pending):
             out += self._retry_pending(job, now_ns)
-        for job in sorted(self.pending_slow):
-            out += self._retry_slow(job, now_ns)
+        out += self.retry_slow(now_ns)
         for job in sorted(self.jobs):
             if not self.book.is_open(job, "hang"):
                 ended = self._exits(job, now_ns)
@@ -394,30 +492,19 @@ class Analyst:
                     and now_ns - self.last_sweep.get(job, 0) >= self._sweep_gap(job) * SECOND:
                 self.last_sweep[job] = now_ns
                 t0 = time.perf_counter()
-                at = self.event_clock(job, now_ns)
+                at = self._slow_clock(job, now_ns)
                 prev = self.swept_at.get(job)
                 if prev == at:
                     continue
                 self.swept_at[job] = at
                 t = Trigger(job, at, "straggler", (), {"rule": "rankwatch.sweep"})
-                w, cfg = self._sweep_window(job, at, prev)
-                if w is not None and not w.get("stages"):  # the analysis from ops alone
+                tried = self._slow_try(job, at, prev)
+                if tried is None:  # no stage records: the analysis from ops alone
                     out += self._ops_sweep(job, at, now_ns)
                     continue
-                # a stall in progress is the hang analysis' business (its trigger follows): a
-                # slowdown read off the stalled step would open a second, wrong incident
-                if w is not None and not hang_rca.stuck_ranks(w, at).size:
-                    c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
-                    if c is not None and "beats" not in w.tables:
-                        # the sweep reads no beats; a conclusion is judged again with them
-                        # (its culprit may be starved of CPU: slow.cpu)
-                        b = self.read(job, w.start_ns, at, ("beats",))
-                        if b is not None and b.get("beats"):
-                            w = Window(w.topo, {**w.tables, "beats": b.tables["beats"]},
-                                       w.start_ns, w.now_ns)
-                            c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
-                    if c is not None:
-                        out += self._publish(c, w, t, now_ns, ms)
+                c, w, ms = tried
+                if c is not None and w is not None:
+                    out += self._publish(c, w, t, now_ns, ms)
                 self.sweep_cost[job] = time.perf_counter() - t0
         return out
 
@@ -526,6 +613,23 @@ class Analyst:
                                                              {"rule": "rankwatch.recheck"})
                 out += self._publish(c, w, t, now_ns, ms)
         return out
+
+
+def newest_per_rank(kind: str, cols: Columns) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, the newest moment of each one's records) in a batch of `kind` ("stages": a
+    record's step end; "ops": a call's end, or its enqueue while it is in flight), for
+    `Analyst.stored`."""
+    rank = ints(cols, "rank")
+    if kind == "stages":
+        end = ints(cols, "t_start") + stage_total(cols)
+    else:
+        end = np.maximum(ints(cols, "t_end", 0), ints(cols, "t_enqueue", 0))
+    if not rank.size:
+        return rank, end
+    ranks, at = np.unique(rank, return_inverse=True)
+    newest = np.zeros(ranks.size, dtype=np.int64)
+    np.maximum.at(newest, at, end.astype(np.int64))
+    return ranks, newest
 
 
 def _every_rank_exited(w: Window, at_ns: int) -> bool:

@@ -208,3 +208,55 @@ def test_stored_stage_records_reach_the_step_trigger_without_the_derived_feed(
     a.on_stored("stages", stages(0, 1, 50))
     a.on_stored("stages", stages(1, 1, 50))
     assert a.stages_dropped == 1 and a.beats_dropped == 0
+
+
+def test_stored_stage_records_time_a_pending_slowdowns_next_try(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stored stage or call batch tells the analyst how far each rank's records are
+    stored; a stage batch of a job with a pending performance trigger has it tried at once
+    (`Analyst.retry_slow`), not at the next tick. A batch without rank or time columns is
+    stored all the same: it only goes uncounted."""
+    from diagnosis.triggers.base import Trigger
+
+    a = agents()
+    tries: list[int] = []
+
+    def retry_slow(now: int) -> list[object]:
+        tries.append(now)
+        return []
+
+    monkeypatch.setattr(a.analyst, "retry_slow", retry_slow)
+    a.clock = lambda: 5 * SECOND
+
+    def batch(kind: str, cols: dict[str, np.ndarray]) -> RecordBatch:
+        return RecordBatch(kind, "j", "test", 0, cols)
+
+    z = np.zeros(2, np.int64)
+    st = {"rank": np.array([0, 1]), "step": np.array([3, 3]), "t_start": np.array([10, 12]),
+          "data_next_wait": z, "model_fwd_loss": np.array([5, 9]), "model_backward": z,
+          "callbacks": z, "optim_step": z, "step_other": z}
+
+    async def run() -> None:
+        task = asyncio.ensure_future(a._on_evidence())
+        a.on_stored("stages", batch("stages", st))  # nothing pending: no try
+        await asyncio.sleep(0.05)
+        assert tries == []
+        a.analyst.pending_slow["j"] = (Trigger("j", 1, "straggler", ()), 1, 2)
+        a.on_stored("ops", batch("ops", {"rank": np.array([1, 1]), "t_enqueue": np.array([
+            30, 40]), "t_end": np.array([35, 0])}))  # calls do not time a try
+        await asyncio.sleep(0.05)
+        assert tries == []
+        a.on_stored("stages", batch("stages", st))
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if tries:
+                break
+        task.cancel()
+
+    asyncio.run(run())
+    assert tries == [5 * SECOND]
+    assert a.analyst.stages_stored["j"] == 2
+    assert a.analyst.stored_to[("j", "stages")] == {0: 15, 1: 21}
+    assert a.analyst.stored_to[("j", "ops")] == {1: 40}  # its call in flight since 40
+    a.on_stored("stages", batch("stages", {"step": np.array([4])}))  # no rank, no times
+    assert a.analyst.stages_stored["j"] == 2

@@ -390,3 +390,60 @@ def test_pending_triggers_are_tried_again_at_their_cost_and_a_hang_within_a_seco
     assert Analyst(lambda *_a, **_k: None)._retry_gap(100.0) == int(0.4 * S)  # at 25 %
     assert a._retry_gap(100.0, hang=True) == int(HANG_RETRY_S * S)
     assert a._retry_gap(2.0, hang=True) == S // 4
+
+
+def test_a_slowdown_is_read_up_to_where_every_ranks_records_are_stored() -> None:
+    """The event clock follows the progress feed's closed windows, a second at a time; a
+    slowdown analysis reads further, to the moment every rank's stage records and calls are
+    reported stored (the earliest rank's newest), never past the wall clock."""
+    a = Analyst(lambda *_a, **_k: None, event_clock=lambda job, now: 100 * S)
+    assert a._slow_clock("j", 200 * S) == 100 * S  # nothing reported: the event clock
+    a.stored("j", "stages", np.array([0, 1]), np.array([150 * S, 140 * S]))
+    assert a._slow_clock("j", 200 * S) == 140 * S  # rank 1's stage records end there
+    a.stored("j", "ops", np.array([0, 1]), np.array([160 * S, 130 * S]))
+    assert a._slow_clock("j", 200 * S) == 130 * S  # and its calls earlier still
+    a.stored("j", "ops", np.array([1]), np.array([120 * S]))  # an older batch moves nothing
+    assert a._slow_clock("j", 200 * S) == 130 * S
+    a.stored("j", "ops", np.array([1]), np.array([300 * S]))
+    assert a._slow_clock("j", 145 * S) == 140 * S  # the stage records now
+    assert a._slow_clock("j", 135 * S) == 135 * S  # never past the wall clock
+    assert a._slow_clock("k", 200 * S) == 100 * S  # another job
+    b = Analyst(lambda *_a, **_k: None, event_clock=lambda job, now: 170 * S)
+    b.stored("j", "stages", np.array([0]), np.array([150 * S]))
+    assert b._slow_clock("j", 200 * S) == 170 * S  # the event clock, when it is later
+
+
+def test_a_pending_slowdown_is_tried_as_its_stage_records_are_stored() -> None:
+    """Where the worker reports stored stage batches, a pending performance trigger is tried
+    again only once new ones are stored — then as soon as `evidence_retry_s` and its cost
+    allow, sooner than the tick's `retry_s` — and concludes on the try that finds the
+    evidence."""
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("gpu_slow rank=9 factor=1.6 at=2s", steps=16)
+    job = w.topo.job_id
+    seen = {"early": True, "reads": 0}
+
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
+        seen["reads"] += kinds is not None and "stages" in kinds  # a try's first read
+        return Window(w.topo, {}, start_ns, now_ns) if seen["early"] else w
+
+    a = Analyst(read, AnalystConfig(retry_s=1, evidence_retry_s=0.05, slow_pending_s=6,
+                                    sweep_s=60, min_sweep_s=60), event_clock=lambda j, t: now)
+    a.last_sweep[job] = now + 100 * S  # no sweep in the way
+    a.exit_checks[job] = (now + 100 * S, now)  # no look for exit beats either
+    a.stored(job, "stages", np.array([9]), np.array([now]))
+    t = Trigger(job, now, "straggler", (9,), {"rule": "venustrace.expected_step"})
+    assert a.on_trigger(t, now) == [] and job in a.pending_slow
+    reads = seen["reads"]
+    assert a.tick(now + 2 * S) == [] and seen["reads"] == reads  # nothing new stored
+    a.stored(job, "stages", np.array([9]), np.array([now]))
+    assert a.retry_slow(now + 2 * S + S // 10) == [] and seen["reads"] == reads + 1
+    assert a.tick(now + 3 * S) == [] and seen["reads"] == reads + 1  # nothing new stored
+    a.stored(job, "stages", np.array([9]), np.array([now]))
+    seen["early"] = False
+    out = a.retry_slow(now + 3 * S + S // 10)
+    assert [(d.status, d.culprit_ranks) for d in out] == [("open", [9])]
+    assert job not in a.pending_slow and job not in a.slow_tried_at
