@@ -50,7 +50,9 @@ finished job would drift to "process died".
   the next sweep. Where the caller reports stored stage records (`stored`: the worker's raw
   sink), a try is timed to them: made only once new ones are stored, then as soon as
   `evidence_retry_s` and its cost allow (`retry_slow`, which the worker calls as a pending
-  job's stage batch is stored). Pending hang triggers are paced on the tick by their cost too,
+  job's stage batch is stored); another performance trigger of the job meanwhile is absorbed:
+  its analysis would read the same steps, unpaced (the step triggers fire again every few
+  steps while a slowdown lasts). Pending hang triggers are paced on the tick by their cost too,
   but never wait more than `HANG_RETRY_S`.
 - a slowdown analysis (trigger, tries, sweep) reads up to the job's slow clock: the moment
   every rank's stage records and calls are reported stored, or the event clock if later. The
@@ -272,6 +274,11 @@ class Analyst:
             return []  # the silence of a job that ended, not a hang (`_exits`)
         cls = "hang" if t.kind in ("hang", "failure") else "performance"
         if self.book.is_open(t.job_id, cls) or self.book.is_open(t.job_id, "hang"):
+            return []
+        if cls == "performance" and t.job_id in self.pending_slow and \
+                t.job_id in self.stages_stored:
+            # the pending trigger's tries, timed to the stored evidence and paced by their
+            # cost, read the same steps: an analysis now would spend a whole read on them
             return []
         at = self._trigger_clock(t, now_ns, now_ns) if cls == "hang" else \
             self._slow_clock(t.job_id, now_ns)

@@ -417,7 +417,7 @@ def test_a_pending_slowdown_is_tried_as_its_stage_records_are_stored() -> None:
     """Where the worker reports stored stage batches, a pending performance trigger is tried
     again only once new ones are stored — then as soon as `evidence_retry_s` and its cost
     allow, sooner than the tick's `retry_s` — and concludes on the try that finds the
-    evidence."""
+    evidence; another performance trigger meanwhile is absorbed, not analysed."""
     from diagnosis.triggers.base import Trigger
     from tests.unit.test_diagnosis_engine import window
 
@@ -437,7 +437,9 @@ def test_a_pending_slowdown_is_tried_as_its_stage_records_are_stored() -> None:
     a.stored(job, "stages", np.array([9]), np.array([now]))
     t = Trigger(job, now, "straggler", (9,), {"rule": "venustrace.expected_step"})
     assert a.on_trigger(t, now) == [] and job in a.pending_slow
-    reads = seen["reads"]
+    reads, full = seen["reads"], len(a.analysis_ms)
+    again = Trigger(job, now + S, "jitter", (9,), {"rule": "argus.l1.jitter"})
+    assert a.on_trigger(again, now + S) == [] and len(a.analysis_ms) == full  # absorbed
     assert a.tick(now + 2 * S) == [] and seen["reads"] == reads  # nothing new stored
     a.stored(job, "stages", np.array([9]), np.array([now]))
     assert a.retry_slow(now + 2 * S + S // 10) == [] and seen["reads"] == reads + 1
