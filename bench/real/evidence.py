@@ -7,14 +7,16 @@ the two apart, `evidence_ready` replays a case's capture with every record store
 was made (a stage record at its step's end, a call's end at its `t_end`, anything else at its
 own time) and runs the slowdown analysis every `EVERY_MS` from the onset: the first moment it
 names the fault's ranks is when a diagnosis could have been made with a record path and a
-trigger that cost nothing. `rankwatch eval --real --rescore RUN --workdir DIR --evidence` prints
-it beside each slowdown case's live latency.
+trigger that cost nothing. It goes on to the horizon and says for how long, in how many bursts,
+the analysis named them: a fault named only in short bursts is caught live by luck.
+`rankwatch eval --real --rescore RUN --workdir DIR --evidence` prints it beside each slowdown
+case's live latency.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,15 @@ HORIZON_S = 8.0
 @dataclass(frozen=True)
 class Ready:
     """The first moment (s after the onset) the analysis named the fault's ranks, the steps
-    rank 0 finished by then, and what it said."""
+    rank 0 finished by then, and what it said; over the whole horizon, for how long it named
+    them (ms, in steps of `EVERY_MS`) and in how many separate bursts — evidence seen in one
+    short burst is caught live only by a try that lands in it."""
 
     after_s: float
     steps: int
     conclusion: Conclusion
+    visible_ms: int = 0
+    bursts: int = 0
 
 
 class _AsMade:
@@ -98,14 +104,22 @@ def evidence_ready(cap: Path, onset_ns: int, ranks: Collection[int],
     store = _AsMade(tables)
     want = set(ranks)
     at = onset_ns
+    first: Ready | None = None
+    seen, bursts, was = 0, 0, False
     while at < onset_ns + int(horizon_s * SECOND):
         at += every_ms * MILLISECOND
         store.at = at
         w = window_of(store, topo, at - 90 * SECOND, at)  # type: ignore[arg-type]
         c = slow.analyze(w, at)
-        if c is not None and want & set(c.ranks):
+        named = c is not None and bool(want & set(c.ranks))
+        seen += named
+        bursts += named and not was
+        was = named
+        if named and first is None and c is not None:
             ms = (at - onset_ns) / 1e6
             done = int(np.searchsorted(np.asarray(step_ends_ms, dtype=np.float64), ms,
                                        side="right"))
-            return Ready(round(ms / 1e3, 2), done, c)
-    return None
+            first = Ready(round(ms / 1e3, 2), done, c)
+    if first is None:
+        return None
+    return replace(first, visible_ms=seen * every_ms, bursts=bursts)

@@ -192,19 +192,23 @@ def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
                      "evidence_s": ready.after_s if ready else None,
                      "evidence_steps": ready.steps if ready else None,
                      "evidence_named": None if ready is None else
-                     f"{list(ready.conclusion.ranks)} {ready.conclusion.stage}"})
+                     f"{list(ready.conclusion.ranks)} {ready.conclusion.stage}",
+                     "visible_ms": ready.visible_ms if ready else 0,
+                     "bursts": ready.bursts if ready else 0})
     if not rows:
         print("rankwatch eval: no slowdown case with a capture to replay", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"evidence": rows}, default=str))
         return 0
-    print(f"  {'case':<22} {'live: s (steps)':>18} {'evidence complete: s (steps)':>30}  named")
+    print(f"  {'case':<22} {'live: s (steps)':>18} {'evidence complete: s (steps)':>30} "
+          f"{'seen: ms (bursts)':>18}  named")
     for r in rows:
         live = "-" if r["live_s"] is None else f"{r['live_s']} ({r['live_steps']})"
         ev = "never" if r["evidence_s"] is None else \
             f"{r['evidence_s']} ({r['evidence_steps']})"
-        print(f"  {r['case']:<22} {live:>18} {ev:>30}  {r['evidence_named'] or ''}")
+        seen = f"{r['visible_ms']} ({r['bursts']})"
+        print(f"  {r['case']:<22} {live:>18} {ev:>30} {seen:>18}  {r['evidence_named'] or ''}")
     return 0
 
 

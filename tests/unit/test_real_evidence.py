@@ -33,6 +33,9 @@ def test_a_slowdown_is_named_once_its_slow_steps_are_made(tmp_path: Path) -> Non
     assert 0 < ready.after_s < 8.0
     # the steps rank 0 ended by then (100 ms each)
     assert ready.steps == round(ready.after_s * 1000) // 100
+    # the fault goes on to the horizon: named from then on, in one burst
+    assert ready.bursts == 1
+    assert ready.visible_ms == pytest.approx((8.0 - ready.after_s) * 1000, abs=40)
     assert evidence_ready(cap, onset, [3]) is None  # another rank is never named
 
 
