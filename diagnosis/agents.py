@@ -15,9 +15,12 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   beats), as the derived runner's previews at its next tick, and with their window
   (streams/derived.py); JobWatch counts each step once (its time: the largest seen). The
   stored records reach the step-time trigger first: the previews wait for the runner's tick
-  (every 0.25 s, longer when it is busy), a publish and this agent's read — on the real
-  catalog's DDP slowdowns the analysis had its evidence 4 steps after the onset and its first
-  try came 7-10 steps after it (`rankwatch eval --real --rescore RUN --evidence`). The feed
+  (every 0.25 s, longer when it is busy), a publish and this agent's read. The same stored
+  batches (and the stored calls) tell the analyst how far each rank's records are stored
+  (`Analyst.stored`), and a stored stage batch of a job with a pending performance trigger
+  has that trigger tried at once (`_on_evidence`): on the real catalog a slowdown is named
+  0-4 steps after its evidence is complete (`rankwatch eval --real --rescore RUN --workdir
+  DIR --evidence`), where the quarter-second tick and the progress feed's clock left 3-7. The feed
   agents wait at most `FEED_WITHIN_S` to fill a buffer. Triggers go to `rw.triggers`
   (`TriggerRecord` JSON, keyed by job).
   A job's watch needs its topology (the `jobs` table). Its feed and beats batches that come
@@ -35,8 +38,9 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   and window, which one progress row per window does not give.
 - root-cause agent on `rw.triggers`: `Analyst` (diagnosis/analyst.py) reads the job's window
   from ClickHouse (`read_window`: all ranks, raw tables) up to the wall clock capped at the
-  job's progress watermark plus the feed's largest lateness (`_event_time`) and runs the engine
-  in a worker thread;
+  job's progress watermark plus the feed's largest lateness (`_event_time`) — a slowdown
+  analysis up to where every rank's stage records and calls are stored, if later
+  (`Analyst._slow_clock`) — and runs the engine in a worker thread;
   every published version goes to `rw.diagnoses` (keyed by job) and the `diagnoses` table
   (sql/003_diagnoses.sql). A timer (every `tick_s`, a quarter second) re-checks open
   incidents, tries pending triggers again and sweeps jobs (`Analyst.tick`: each of those
