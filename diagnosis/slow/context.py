@@ -30,9 +30,9 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
   - an *outlier* (`outlier`, persistent since before the window): beside at least
-    `min_peers` other units (their means' spread is the σ), the unit's mean is `z_peers`
-    robust deviations above its peers' means, and above the reference on at least 80 % of the
-    steps; beside 2 or 3 others (too few for a spread), its median is `z_peers` of the
+    `min_peers` other units (their means' spread is the σ), the unit's mean over at least
+    2 × `onset_steps` known steps is `z_peers` robust deviations above its peers' means, and
+    above the reference on at least 80 % of the steps; beside 2 or 3 others (too few for a spread), its median is `z_peers` of the
     quantity's per-step noise (the peers' steps around their own medians, pooled) above theirs,
     and it is above every one of them on at least 80 % of the steps (`few_peers`: three peers
     say which rank, not how sure; the conclusion's confidence is capped). Two DP rings or two
@@ -341,7 +341,12 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     # The σ it is judged by is the spread of the *other* units' means: `min_peers` of them
     # (three ranks of a 4-rank stage give a MAD of three numbers: its 2 % floor decided, and a
     # rank sharing its core was an outlier at 6σ in a simulated realistic control)
-    big = material & (peers - 1 >= cfg.min_peers) & job_gate
+    # ... and on at least 2 × `onset_steps` known steps of the unit: a mean of one or two steps
+    # is no persistent difference (a rank's own forward is known once its calls of a later step
+    # are stored; at a job's start that was its first step alone, the start-up's, 1.6x its
+    # peers', and a fault-free 8-rank job was named for it)
+    known_n = np.sum(~np.isnan(m), axis=0)
+    big = material & (peers - 1 >= cfg.min_peers) & job_gate & (known_n >= 2 * cfg.onset_steps)
     if big.any():
         with np.errstate(all="ignore"):
             means = np.nanmean(m, axis=0)

@@ -220,6 +220,25 @@ def test_two_peers_give_no_verdict_on_a_persistent_difference() -> None:
     assert not context.judge(_ctx(w, 40), spread, 1.2, np.zeros(6, np.int64)).flag.any()
 
 
+def test_an_outlier_needs_more_than_a_few_known_steps() -> None:
+    """A persistent difference is a mean over many steps: a unit known on one or two of them
+    (a rank's own time at a job's start, before its calls of a later step are stored) gives
+    no outlier verdict, however far its one step stands out; known on 2 × `onset_steps` it
+    does."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(8)
+    k = context.SlowConfig().onset_steps
+    m = _noisy(rng, 40, 8)
+    m[:, 0] *= 1.6
+    m[1:] = np.nan  # only the first step known, every rank
+    assert not context.judge(_ctx(w, 40), m, 1.05, np.zeros(8, np.int64)).flag.any()
+    m = _noisy(rng, 40, 8)
+    m[:, 0] *= 1.6
+    m[2 * k:] = np.nan
+    v = context.judge(_ctx(w, 40), m, 1.05, np.zeros(8, np.int64))
+    assert v.flag.tolist() == [True] + [False] * 7 and v.how[0] == "outlier"
+
+
 def test_an_excess_below_the_jobs_own_noise_is_not_material() -> None:
     """A rank a millisecond slower in a job whose step time swings by tens of milliseconds
     (ranks sharing cores) costs the job nothing it can tell from its noise."""
