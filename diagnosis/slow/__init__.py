@@ -14,7 +14,9 @@ enough to show it, a persistent outlier. Each analysis is a module with one func
 - `launch`: call start delay after enqueue (Mycroft Table 3);
 - `network`: DP and TP ring transfer time, narrowed to a member (VenusTrace AR node, Mycroft
   Table 4);
-- `p2p`: PP link transfer time (its own signature: it skips ranks already named).
+- `p2p`: PP link transfer time (its own signature: it skips ranks already named);
+- `cpu`: the steps' CPU wait (the tracer's scheduler counters), a change only: a rank starved
+  of CPU loses a little in every phase, none of which names it.
 
 Suspects of one host with one (stage, component) merge into a host-level suspect. The suspect
 explaining the most excess ns per step is the culprit; the stage of the next is the top-2 route.
@@ -68,7 +70,7 @@ from ingest.agent.shape import infer_pipeline
 __all__ = ["SlowConfig", "analyze", "reach_start"]
 
 ANALYSES = (compute.suspects, own_time.suspects, phases.suspects, launch.suspects,
-            network.suspects)
+            network.suspects, cpu.suspects)
 
 
 def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
@@ -86,7 +88,7 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     st = w.get("stages")
     lo = int(ints(st, "t_start")[in_steps(ints(st, "step"), steps)].min())
     ctx = Ctx(w, cfg, steps, step_ns, peer_stages(w), lo, job_step, frozenset(confirm),
-              confirm_stage in LINK_STAGES)
+              confirm_stage in LINK_STAGES, confirm_stage=confirm_stage)
     sus: list[Suspicion] = [s for fn in ANALYSES for s in fn(ctx)]
     sus += p2p.suspects(ctx, {r for x in sus for r in x.ranks})
     sus = _merge_hosts(w, sus)

@@ -32,11 +32,12 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   - an *outlier* (`outlier`, persistent since before the window): beside at least
     `min_peers` other units (their means' spread is the σ), the unit's mean over at least
     2 × `onset_steps` known steps is `z_peers` robust deviations above its peers' means, and
-    above the reference on at least 80 % of the steps; beside 2 or 3 others (too few for a spread), its median is `z_peers` of the
-    quantity's per-step noise (the peers' steps around their own medians, pooled) above theirs,
-    and it is above every one of them on at least 80 % of the steps (`few_peers`: three peers
-    say which rank, not how sure; the conclusion's confidence is capped). Two DP rings or two
-    ranks of a stage are two samples: their ratio is not evidence, and no such verdict is given;
+    above the reference on at least 80 % of the steps; beside 2 or 3 others (too few for a
+    spread), its median is `z_peers` of the quantity's per-step noise (the peers' steps around
+    their own medians, pooled) above theirs, and it is above every one of them on at least
+    80 % of the steps (`few_peers`: three peers say which rank, not how sure; the
+    conclusion's confidence is capped). Two DP rings or two ranks of a stage are two samples:
+    their ratio is not evidence, and no such verdict is given;
   - `sparse` (intermittent excess: a stalled callback, a slow batch): at least three steps above
     the reference by the whole materiality floor, three times as many as the busiest peer plus
     two, the first of them inside the window; where the peers spike too (the quantity has
@@ -53,6 +54,8 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   persistent excess is no evidence of its own — kept for an incident about the rank's
   callbacks, a sender's link that was always 5x its like links' (a simulated job) became the
   incident's stage.
+- `changes_only` (a rank's CPU wait, `diagnosis.slow.cpu`): a change the job's step time shows,
+  and `confirm`; no outlier, few_peers or absorbed verdict.
 The strength of the evidence (`z`) feeds the conclusion's confidence.
 """
 
@@ -130,6 +133,8 @@ class Ctx:
     _ops_sel: Array | None = None
     #: per-analysis results more than one analysis reads (own_time.own_times per stage)
     memo: dict[str, Array] = field(default_factory=dict)
+    #: the stage the open incident named (None: no incident open)
+    confirm_stage: str | None = None
 
     def noise_floor(self) -> float:
         """`job_noise` × the robust σ of the job's step time over the judged steps: an excess
@@ -304,19 +309,24 @@ def excursion(x: Array, length: int) -> float:
 
 def judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None = None, *,
           ref: Array | None = None, floor: float | None = None, sparse: bool = False,
-          confirmable: Array | None = None, job_gate: bool = True) -> Verdict:
+          confirmable: Array | None = None, job_gate: bool = True,
+          changes_only: bool = False) -> Verdict:
     """The verdict for every unit (column) of `m` (module docstring). `groups`: the peer set of
     each unit (default: the PP stage of each rank); `confirmable`: bool per unit, the units an
     open incident's ranks own (default: units are ranks, those in `ctx.confirm`);
-    `job_gate=False` for links (module docstring, "absorbed")."""
+    `job_gate=False` for links (module docstring, "absorbed"); `changes_only`: only a change
+    the job's step time shows (and `confirm`), no persistent or absorbed verdict — for a
+    quantity whose difference between peers is the environment's as often as a fault's (a
+    rank's CPU wait on shared cores: `diagnosis.slow.cpu`)."""
     with warnings.catch_warnings():  # all-nan columns (a unit without rows) are expected
         warnings.simplefilter("ignore", RuntimeWarning)
-        return _judge(ctx, m, ratio_min, groups, ref, floor, sparse, confirmable, job_gate)
+        return _judge(ctx, m, ratio_min, groups, ref, floor, sparse, confirmable, job_gate,
+                      changes_only)
 
 
 def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Array | None,
            floor: float | None, sparse: bool, confirmable: Array | None,
-           job_gate: bool) -> Verdict:
+           job_gate: bool, changes_only: bool = False) -> Verdict:
     cfg = ctx.cfg
     n, u = m.shape
     groups = ctx.stage_of if groups is None else groups
@@ -346,7 +356,9 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     # are stored; at a job's start that was its first step alone, the start-up's, 1.6x its
     # peers', and a fault-free 8-rank job was named for it)
     known_n = np.sum(~np.isnan(m), axis=0)
-    big = material & (peers - 1 >= cfg.min_peers) & job_gate & (known_n >= 2 * cfg.onset_steps)
+    persistent = job_gate and not changes_only
+    big = material & (peers - 1 >= cfg.min_peers) & persistent \
+        & (known_n >= 2 * cfg.onset_steps)
     if big.any():
         with np.errstate(all="ignore"):
             means = np.nanmean(m, axis=0)
@@ -364,7 +376,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     # peer's steps around its own median, pooled). A rank crowded off its core for the job's
     # first second does neither (1.6σ, above all three peers on 44 % of its steps); a rank
     # whose data wait is 80 ms against its peers' 1 ms from the job's start does both
-    few_peers = material & (peers - 1 >= 2) & (peers - 1 < cfg.min_peers) & job_gate & ~flag
+    few_peers = material & (peers - 1 >= 2) & (peers - 1 < cfg.min_peers) & persistent & ~flag
     for x in np.flatnonzero(few_peers).tolist():
         others = np.flatnonzero((gi == gi[x]) & present)
         others = others[others != x]
@@ -415,7 +427,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # healthy gloo link's transfers 2.3 → 6 ms/step for 4)
         if peers[x] < cfg.min_peers and res[3] < 2 * k:
             continue
-        hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change
+        hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change \
+            and not changes_only
         # a change the job's step time does not show is weaker evidence: it must hold twice
         # as long (a rank crowded off its core for a few hundred ms doubles a phase too)
         held = job_moved or res[3] >= 2 * k

@@ -48,14 +48,21 @@ against its own before, and against its peers' since), at least `MARGIN` of the 
 extra wait must explain `EXPLAIN` of the suspect's excess, in ns per step as measured. Stage
 records without the counter (an older tracer: -1) leave the judgement to the beats.
 
-Not a suspect of its own: a rank's steps' CPU wait judged like the other quantities (a trailing
-mean over `onset_steps` steps — it is bursty step to step — against its stage peers' median,
-a change while the job's step time rose, the extra wait at least half that rise) named the
-catalog's CPU hog once in two live runs, and in 20 fault-free controls named two ranks the
-scheduler crowded for seconds while the job slowed with them (a 4-rank job beside two busy
-processes, 5.6 s; an 8-rank job on the 2 cores): on shared cores the environment starves a
-rank as a hog does, and nothing in the counters tells them apart. So the counters judge why a
-suspect another analysis found is slow, and do not make one.
+A suspect of its own (`suspects`): a rank whose steps' CPU wait *changed* — judged like every
+other quantity (`context.judge`: its excess over its stage peers' reference rose over its
+newest `onset_steps` or more steps by `z_change` robust σ of that excess before, 80 % of those
+steps above the baseline's band, while the job's median step time rose beyond its own
+excursions) — is named "host cpu" from its counters alone. A starved rank loses its time in
+every phase a little (on a real 4-rank job beside a pinned hog: forward +2–3 ms, backward
++3–5, optimizer +2–3, data +2–4 a step, each inside that phase's noise, while its wait rose
+1.5 → 10 ms a step above its peers' on nearly every step): no phase names it, the wait does.
+Only a change counts (`changes_only`): no persistent-outlier verdict and no "absorbed" one —
+on shared cores the scheduler crowds one rank more than the others for seconds (a contended
+control's rank waited 4–6 ms a step over its peers' for 20 steps), a difference of the
+environment as often as a fault's, and one the job's step time does not show is no slowdown.
+A first version (a trailing mean over `onset_steps` steps against the peers' median) named
+two fault-free controls' ranks the scheduler crowded; the change test's baseline noise and
+80 % rule are what it lacked.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ import numpy as np
 
 from diagnosis.columns import Columns, ints
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow.context import Ctx, in_steps, matrix, stage_total
+from diagnosis.slow.context import Ctx, in_steps, judge, matrix, stage_total
 
 RULE = "rankwatch.cpu_starved"
 MIN_SHARE = 0.2
@@ -263,3 +270,26 @@ def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
     ranks, _, after = wait_shares(beats, since_ns)
     hit = np.flatnonzero(ranks == top.ranks[0])
     return bool(hit.size) and bool(np.isnan(after[int(hit[0])]))
+
+
+def suspects(ctx: Ctx) -> list[Suspicion]:
+    """Ranks whose steps' CPU wait changed while the job slowed (module docstring): "host
+    cpu", host_software, the extra wait per step as the excess they explain."""
+    got = step_waits(ctx)
+    if got is None:
+        return []
+    wait, _ = got
+    # an open incident's ranks are kept on their wait only when it named their CPU: a rank
+    # named for something else often waits more since (a rank whose sends leave late wakes
+    # to peers spinning in the collective), and that must not turn its cause into its CPU
+    mine = np.isin(np.arange(wait.shape[1]), list(ctx.confirm)) \
+        & (ctx.confirm_stage == "host cpu")
+    v = judge(ctx, wait, ctx.cfg.min_ratio, changes_only=True, confirmable=mine)
+    out = []
+    for x in np.flatnonzero(v.flag).tolist():
+        out.append(Suspicion(
+            (x,), "host cpu", "host_software", float(v.exc[x]), (RULE,),
+            f"rank {x}: its steps waited for a CPU {v.exc[x] / 1e6:.1f} ms/step more than its "
+            f"stage peers' ({v.how[x]} {v.z[x]:.1f}σ): starved of CPU, not slower work",
+            float(v.z[x]), str(v.how[x]), int(ctx.steps[v.since[x]])))
+    return out

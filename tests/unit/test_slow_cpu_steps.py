@@ -93,3 +93,39 @@ def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
     assert cpu.refine_steps(c, TOP)[0] == TOP  # always waited that much: no rise
     confirm = replace(TOP, how="confirm")
     assert cpu.refine_steps(c, confirm)[0].stage == "host cpu"
+
+
+# -- cpu.suspects: the steps' CPU wait as a suspect of its own --------------------------------
+
+
+def test_a_rank_whose_wait_rose_while_the_job_slowed_is_a_suspect() -> None:
+    """Rank 1 waits 3 % → 30 % of its steps from step 30, and the job's step time rises with
+    it: named "host cpu" from the counters alone, as a change since its onset."""
+    got = cpu.suspects(ctx({1: (0.03, 0.3)}))
+    assert [(s.ranks, s.stage, s.component, s.how) for s in got] == \
+        [((1,), "host cpu", "host_software", "change")]
+    assert got[0].rules == (cpu.RULE,) and got[0].onset_step == ONSET
+    assert 12e6 < got[0].score < 20e6  # ~0.27 of a 60 ms step more than its peers
+
+
+def test_a_wait_the_job_does_not_feel_or_that_never_changed_is_no_suspect() -> None:
+    """Only a change the job's step time shows counts: the same rise of the wait while the
+    job's steps stay as they were is not a slowdown (no "absorbed" verdict), and a rank that
+    always waited more than its peers is no change (no persistent verdict: on shared cores
+    the scheduler crowds one rank more for seconds)."""
+    assert not cpu.suspects(ctx({1: (0.03, 0.3)}, extra_ms=0.0))
+    # 18 ms a step before and after (36 % of 50 ms, 30 % of 60 ms) while the job slowed
+    assert not cpu.suspects(ctx({1: (0.36, 0.3)}, noise=0.005))
+    assert not cpu.suspects(ctx({1: (0.03, 0.3)}, counter=False))
+    # every rank waits 15 ms a step more (rank 1's longer step, 25 % of 60 ms): nobody's own
+    every = {0: (0.03, 0.3), 1: (0.03, 0.25), 2: (0.03, 0.3), 3: (0.03, 0.3)}
+    assert not cpu.suspects(ctx(every, noise=0.005))
+
+
+def test_an_open_incident_keeps_its_ranks_wait_only_when_it_named_their_cpu() -> None:
+    """Hysteresis applies to a rank whose incident named its CPU; one named for its backward
+    that happens to wait more since does not become a CPU incident on its wait alone."""
+    c = ctx({1: (0.3, 0.3)}, noise=0.005, extra_ms=0.0)
+    assert not cpu.suspects(replace(c, confirm=frozenset({1}), confirm_stage="bwd pp=0"))
+    kept = cpu.suspects(replace(c, confirm=frozenset({1}), confirm_stage="host cpu"))
+    assert [(s.ranks, s.how) for s in kept] == [((1,), "confirm")]
