@@ -92,6 +92,9 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus: list[Suspicion] = [s for fn in ANALYSES for s in fn(ctx)]
     sus += p2p.suspects(ctx, {r for x in sus for r in x.ranks})
     sus = _merge_hosts(w, sus)
+    # every rank waiting more for a CPU since a suspect's onset: the host's contention rose,
+    # the suspect's excess is its share of it (`cpu.crowded`)
+    sus = [s for s in sus if not cpu.crowded(ctx, s)]
     if not sus:
         return None
     sus.sort(key=lambda s: -s.score)

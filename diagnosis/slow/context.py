@@ -55,7 +55,7 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   callbacks, a sender's link that was always 5x its like links' (a simulated job) became the
   incident's stage.
 - `changes_only` (a rank's CPU wait, `diagnosis.slow.cpu`): a change the job's step time shows,
-  and `confirm`; no outlier, few_peers or absorbed verdict.
+  held 2 × `onset_steps`, and `confirm`; no outlier, few_peers or absorbed verdict.
 The strength of the evidence (`z`) feeds the conclusion's confidence.
 """
 
@@ -425,7 +425,10 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # then, a change of its own time as real as a fault's and over in half a second (a
         # real pipeline stage's forward 14 → 29-45 ms for 6 steps in a contended control; a
         # healthy gloo link's transfers 2.3 → 6 ms/step for 4)
-        if peers[x] < cfg.min_peers and res[3] < 2 * k:
+        # so must a change of a quantity judged on changes only (a rank's CPU wait): bursty
+        # where cores are shared, a rank crowded off its core for 4-5 steps, near a contended
+        # control's end, waited 10-75 ms a step more than its peers
+        if (peers[x] < cfg.min_peers or changes_only) and res[3] < 2 * k:
             continue
         hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change \
             and not changes_only

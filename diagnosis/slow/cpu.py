@@ -279,12 +279,20 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     if got is None:
         return []
     wait, _ = got
+    # the peers are every rank of the job, not the rank's pipeline stage: waiting for a CPU is
+    # the host's doing, not the stage's work, and a 2-rank stage is no peer set (in a
+    # contended 2-stage control the whole job waited more for a few steps, one rank of a
+    # stage more than its one peer). Fewer than `min_peers` ranks with the counter (the
+    # rank and three others): no verdict
+    world = wait.shape[1]
+    if int((~np.isnan(wait)).any(axis=0).sum()) < ctx.cfg.min_peers:
+        return []
     # an open incident's ranks are kept on their wait only when it named their CPU: a rank
     # named for something else often waits more since (a rank whose sends leave late wakes
     # to peers spinning in the collective), and that must not turn its cause into its CPU
-    mine = np.isin(np.arange(wait.shape[1]), list(ctx.confirm)) \
-        & (ctx.confirm_stage == "host cpu")
-    v = judge(ctx, wait, ctx.cfg.min_ratio, changes_only=True, confirmable=mine)
+    mine = np.isin(np.arange(world), list(ctx.confirm)) & (ctx.confirm_stage == "host cpu")
+    v = judge(ctx, wait, ctx.cfg.min_ratio, np.zeros(world, np.int64), changes_only=True,
+              confirmable=mine)
     out = []
     for x in np.flatnonzero(v.flag).tolist():
         out.append(Suspicion(
@@ -293,3 +301,28 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
             f"stage peers' ({v.how[x]} {v.z[x]:.1f}σ): starved of CPU, not slower work",
             float(v.z[x]), str(v.how[x]), int(ctx.steps[v.since[x]])))
     return out
+
+
+def crowded(ctx: Ctx, s: Suspicion) -> bool:
+    """Whether the job's other ranks' steps, since `s`'s onset, waited for a CPU more than
+    before by at least `EXPLAIN` of `s`'s excess (the median other rank's rise of its median
+    per-step wait): the host's contention rose for everyone, and `s`'s excess is its share of
+    it, not its own. In a fault-free 2-stage job beside two busy processes every rank's wait
+    rose 8–21 ms a step for its last 15 steps; one rank's forward rose 5 ms more than its
+    stage peer's and was named (0.93). False without the counters or an onset with at least
+    two steps on each side."""
+    got = step_waits(ctx)
+    if got is None or s.onset_step < 0 or not s.ranks:
+        return False
+    wait, _ = got
+    hit = np.flatnonzero(ctx.steps == s.onset_step)
+    n = wait.shape[0]
+    if not hit.size or not 2 <= int(hit[0]) <= n - 2:
+        return False
+    row = int(hit[0])
+    others = np.setdiff1d(np.arange(wait.shape[1]), np.asarray(s.ranks, dtype=np.int64))
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without steps on a side
+        rise = np.nanmedian(wait[row:, others], axis=0) - np.nanmedian(wait[:row, others], axis=0)
+        common = float(np.nanmedian(rise)) if others.size else float("nan")
+    return bool(np.isfinite(common) and common >= EXPLAIN * s.score)
