@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnosis.columns import codes, col, distinct, ints
+from diagnosis.columns import Columns, codes, col, distinct, ints
 from diagnosis.conclusion import Conclusion
 from diagnosis.position import current_stage
 from diagnosis.rules.base import Component, Finding
@@ -49,7 +49,7 @@ from diagnosis.rules.halt_point import halt_point, hung_step
 from diagnosis.rules.mycroft_flow import FlowConfig, slow_flows
 from diagnosis.rules.mycroft_hang import HangConfig, analyze_hang
 from diagnosis.window import Window
-from ingest.units import SECOND
+from ingest.units import MILLISECOND, SECOND
 
 
 def normalize_stage(stage: str | None) -> str | None:
@@ -205,11 +205,14 @@ def process_exit(w: Window, now_ns: int) -> Conclusion | None:
     launcher stops the rest within milliseconds). The death rule (records stopped 1.5 beat
     intervals before the others') cannot see this: every rank stops within one beat. A wait
     that outlived `stuck_ns` was a hang before the end, which `analyze` names as such.
+    Several min-op culprits (the killed rank, and one the launcher stopped before it reached
+    the call) are narrowed to the one whose process ended alone and first (`_first_alone`).
 
     Stage "process", component host_software; the evidence gives the stage and step the
-    culprit's position last showed. A job that ends with nothing in flight (a normal end), or
-    whose in-flight calls have every member inside (a job stopped from outside), has no
-    min-op culprit: no conclusion.
+    culprit's position last showed. A job that ends with nothing in flight (a normal end, or a
+    rank killed before its peers reached a collective), or whose in-flight calls have every
+    member inside (a job stopped from outside), has no min-op culprit: the order of the ends
+    decides (`ended_alone`).
     """
     beats, ops = w.get("beats"), w.get("ops")
     if not beats or not ops or "exited" not in beats:
@@ -224,9 +227,18 @@ def process_exit(w: Window, now_ns: int) -> Conclusion | None:
     min_op = [f for f in alg2 if f.rule == "mycroft.alg2.min_op"
               and set(f.culprit_ranks) <= exited]
     if not min_op:
-        return None
+        return ended_alone(w, now_ns)
     top = min_op[0]
     ranks = tuple(sorted({r for f in min_op for r in f.culprit_ranks}))
+    if len(ranks) > 1:
+        # several ranks never issued the call the others wait in: a killed one, and one the
+        # launcher stopped on its way there. The one whose process ended alone and first
+        # (`ended_alone`'s test, where the agent timed the ends) is the one that went
+        first = _first_alone(beats, w.grid.world, now_ns)
+        if first is not None and first[0] in ranks:
+            ranks = (first[0],)
+            min_op = [f for f in min_op if first[0] in f.culprit_ranks] or min_op
+            top = min_op[0]
     waiters = sorted({int(r) for f in min_op
                       for r in _ints_of(f.evidence.get("direct_waiters"))})
     t_end = ints(ops, "t_end")
@@ -266,6 +278,87 @@ def process_exit(w: Window, now_ns: int) -> Conclusion | None:
                             f"for it in {what}; their calls never completed and the job ended "
                             f"{(end_ns - t_wait) / 1e9:.2f} s later: the process ending first "
                             "took the job down"),))
+
+
+#: a rank ended alone: its process ended at least this long before every other rank's (more
+#: than a job stopped from outside spreads its ends over, and than the agent's pass that may
+#: see one end before the rest) ...
+ALONE_MIN_NS = 20 * MILLISECOND
+#: ... and this many times the spread of the others' ends (torchrun stops them one by one:
+#: over 9-31 ms in five live runs of a 4-rank job, the killed rank 28-102 ms before them)
+ALONE_K = 2.0
+#: the confidence of a culprit named by the order of the ends alone (no waits-for edge)
+ALONE_CONFIDENCE = 0.75
+
+
+def ended_alone(w: Window, now_ns: int) -> Conclusion | None:
+    """A job whose processes all ended, one of them alone and first, inside a step: that rank's
+    process took the job down (rankwatch's rule).
+
+    A rank killed while its peers were still computing leaves no call in flight for Alg. 2's
+    waits-for graph: its peers had not reached the collective it never joined when the
+    launcher stopped them (torchrun stops a job's other processes once one fails). The order
+    of the ends is then the evidence, where the agent timed them (`ingest.agent.exits`: each
+    exit row at the moment its process was seen ended, to a few ms): the rank whose process
+    ended first, `ALONE_MIN_NS` and `ALONE_K` × the spread of the others' ends before every
+    one of them — the others ended together, as a launcher stops them — while its last
+    position was inside a stage of a step no other rank was behind. A job stopped from outside
+    ends every process at once (no gap); a normal end leaves every rank between stages; exit
+    rows timed at the beat (an agent without pidfds) all carry one time. Confidence
+    `ALONE_CONFIDENCE`: the order of the ends says who ended first, not that it was a fault.
+    """
+    beats = w.get("beats")
+    world = w.grid.world
+    first = _first_alone(beats, world, now_ns)
+    if first is None:
+        return None
+    x, end, gap, spread = first
+    rank, ts = ints(beats, "rank"), ints(beats, "ts")
+    last = np.flatnonzero((ints(beats, "exited", 0) == 1) & (ts <= now_ns) & (rank >= 0)
+                          & (rank < world))
+    step_of = np.full(world, -1, dtype=np.int64)
+    step_of[rank[last]] = ints(beats, "step", -1)[last]
+    mine = last[(rank[last] == x) & (ts[last] == end)][0]
+    stage = str(col(beats, "stage")[mine]) if "stage" in beats else ""
+    step = int(step_of[x])
+    if not stage or step < 0 or (np.delete(step_of, x) < step).any():
+        return None  # between stages (a normal end), or a peer behind it (it did not lead)
+    f = Finding(rule="rankwatch.process_exit", culprit_ranks=(x,), stage="process",
+                component="host_software", score=1.0, kind="hang",
+                labels=("process_exit", "ended_alone"), onset_ns=end,
+                evidence={"ended_ns": end, "others_ended_after_ns": gap,
+                          "others_spread_ns": spread,
+                          "last_position": {"step": step, "stage": stage}})
+    return Conclusion(
+        "hang", (x,), "process", "host_software", ALONE_CONFIDENCE, onset_ns=f.onset_ns,
+        stages=("process",), labels=("process_exit", "ended_alone"), findings=(f,),
+        summaries=((f.rule, f"rank {x}: its process ended in {stage} of step {step}, alone, "
+                            f"{gap / 1e6:.0f} ms before every other rank's (which ended within "
+                            f"{spread / 1e6:.0f} ms of each other, stopped together); no call "
+                            "was in flight: the process ending first took the job down"),))
+
+
+def _first_alone(beats: Columns | None, world: int, now_ns: int
+                 ) -> tuple[int, int, int, int] | None:
+    """(rank, its end, how long before the next end, the spread of the others' ends) of the
+    rank whose process ended alone and first (`ended_alone`: at least `ALONE_MIN_NS` and
+    `ALONE_K` × the others' spread before every other end), once every rank of `world` has an
+    exit row by `now_ns`; else None."""
+    if not beats or "exited" not in beats or world < 2:
+        return None
+    rank, ts = ints(beats, "rank"), ints(beats, "ts")
+    ex = (ints(beats, "exited", 0) == 1) & (ts <= now_ns) & (rank >= 0) & (rank < world)
+    never = np.iinfo(np.int64).max
+    ends = np.full(world, never, dtype=np.int64)
+    np.minimum.at(ends, rank[ex], ts[ex])
+    if (ends == never).any():
+        return None  # not every rank has ended (as the beats show so far)
+    order = np.argsort(ends, kind="stable")
+    x, rest = int(order[0]), ends[order[1:]]
+    gap, spread = int(rest.min() - ends[x]), int(rest.max() - rest.min())
+    if gap < max(ALONE_MIN_NS, ALONE_K * spread):
+        return None
+    return x, int(ends[x]), gap, spread
 
 
 def _ints_of(v: object) -> list[int]:

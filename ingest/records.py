@@ -162,8 +162,9 @@ class Beat(Record):
 
     `exited` 1: the rank's process has ended — the host agent found its tracer's ring without a
     live producer (killed, crashed or finished). That row is the rank's last beat: `ts` is when
-    the agent saw it gone, the position the last one the process published. A job whose ranks
-    end with calls in flight is analysed as of that moment (diagnosis.hang_rca.process_exit).
+    the agent saw the process ended (to a few ms where it watches the process's pidfd, else the
+    beat's time), the position the last one the process published. A job whose ranks end is
+    analysed as of that moment (diagnosis.hang_rca.process_exit).
     """
 
     rank: Rank

@@ -32,6 +32,9 @@ class Case:
     tp: int = 2
     microbatches: int = 4
     tags: tuple[str, ...] = field(default_factory=tuple)
+    #: torchrun's --monitor-interval (s): how soon it stops the other ranks once one failed
+    #: (None: its default, 0.1 s)
+    monitor_s: float | None = None
 
     @property
     def control(self) -> bool:
@@ -54,7 +57,9 @@ class Case:
                 "link": f"sends {f.get('delay_ms')} ms late", "kill": "SIGKILL",
                 "hog": f"{f.get('procs', 2)} busy processes on its core",
                 "stall": f"{f.get('stall_s')} s stall in fwd, recovers"}[f["kind"]]
-        return f"rank {f['rank']} from step {f['step']}: {what}"
+        stop = (f", torchrun stops the rest within {self.monitor_s * 1000:.0f} ms"
+                if self.monitor_s is not None else "")
+        return f"rank {f['rank']} from step {f['step']}: {what}{stop}"
 
 
 def _c(name: str, shape: str, nproc: int, steps: int, fault: dict[str, Any] | None = None,
@@ -111,6 +116,10 @@ CASES: list[Case] = [
     _c("ddp4-slow-link", "ddp", 4, 140, {"kind": "link", "rank": 1, "step": 40,
                                          "delay_ms": 40}, tags=("extended",)),
     _c("ddp4-kill", "ddp", 4, 200, {"kind": "kill", "rank": 2, "step": 40}),
+    # the launcher stops the peers before they reach the all-reduce the killed rank never
+    # joins: no call in flight, the order of the processes' ends is the evidence
+    _c("ddp4-kill-fast-stop", "ddp", 4, 200, {"kind": "kill", "rank": 2, "step": 40},
+       monitor_s=0.01),
     _c("ddp4-cpu-hog", "ddp", 4, 160, {"kind": "hog", "rank": 1, "step": 40, "procs": 2}),
     _c("ddp4-stall", "ddp", 4, 200, {"kind": "stall", "rank": 3, "step": 40, "stall_s": 4},
        tags=("extended",)),

@@ -477,6 +477,8 @@ class Runner:
                 for _ in range(case.contention)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(case.nproc), "--master-port", str(stack.free_port())]
+        if case.monitor_s is not None:
+            cmd += ["--monitor-interval", str(case.monitor_s)]
         cmd += ["-m", "ingest.torch.run", "-m"] if case.traced else ["-m"]
         cmd += ["bench.real.workload", "--shape", case.shape, "--steps", str(case.steps),
                 "--pp", str(case.pp), "--tp", str(case.tp), "--microbatches",

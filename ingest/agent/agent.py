@@ -13,7 +13,9 @@ Loop (one thread; `run` until stopped):
    diagnosis needs) — with the last op_seq, the ring's drop counter and the rank's position
    (step, stage, stage entry time) from the ring header and its training thread's scheduler
    counters (/proc/<pid>/schedstat: one small read per rank per beat; the NCCL plugin writes
-   its own beats); a rank whose producer is found dead gets one last row, `exited` 1;
+   its own beats); a rank whose producer is found dead gets one last row, `exited` 1, at the
+   time its process was seen ended (a pidfd per rank, checked every pass and slept on between
+   passes: `exits.py`), not the beat's;
    publish the job topology when a rank's sidecar changed;
 4. hand the columns to the outbox (outbox.py): one encoded batch per (job, kind) when it holds
    `max_rows` rows or is `linger_s` old (`latency_linger_s` for `LATENCY_KINDS`), published
@@ -49,6 +51,7 @@ import numpy as np
 
 from ingest import ring
 from ingest.agent import decode
+from ingest.agent.exits import ExitWatch
 from ingest.agent.outbox import Outbox, Publisher
 from ingest.agent.shape import P2PLog, PipelineShape, infer_pipeline
 from ingest.agent.spill import Pending
@@ -132,6 +135,8 @@ class Agent:
         self._topo_stamp: dict[str, tuple[Any, ...]] = {}
         self._p2p: dict[str, P2PLog] = {}  # job -> its p2p pattern (pipeline shape inference)
         self._shape_said: dict[str, str] = {}  # job -> the shape last logged
+        #: when each rank's process ended, to the loop's resolution (ingest/agent/exits.py)
+        self.exits = ExitWatch()
 
     # -- rings ---------------------------------------------------------------------------------
 
@@ -253,34 +258,43 @@ class Agent:
     # -- beats and topology --------------------------------------------------------------------
 
     def beat(self, now_ns: int) -> None:
-        by_job: dict[str, list[tuple[int, str, int, int, int, str, int, int, int, int]]] = {}
+        by_job: dict[str, list[tuple[int, str, int, int, int, str, int, int, int, int, int]]] = {}
         for r in list(self.rings.values()):
             st = r.reader.stat()
             py_rank = r.source == "py" and r.rank >= 0  # the NCCL plugin beats itself
-            if st.producer == "dead":
-                if py_rank:  # its last beat says so, with the last position it published
+            # a process seen ended (its pidfd) is dead though its ring's check still finds
+            # it (a zombie until its launcher reaps it): no alive beat after its end
+            ended = self.exits.ended_at(st.producer_pid) if st.producer_pid > 0 else None
+            if st.producer == "dead" or ended is not None:
+                if py_rank:  # its last beat says so, with the last position it published,
+                    # at the time its process was seen ended where that is known (exits.py)
                     step, stage, stage_ts = decode.position(*st.position)
                     by_job.setdefault(r.job, []).append(
-                        (r.rank, "", -1, st.drops, step, stage, stage_ts, -1, -1, 1))
+                        (r.rank, "", -1, st.drops, step, stage, stage_ts, -1, -1, 1,
+                         ended or now_ns))
                 self._retire(r)
                 continue
             if not py_rank:
                 continue
+            if st.producer == "alive":
+                self.exits.watch(st.producer_pid)
             rows = by_job.setdefault(r.job, [])
             step, stage, stage_ts = decode.position(*st.position)
             run, wait = decode.schedstat(st.producer_pid) if st.producer_pid > 0 else (-1, -1)
             seqs = r.join.last_seq
             if not seqs:
-                rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts, run, wait, 0))
+                rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts, run, wait, 0,
+                             now_ns))
                 continue
             hashes = np.array(list(seqs), dtype=np.int64)
             for comm, seq in zip(r.names.lookup(hashes).tolist(), seqs.values(), strict=True):
-                rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts, run, wait, 0))
+                rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts, run, wait, 0,
+                             now_ns))
         for job, rows in by_job.items():
             if rows:
-                rk, c, sq, d, step_, stage_, sts, run_, wait_, ex = zip(*rows, strict=True)
+                rk, c, sq, d, step_, stage_, sts, run_, wait_, ex, ts = zip(*rows, strict=True)
                 self._append(job, "beats", {
-                    "rank": np.array(rk, np.int64), "ts": np.full(len(rk), now_ns, np.int64),
+                    "rank": np.array(rk, np.int64), "ts": np.array(ts, np.int64),
                     "comm_id": np.array(c, object), "last_op_seq": np.array(sq, np.int64),
                     "dropped": np.array(d, np.int64), "step": np.array(step_, np.int64),
                     "stage": np.array(stage_, object), "stage_ts": np.array(sts, np.int64),
@@ -349,6 +363,7 @@ class Agent:
 
     def step(self) -> int:
         """One pass of the loop (tests drive it directly)."""
+        self.exits.check(0.0)  # a process that ended during the last pass: its time first
         now_ns = time.time_ns()
         mono = time.monotonic()
         beat = mono >= self._next_beat
@@ -384,7 +399,7 @@ class Agent:
             if self.step() == 0:
                 pause = self.pause(time.monotonic())
                 self._slept_idle = self._slept_idle or pause > self.cfg.poll_s
-                time.sleep(pause)
+                self.exits.check(pause)  # sleeps, woken early by a rank's process ending
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + stats_every_s
                 self.write_stats()
@@ -392,6 +407,7 @@ class Agent:
         self.out.flush(force=True)
         self.out.pump()
         self.out.poll(10)
+        self.exits.close()
         self.stats_path.unlink(missing_ok=True)
 
     @property

@@ -162,6 +162,43 @@ def test_dead_producer_ring_is_drained_and_unlinked(tmp_path: Path, prefix: str)
     assert not (tmp_path / "job1").exists()  # the job's last producer here is gone: tidied
 
 
+def test_a_ranks_exit_row_carries_when_its_process_ended(tmp_path: Path, prefix: str) -> None:
+    """The exit row's time is when the process was seen ended (its pidfd, slept on by the
+    loop), not the later beat; and a process seen ended is dead at the next beat, though its
+    ring's own check still finds it until its parent reaps it."""
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfd on this platform")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the producer: one stage record, then waits to be told to end
+        os.close(w)
+        s = sink(tmp_path, prefix, 0)
+        s.stage(0, time.time_ns(), 1, 2, 3, 4, 5, 6, -1)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    deadline = time.monotonic() + 10
+    while not ring.list_rings(prefix) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pub = FakePublisher()
+    agent = Agent(config(tmp_path, prefix), pub)
+    agent.step()  # attaches the ring; its first beat watches the live producer
+    told = time.time_ns()
+    os.write(w, b"x")
+    assert agent.exits.check(10.0) == 1  # woken by the exit
+    woke = time.time_ns()
+    time.sleep(0.3)
+    beat = time.time_ns()
+    agent.beat(beat)  # not reaped yet (its ring's check still finds it): dead all the same
+    os.waitpid(pid, 0)
+    agent.out.flush(force=True)
+    pub.flush()
+    rows = [c for c in kinds(pub, "beats") if 1 in c["exited"].tolist()]
+    assert len(rows) == 1
+    ts = int(rows[0]["ts"][rows[0]["exited"] == 1][0])
+    assert told <= ts <= woke < beat - 250_000_000
+
+
 def test_each_agent_has_its_own_state_file_removed_when_it_stops(tmp_path: Path,
                                                                  prefix: str) -> None:
     agent = Agent(config(tmp_path, prefix), FakePublisher())

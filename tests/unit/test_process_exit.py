@@ -105,6 +105,72 @@ def test_a_hang_that_the_end_came_after_is_left_to_the_hang_analysis() -> None:
     assert hang_rca.process_exit(w, w.now_ns) is None
 
 
+def killed_before_the_collective(ends_ms: dict[int, float], stage_of: dict[int, str] | None = None,
+                                 step_of: dict[int, int] | None = None) -> Window:
+    """Rank 2 killed in the forward of step 40, its peers stopped in their backward before the
+    all-reduce it never reached: no call in flight; each rank's exit row at `ends_ms` after
+    step 40's start (when its process was seen ended)."""
+    o = all_reduces({r: 39 for r in range(4)}, set())
+    stage_of = {2: "model.fwd_loss"} | (stage_of or {})
+    step_of = step_of or {}
+    t0 = 40 * STEP
+    b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
+              + [(r, t0 + int(ends_ms[r] * MS), step_of.get(r, 40),
+                  stage_of.get(r, "model.backward"), 1) for r in range(4)])
+    return Window(ddp4(), {"ops": o, "beats": b}, 0, t0 + 2 * S)
+
+
+def test_a_rank_that_ended_alone_and_first_inside_a_step_is_named() -> None:
+    w = killed_before_the_collective({0: 31.0, 1: 30.6, 2: 3.0, 3: 31.2})
+    c = hang_rca.process_exit(w, w.now_ns)
+    assert c is not None
+    assert (c.kind, c.ranks, c.stage, c.component, c.confidence) == (
+        "hang", (2,), "process", "host_software", hang_rca.ALONE_CONFIDENCE)
+    assert "ended_alone" in c.labels and c.findings[0].rule == "rankwatch.process_exit"
+    assert "model.fwd_loss of step 40" in c.summaries[0][1]
+    assert "28 ms before every other rank's" in c.summaries[0][1]
+
+
+def test_ends_together_between_stages_or_spread_out_name_no_one() -> None:
+    """Exit rows timed at one beat (no pidfds: one time for all), a first end between stages
+    (a normal end), others ending over a spread the gap does not stand out of, a peer behind
+    the first (it did not lead), a rank still running: no verdict."""
+    at_beat = killed_before_the_collective({r: 600.0 for r in range(4)})
+    assert hang_rca.process_exit(at_beat, at_beat.now_ns) is None
+    normal = killed_before_the_collective({0: 31.0, 1: 30.6, 2: 3.0, 3: 31.2}, {2: ""})
+    assert hang_rca.process_exit(normal, normal.now_ns) is None
+    spread = killed_before_the_collective({0: 30.0, 1: 45.0, 2: 3.0, 3: 60.0})
+    assert hang_rca.process_exit(spread, spread.now_ns) is None  # 27 ms < 5 × 30 ms
+    behind = killed_before_the_collective({0: 31.0, 1: 30.6, 2: 3.0, 3: 31.2}, step_of={3: 39})
+    assert hang_rca.process_exit(behind, behind.now_ns) is None
+    w = killed_before_the_collective({0: 31.0, 1: 30.6, 2: 3.0, 3: 31.2})
+    b = w.tables["beats"]
+    running = {k: v[b["rank"] != 3] if k != "x" else v for k, v in b.items()}
+    still = Window(w.topo, {**w.tables, "beats": running}, 0, w.now_ns)
+    assert hang_rca.process_exit(still, still.now_ns) is None
+
+
+def test_of_two_ranks_that_never_issued_the_call_the_one_that_ended_alone_is_named() -> None:
+    """Ranks 0 and 3 inside all-reduce 40; rank 2 killed in its forward, rank 1 stopped by the
+    launcher before it got there: both never issued the call. Timed ends single out rank 2;
+    ends at one beat leave both named."""
+    o = all_reduces({0: 40, 1: 39, 2: 39, 3: 40}, in_flight={0, 3})
+    t0 = 40 * STEP
+
+    def at(ends_ms: dict[int, float]) -> Window:
+        b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
+                  + [(r, t0 + int(ends_ms[r] * MS), 40,
+                      "model.fwd_loss" if r == 2 else "model.backward", 1) for r in range(4)])
+        return Window(ddp4(), {"ops": o, "beats": b}, 0, t0 + 2 * S)
+
+    timed = at({0: 116.1, 1: 116.1, 2: 35.0, 3: 117.5})
+    c = hang_rca.process_exit(timed, timed.now_ns)
+    assert c is not None and c.ranks == (2,) and "min_op" in c.findings[0].labels
+    one_beat = at({r: 600.0 for r in range(4)})
+    c = hang_rca.process_exit(one_beat, one_beat.now_ns)
+    assert c is not None and c.ranks == (1, 2)
+
+
 def test_the_analyst_looks_for_exits_and_opens_one_incident() -> None:
     """No trigger fires for a job whose ranks all stopped within a beat; the analyst's look
     for exit beats (every min_sweep_s) opens the incident, once."""
