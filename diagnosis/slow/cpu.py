@@ -49,10 +49,12 @@ extra wait must explain `EXPLAIN` of the suspect's excess, in ns per step as mea
 records without the counter (an older tracer: -1) leave the judgement to the beats.
 
 A suspect of its own (`suspects`): a rank whose steps' CPU wait *changed* — judged like every
-other quantity (`context.judge`: its excess over its stage peers' reference rose over its
-newest `onset_steps` or more steps by `z_change` robust σ of that excess before, 80 % of those
-steps above the baseline's band, while the job's median step time rose beyond its own
-excursions) — is named "host cpu" from its counters alone. A starved rank loses its time in
+other quantity (`context.judge`: its excess over the job's ranks' reference rose over its
+newest 2 × `onset_steps` or more steps by `z_change` robust σ of that excess before, 80 % of
+those steps above the baseline's band, while the job's median step time rose beyond its own
+excursions) — is named "host cpu" from its counters alone. The peers are every rank of the
+job, not the rank's pipeline stage: waiting is the host's doing, not the stage's work, and a
+2-rank stage is no peer set. A starved rank loses its time in
 every phase a little (on a real 4-rank job beside a pinned hog: forward +2–3 ms, backward
 +3–5, optimizer +2–3, data +2–4 a step, each inside that phase's noise, while its wait rose
 1.5 → 10 ms a step above its peers' on nearly every step): no phase names it, the wait does.
@@ -63,6 +65,10 @@ environment as often as a fault's, and one the job's step time does not show is 
 A first version (a trailing mean over `onset_steps` steps against the peers' median) named
 two fault-free controls' ranks the scheduler crowded; the change test's baseline noise and
 80 % rule are what it lacked.
+
+Contention for everyone (`crowded`): a suspect of any analysis whose onset saw the job's other
+ranks wait more too — their median rise at least `EXPLAIN` of its excess — is the host's
+contention rising, not the suspect's fault, and is dropped.
 """
 
 from __future__ import annotations
@@ -185,7 +191,17 @@ def _starved(top: Suspicion, how_much: str) -> Suspicion:
 def step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
     """(wait, time): float [judged steps, world] matrices of each step's CPU wait and wall time
     per rank (nan where a rank has no stage record or no counter); None when no judged step of
-    the window carries the counter."""
+    the window carries the counter. Computed once per analysis (`ctx.memo`); callers must not
+    change them."""
+    if "cpu:wait" not in ctx.memo:
+        got = _step_waits(ctx)
+        ctx.memo["cpu:wait"], ctx.memo["cpu:time"] = got if got is not None else (
+            np.zeros((0, 0)), np.zeros((0, 0)))
+    wait, tot = ctx.memo["cpu:wait"], ctx.memo["cpu:time"]
+    return (wait, tot) if wait.size else None
+
+
+def _step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
     st = ctx.w.get("stages")
     if not st or "sched_wait_ns" not in st:
         return None
@@ -297,8 +313,8 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     for x in np.flatnonzero(v.flag).tolist():
         out.append(Suspicion(
             (x,), "host cpu", "host_software", float(v.exc[x]), (RULE,),
-            f"rank {x}: its steps waited for a CPU {v.exc[x] / 1e6:.1f} ms/step more than its "
-            f"stage peers' ({v.how[x]} {v.z[x]:.1f}σ): starved of CPU, not slower work",
+            f"rank {x}: its steps waited for a CPU {v.exc[x] / 1e6:.1f} ms/step more than the "
+            f"job's other ranks' ({v.how[x]} {v.z[x]:.1f}σ): starved of CPU, not slower work",
             float(v.z[x]), str(v.how[x]), int(ctx.steps[v.since[x]])))
     return out
 

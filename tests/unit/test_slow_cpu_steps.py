@@ -129,3 +129,15 @@ def test_an_open_incident_keeps_its_ranks_wait_only_when_it_named_their_cpu() ->
     assert not cpu.suspects(replace(c, confirm=frozenset({1}), confirm_stage="bwd pp=0"))
     kept = cpu.suspects(replace(c, confirm=frozenset({1}), confirm_stage="host cpu"))
     assert [(s.ranks, s.how) for s in kept] == [((1,), "confirm")]
+
+
+def test_a_suspect_whose_onset_every_rank_waited_more_at_is_the_hosts_contention() -> None:
+    """Rank 1's backward is 10 ms slower from step 30 (TOP). When every other rank's steps
+    also wait ~13 ms more from then, the host's contention rose for everyone: `crowded`.
+    When only rank 1 waits more, or nobody does, it is not; nor without the counters."""
+    everyone = {r: (0.03, 0.3) for r in range(4)}
+    assert cpu.crowded(ctx(everyone, noise=0.005), TOP)
+    assert not cpu.crowded(ctx({1: (0.03, 0.3)}, noise=0.005), TOP)
+    assert not cpu.crowded(ctx({}, noise=0.005), TOP)
+    assert not cpu.crowded(ctx(everyone, counter=False), TOP)
+    assert not cpu.crowded(ctx(everyone, noise=0.005), replace(TOP, onset_step=-1))
