@@ -264,7 +264,8 @@ class Agent:
             py_rank = r.source == "py" and r.rank >= 0  # the NCCL plugin beats itself
             # a process seen ended (its pidfd) is dead though its ring's check still finds
             # it (a zombie until its launcher reaps it): no alive beat after its end
-            ended = self.exits.ended_at(st.producer_pid) if st.producer_pid > 0 else None
+            ended = self.exits.ended_at(st.producer_pid, st.created_ns) \
+                if st.producer_pid > 0 else None
             if st.producer == "dead" or ended is not None:
                 if py_rank:  # its last beat says so, with the last position it published,
                     # at the time its process was seen ended where that is known (exits.py)

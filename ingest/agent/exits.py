@@ -21,6 +21,10 @@ import os
 import select
 import time
 
+#: how long a seen end is remembered for the rings of its process (a rank has a ring per
+#: source — Python tracer, NCCL plugin, CUPTI — all with its pid; each is retired at a beat)
+KEEP_S = 60.0
+
 
 class ExitWatch:
     """The end time of each watched process: `watch(pid)`, `check(timeout_s)` (each pass, and
@@ -34,9 +38,11 @@ class ExitWatch:
         self.available = hasattr(os, "pidfd_open")
 
     def watch(self, pid: int) -> None:
-        """Watch `pid` (a producer its ring reports alive) unless it already is."""
-        if pid <= 0 or pid in self._pids or pid in self._ended or not self.available:
+        """Watch `pid` (a producer its ring reports alive, not seen ended since its ring was
+        made) unless it already is. An end remembered for that pid is an earlier process's."""
+        if pid <= 0 or pid in self._pids or not self.available:
             return
+        self._ended.pop(pid, None)
         try:
             fd = os.pidfd_open(pid)
         except OSError:  # gone already, or not ours to see (another pid namespace)
@@ -56,6 +62,9 @@ class ExitWatch:
         if not ready:
             return 0
         now = time.time_ns()
+        old = now - int(KEEP_S * 1e9)
+        for gone in [p for p, t in self._ended.items() if t < old]:
+            del self._ended[gone]
         for fd, _ in ready:
             pid = self._fds.pop(fd, None)
             self._poll.unregister(fd)
@@ -66,9 +75,12 @@ class ExitWatch:
                 self._ended[pid] = now
         return len(ready)
 
-    def ended_at(self, pid: int) -> int | None:
-        """When `pid` was seen ended (wall clock ns), once; None if it was not watched."""
-        return self._ended.pop(pid, None)
+    def ended_at(self, pid: int, made_ns: int = 0) -> int | None:
+        """When `pid` was seen ended (wall clock ns), for every ring of that process (made at
+        `made_ns` or before: a ring made later is a new process's with the pid reused), until
+        `KEEP_S` later; None if it was not watched."""
+        end = self._ended.get(pid)
+        return end if end is not None and end >= made_ns else None
 
     def close(self) -> None:
         for fd in list(self._fds):
