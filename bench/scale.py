@@ -195,11 +195,12 @@ def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
         if now - last > 0.1 * n * 0.5:  # busier than 10 % of a core per worker
             quiet_since = time.monotonic()
         last = now
-    wall = time.monotonic() - t0 - QUIET_S
+    span = time.monotonic() - t0  # the CPU below is counted over all of it, quiet tail too
+    wall = span - QUIET_S
     used = [cpu_s(p) - c for p, c in zip(workers, cpu0, strict=True)]
     store = cpu_s(store_pid) - store0
     total = sum(used)
-    net = total - idle * wall
+    net = total - idle * span
     run = Run(n, workload, published, stored, round(wall, 1), [round(u, 2) for u in used],
               round(store, 2), round(published / total) if total else 0.0,
               round(store / published * 1e6, 2) if published else 0.0,

@@ -34,6 +34,7 @@ from ingest.backoff import Backoff, retry
 from ingest.batch import BatchError, decode_batch
 from ingest.records import MODELS
 from ingest.topics import MAX_MESSAGE_BYTES, Topics
+from streams.batching import LingerStream
 from streams.ownership import Ownership
 from streams.raw_sink import DeadLetter, Message, RawSink, TimeBounds, refused_by_store
 from streams.store import ClickHouseStore
@@ -43,9 +44,10 @@ log = logging.getLogger(__name__)
 #: Raw kinds a diagnosis waits on — a hang's positions and silence (ops, beats), a slowdown's
 #: steps (stages) — written within `AppConfig.latency_within_s`; the bulk kinds (kernels,
 #: flows, chunks, work requests) feed windows of seconds and keep the longer batching.
-#: Faust's `take_events` flushes on a timer, not when the stream goes quiet: a batch waits for
-#: the timer's next turn, on average half its period. A job's topology (`jobs`, a few records
-#: per job) is waited on too: the trigger agents read nothing of a job before it is stored.
+#: `take_events` flushes on a timer's grid, not when the stream goes quiet: a batch waits
+#: for the timer's next turn, on average half its period (streams/batching.py). A job's
+#: topology (`jobs`, a few records per job) is waited on too: the trigger agents read
+#: nothing of a job before it is stored.
 LATENCY_KINDS = frozenset({"ops", "stages", "beats", "jobs"})
 
 #: Exit code when the worker stops with rows it could not store (offsets left uncommitted).
@@ -133,6 +135,8 @@ class StreamsApp:
             # the broker's message.max.bytes (rankwatch/kafka/broker.py): a raw message of any
             # size the broker took can be forwarded to the dead-letter topic
             producer_max_request_size=MAX_MESSAGE_BYTES,
+            # take_events sleeps while nothing comes (streams/batching.py)
+            Stream=LingerStream,
         )
         self.dlq_topic = self.app.topic(cfg.topics.dlq, value_serializer="raw",
                                         key_serializer="raw")
