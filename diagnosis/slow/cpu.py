@@ -66,6 +66,15 @@ A first version (a trailing mean over `onset_steps` steps against the peers' med
 two fault-free controls' ranks the scheduler crowded; the change test's baseline noise and
 80 % rule are what it lacked.
 
+Tried and left out: naming a rank that waits more than *every* other rank on far more of its
+newest steps than chance (1/R) allows — a binomial test of its top steps at a change point.
+On a real hog it named rank 1 twelve steps after the start instead of 39, but the
+scheduler's crowding is sticky for seconds, not independent from step to step: a contended
+4-rank pipeline control's rank topped 11 of 13 steps (and kept waiting the most for ~45),
+a healthy traced pipeline's 9 of 13, and both were named (replays of 28 kept runs: 2 control
+incidents against 0, hogs named 2 more and 8 steps sooner in one). The two look alike in
+their counters; only the change test's strictness kept the controls quiet.
+
 Contention for everyone (`crowded`): a suspect of any analysis whose onset saw the job's other
 ranks wait more too — their median rise at least `EXPLAIN` of its excess — is the host's
 contention rising, not the suspect's fault, and is dropped.
