@@ -24,7 +24,13 @@ duplicate of the scored one included); on controls every incident is. Precision 
 incidents / all incidents; recall = faults with a scored incident / faults.
 
 Overhead: the ``ovh-…`` cases run the same job untraced (no tracer, no agent) and traced with a
-live agent, interleaved; the report compares rank 0's median step time. The agent's CPU time is
+live agent, interleaved; the report compares rank 0's median step time. While an overhead
+case trains, the stack's worker (and store) processes are paused (SIGSTOP) and resumed as soon
+as it ends, so they catch up on its records then: on a training host only the tracer and the
+agent run beside the ranks, while here the worker — 0.5–0.6 of a core while a traced 4-rank
+job's records flow, measured from /proc — would share the machine's two cores with them and
+be counted as the tracer's overhead. The broker stays up (the agent publishes to it) and is
+counted. The agent's CPU time is
 read from /proc/<pid>/stat (utime + stime) once it is up (start-up: imports, Kafka producer) and
 just before it is stopped; the difference over its record count (its own final ``--json``
 stats) is its CPU per record.
@@ -336,6 +342,12 @@ def _cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _resume(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def _stop(p: subprocess.Popen[bytes], grace: float = 15.0) -> None:
     if p.poll() is not None:
         return
@@ -441,6 +453,19 @@ class Runner:
                 env.update({f"RANKWATCH_{k}": str(v) for k, v in sizes.items()})
         return env
 
+    def _pause_backend(self) -> list[int]:
+        """SIGSTOP the stack's workers and store (module docstring, "Overhead"); their pids."""
+        from rankwatch import stack
+
+        pids = []
+        for d in [*stack.worker_daemons(self.settings), stack.store_daemon(self.settings)]:
+            pid = d.pid()
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    pids.append(pid)
+        return pids
+
     def run_case(self, case: Case) -> CaseResult:
         from rankwatch import stack
 
@@ -472,6 +497,7 @@ class Runner:
                 res.error += f" [{cdir}]"
                 score(res, [])
                 return res
+        paused = self._pause_backend() if "overhead" in case.tags else []
         # busy until their parent (this process) is gone, however it ends
         hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True)
                 for _ in range(case.contention)]
@@ -504,9 +530,11 @@ class Runner:
             res.job_s = time.monotonic() - t0
             _stop(train)
             res.exit_code = train.returncode
+            _resume(paused)
             if agent is not None:
                 self.poll(DRAIN_S)
         finally:
+            _resume(paused)
             for h in hogs:
                 h.kill()
                 h.wait()
