@@ -32,7 +32,9 @@ Idle cost: a pass over rings with nothing in them is a directory stat and one dr
 ring; after `idle_after_s` without a record the loop polls every `idle_poll_s` instead of
 `poll_s` (never past the next beat), and returns to `poll_s` on the first record, whose batch
 it sends at once rather than lingering: waking adds no latency over polling at `poll_s`
-(`rankwatch bench agent`, docs/performance.md).
+(`rankwatch bench agent`, docs/performance.md). A pass that found records sleeps the rest of
+`poll_s` too, unless it read `BUSY_RECORDS` or more: the agent shares the host's cores with the
+ranks, and a pass costs about the same for a handful of records as for a few hundred.
 """
 
 from __future__ import annotations

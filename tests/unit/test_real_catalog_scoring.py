@@ -222,3 +222,38 @@ def test_reap_kills_every_process_naming_the_case_dir_and_nothing_else(tmp_path:
         for p in (*mine, other):
             p.kill()
             p.wait()
+
+
+def test_an_overhead_case_pauses_the_stacks_worker_and_store_until_resumed(
+        tmp_path: Path) -> None:
+    """`Runner._pause_backend` stops (SIGSTOP) the processes the stack's worker and store pid
+    files name, and `_resume` continues them: the overhead cases train without the worker on
+    the same cores (bench/real/harness.py, "Overhead")."""
+    import subprocess
+    import sys
+
+    from bench.real import harness
+    from rankwatch import stack
+
+    settings = stack.private_settings(tmp_path / "stack", topic_prefix="t")
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    procs = {name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                     "rankwatch.cli", name]) for name in ("worker", "store")}
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    try:
+        for name, p in procs.items():
+            (settings.run_dir / f"{name}.pid").write_text(str(p.pid))
+        runner = harness.Runner(tmp_path, lambda m: None, settings)
+        paused = runner._pause_backend()
+        assert sorted(paused) == sorted(p.pid for p in procs.values())
+        assert [state(p.pid) for p in procs.values()] == ["T", "T"]
+        harness._resume(paused)
+        assert all(state(p.pid) in "RS" for p in procs.values())
+        harness._resume([2 ** 22 + 1])  # gone: nothing to continue, no error
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
