@@ -30,10 +30,9 @@ as it ends, so they catch up on its records then: on a training host only the tr
 agent run beside the ranks, while here the worker — 0.5–0.6 of a core while a traced 4-rank
 job's records flow, measured from /proc — would share the machine's two cores with them and
 be counted as the tracer's overhead. The broker stays up (the agent publishes to it) and is
-counted. The agent's CPU time is
-read from /proc/<pid>/stat (utime + stime) once it is up (start-up: imports, Kafka producer) and
-just before it is stopped; the difference over its record count (its own final ``--json``
-stats) is its CPU per record.
+counted. The agent's CPU time is read from /proc/<pid>/stat (utime + stime) once it is up
+(start-up: imports, Kafka producer) and just before it is stopped; the difference over its
+record count (its own final ``--json`` stats) is its CPU per record.
 
 With a kept work directory (`--workdir`) each agent also writes what it published to
 ``cases/<job>/cap.rwcap`` (`rankwatch agent --tee`); `rescore` replays those captures through
