@@ -402,18 +402,18 @@ class Agent:
     def run(self, stop: Callable[[], bool], stats_every_s: float = 1.0) -> None:
         next_stats = 0.0
         while not stop():
-            began = time.monotonic()
             n = self.step()
-            # a pass that found records sleeps too (the rest of `poll_s`): going straight
-            # back read the few records a rank wrote meanwhile, at the pass's full fixed cost
-            # (a drain, a kind split, an outbox pump per ring) — about 40 passes a second for
-            # a 4-rank pipeline job, half of them for a handful of records. Only a pass that
-            # read a lot goes on at once: more may be waiting.
+            # a pass that found records sleeps too: going straight back read the few records
+            # a rank wrote meanwhile, at the pass's full fixed cost (a drain, a kind split, an
+            # outbox pump per ring) — about 40 passes a second for a 4-rank pipeline job, half
+            # of them for a handful of records. Only a pass that read a lot goes on at once:
+            # more may be waiting. The whole `poll_s`, not its rest: the next pass must find
+            # the batches this one opened past their linger (`latency_linger_s` = `poll_s`),
+            # or they wait one more poll
             if n < BUSY_RECORDS:
                 pause = self.pause(time.monotonic()) if n == 0 else self.cfg.poll_s
                 self._slept_idle = self._slept_idle or pause > self.cfg.poll_s
-                # sleeps, woken early by a rank's process ending
-                self.exits.check(max(0.0, pause - (time.monotonic() - began)))
+                self.exits.check(pause)  # sleeps, woken early by a rank's process ending
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + stats_every_s
                 self.write_stats()
