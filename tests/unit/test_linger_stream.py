@@ -85,7 +85,7 @@ def test_an_idle_stream_does_not_wake() -> None:
     Counting.waits = CountingFaust.waits = 0
     assert run(Counting, 16, 0.05, idle) == [["x"]]
     assert run(CountingFaust, 16, 0.05, idle) == [["x"]]
-    assert CountingFaust.waits >= 15
+    assert CountingFaust.waits >= 10  # ~20 on a quiet machine
     assert Counting.waits <= 4
 
 
