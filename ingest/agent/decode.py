@@ -93,16 +93,9 @@ class OpJoin:
         matched = np.zeros(len(pend), bool)
         done_rows = ends.copy()
         if len(ends) and len(pend):
-            keys = np.concatenate([pend[:, JOIN_KEY], ends[:, JOIN_KEY]])
-            _, ids = np.unique(keys, axis=0, return_inverse=True)
-            ids = ids.reshape(-1)
-            pid, eid = ids[: len(pend)], ids[len(pend):]
-            order = np.argsort(eid, kind="stable")
-            pos = np.minimum(np.searchsorted(eid[order], pid), len(eid) - 1)
-            matched = eid[order][pos] == pid
+            matched, e_idx = _join(pend, ends)
             # an end keeps its positive fields (the NCCL plugin's t_start) and takes the rest
             # from its start (the Python tracer's ends carry only comm, op_seq and t_end)
-            e_idx = order[pos[matched]]
             fill = done_rows[e_idx]
             done_rows[e_idx] = np.where(fill > 0, fill, pend[matched])
             done_rows[e_idx, T_END] = ends[e_idx, T_END]
@@ -119,6 +112,40 @@ class OpJoin:
         rows = _in_flight(self.open[~self.shown])
         self.shown[:] = True
         return rows
+
+
+#: an odd 64-bit multiplier (2^64 / golden ratio): spreads a communicator hash over the key
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mixed(rows: np.ndarray) -> np.ndarray:
+    """One uint64 per row of (comm_hash, op_seq): hash × `_MIX` xor seq, wrapping. For one
+    communicator distinct seqs give distinct keys; across communicators two pairs may share a
+    key, which `_join` checks for."""
+    with np.errstate(over="ignore"):
+        return (rows[:, COMM_HASH].view(np.uint64) * _MIX) ^ rows[:, OP_SEQ].view(np.uint64)
+
+
+def _join(pend: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(matched, e_idx): which `pend` rows have an end of the same (comm_hash, op_seq), and,
+    for those, the first such end (its index in `ends`). One sort of a 1-D key (`_mixed`),
+    verified on both columns: where a shared key paired different ops, the exact join on
+    the two columns (`np.unique(axis=0)`, several times the cost) decides instead."""
+    kp, ke = _mixed(pend), _mixed(ends)
+    order = np.argsort(ke, kind="stable")
+    pos = np.minimum(np.searchsorted(ke[order], kp), len(ke) - 1)
+    matched = ke[order][pos] == kp
+    e_idx = order[pos[matched]]
+    if np.array_equal(pend[matched][:, JOIN_KEY], ends[e_idx][:, JOIN_KEY]):
+        return matched, e_idx
+    _, ids = np.unique(np.concatenate([pend[:, JOIN_KEY], ends[:, JOIN_KEY]]), axis=0,
+                       return_inverse=True)
+    ids = ids.reshape(-1)
+    pid, eid = ids[: len(pend)], ids[len(pend):]
+    order = np.argsort(eid, kind="stable")
+    pos = np.minimum(np.searchsorted(eid[order], pid), len(eid) - 1)
+    matched = eid[order][pos] == pid
+    return matched, order[pos[matched]]
 
 
 def _in_flight(starts: np.ndarray) -> np.ndarray:

@@ -82,26 +82,31 @@ class P2PLog:
         peer = peer[rows]
         step = np.asarray(ops["step"], dtype=np.int64)[rows]
         t = np.asarray(ops["t_start"], dtype=np.int64)[rows]
-        pairs = np.unique(np.stack([np.minimum(rank, peer), np.maximum(rank, peer)], 1), axis=0)
-        if len(self.edges) < MAX_PAIRS:
-            self.edges.update((int(a), int(b)) for a, b in pairs[:MAX_PAIRS] if a != b)
+        lo, hi = np.minimum(rank, peer), np.maximum(rank, peer)
+        room = MAX_PAIRS - len(self.edges)
+        if room > 0:
+            order, head = _runs(hi, lo)
+            pick = order[head][:room]
+            self.edges.update((a, b) for a, b in zip(lo[pick].tolist(), hi[pick].tolist(),
+                                                     strict=True) if a != b)
         if is_send.any():
-            keys, counts = np.unique(np.stack([rank[is_send], peer[is_send], step[is_send]], 1),
-                                     axis=0, return_counts=True)
-            for (r, p, s), n in zip(keys.tolist(), counts.tolist(), strict=True):
+            sr, sp, ss = rank[is_send], peer[is_send], step[is_send]
+            order, head = _runs(ss, sp, sr)
+            starts = np.flatnonzero(head)
+            counts = np.diff(np.r_[starts, order.size])
+            first = order[starts]
+            for r, p, s_, n in zip(sr[first].tolist(), sp[first].tolist(), ss[first].tolist(),
+                                   counts.tolist(), strict=True):
                 per = self.sends.get((r, p))
                 if per is None:
                     if len(self.sends) >= MAX_PAIRS:
                         continue
                     per = self.sends[(r, p)] = {}
-                per[s] = per.get(s, 0) + n
+                per[s_] = per.get(s_, 0) + n
                 if len(per) > KEEP_STEPS + 1:
                     del per[min(per)]
         # the earliest p2p call per (rank, step) in this batch, then against what was seen
-        order = np.lexsort((t, step, rank))
-        r_s = np.stack([rank[order], step[order]], 1)
-        head = np.ones(len(order), dtype=bool)
-        head[1:] = np.any(r_s[1:] != r_s[:-1], axis=1)
+        order, head = _runs(t, step, rank, within=1)
         for i in order[head].tolist():
             r, s = int(rank[i]), int(step[i])
             per_rank = self.first.get(r)
@@ -114,10 +119,11 @@ class P2PLog:
                 per_rank[s] = (int(t[i]), bool(is_send[i]))
             if len(per_rank) > KEEP_STEPS + 1:
                 del per_rank[min(per_rank)]
-        ranks, inv = np.unique(rank, return_inverse=True)
-        top = np.full(len(ranks), -1, dtype=np.int64)
-        np.maximum.at(top, inv.reshape(-1), step)
-        for r, s in zip(ranks.tolist(), top.tolist(), strict=True):  # per distinct rank
+        # the highest step per rank: the last row of each rank's run in (step, rank) order
+        order = np.lexsort((step, rank))
+        last = np.r_[rank[order][1:] != rank[order][:-1], True]
+        for r, s in zip(rank[order][last].tolist(), step[order][last].tolist(),
+                        strict=True):  # per distinct rank
             if s > self.last_step.get(r, -1) and (r in self.last_step
                                                    or len(self.last_step) < MAX_PAIRS):
                 self.last_step[r] = s
@@ -138,6 +144,21 @@ class P2PLog:
             if done:
                 out[r] = per[max(done)][1]
         return out
+
+
+def _runs(*keys: np.ndarray, within: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(order, head): `np.lexsort(keys)` (the last key primary) and, over that order, whether
+    each row starts a run of rows equal in every key after the first `within` (those only
+    order the rows of a run). One sort, instead of `np.unique(axis=0)`, which sorts a row view
+    and builds the unique rows: several times the cost on the few dozen rows of a drain."""
+    order = np.lexsort(keys)
+    if not order.size:
+        return order, np.zeros(0, dtype=bool)
+    same = np.ones(order.size - 1, dtype=bool)
+    for k in keys[within:]:
+        v = k[order]
+        same &= v[1:] == v[:-1]
+    return order, np.r_[True, ~same]
 
 
 def chains_of(world: int, edges: Iterable[tuple[int, int]]) -> list[list[int]] | None:

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from ingest import ring
-from ingest.agent.decode import Names, OpJoin, kernel_columns, op_columns, stage_columns
+from ingest.agent.decode import (
+    Names,
+    OpJoin,
+    _mixed,
+    kernel_columns,
+    op_columns,
+    op_table,
+    stage_columns,
+)
 from ingest.batch import decode_batch, encode_batch
 from ingest.torch.sink import fnv1a64
 from ingest.units import SECOND as S
@@ -67,6 +75,25 @@ def test_end_fields_win_when_set() -> None:
     j.feed(ops({**start(4, S), "t_start": 0}), S)
     out = j.feed(ops(end(4, 3 * S, t_start=2 * S, func=1)), 3 * S)
     assert out[:, 4].tolist() == [2 * S] and out[:, 3].tolist() == [S]
+
+
+def test_ops_sharing_a_join_key_are_told_apart() -> None:
+    """The join sorts one mixed key per (comm_hash, op_seq); two different ops can share one
+    (a hostile or unlucky hash). The end of one must not complete the other."""
+    mix, wrap = 0x9E3779B97F4A7C15, 2**64
+    a, b = 0x1234_5678_9ABC, 0x0FED_CBA9_8765
+    u = ((a * mix) ^ (b * mix)) % wrap  # (b, u) mixes to the key of (a, 0)
+    seq_b = u - wrap if u >= 2**63 else u  # as the int64 the record holds
+    keys = _mixed(op_table(ops(start(0, S, comm=a), start(seq_b, S, comm=b))))
+    assert keys[0] == keys[1]
+    j = OpJoin(inflight_ns=2 * S)
+    j.feed(ops(start(0, S, comm=a), start(seq_b, S, comm=b)), S)
+    out = j.feed(ops(end(seq_b, 2 * S, comm=b)), 2 * S)  # only b's op ended
+    assert out[:, 0].view(np.uint64).tolist() == [b] and out[:, 1].tolist() == [seq_b]
+    assert out[:, 4].tolist() == [S]  # joined with its own start
+    assert j.open[:, 0].view(np.uint64).tolist() == [a]  # a's op is still open
+    out = j.feed(ops(end(0, 3 * S, comm=a)), 3 * S)
+    assert out[:, 0].view(np.uint64).tolist() == [a] and not len(j.open)
 
 
 def test_close_publishes_open_ops_in_flight() -> None:

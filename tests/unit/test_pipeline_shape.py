@@ -166,3 +166,43 @@ def test_log_stays_bounded_under_nonsense_peers(monkeypatch: Any) -> None:
                  "t_start": np.arange(n), "t_end": np.arange(n) + 1})
     assert len(log.edges) <= 50 and len(log.sends) <= 50
     assert infer_pipeline(4, log.edges, {}, [], []) is None  # and no pipeline of it
+
+
+def test_log_matches_a_row_by_row_account() -> None:
+    """P2PLog's vectorized grouping against the same account kept row by row: edges, sends per
+    (rank, peer, step), each (rank, step)'s earliest call, each rank's last step — over
+    batches of random calls (collectives, unfinished calls and steps unknown mixed in)."""
+    rng = np.random.default_rng(7)
+    log = P2PLog()
+    edges: set[tuple[int, int]] = set()
+    sends: dict[tuple[int, int], dict[int, int]] = {}
+    first: dict[int, dict[int, tuple[int, bool]]] = {}
+    last: dict[int, int] = {}
+    for b in range(6):
+        n = 40
+        rank = rng.integers(0, 4, n)
+        peer = np.where(rng.random(n) < 0.2, -1, rng.integers(0, 4, n))
+        op = rng.choice(np.array(["Send", "Recv", "AllReduce"], object), n)
+        step = rng.integers(b, b + 3, n) - (rng.random(n) < 0.1)  # some -1 at b == 0
+        t_start = rng.integers(0, 50, n) + 100 * b  # ties between calls of a step
+        t_end = np.where(rng.random(n) < 0.1, 0, t_start + 5)
+        log.observe({"rank": rank, "op": op, "peer": peer, "step": step, "t_start": t_start,
+                     "t_end": t_end})
+        for i in range(n):
+            if peer[i] < 0 or op[i] not in ("Send", "Recv") or t_end[i] <= 0 or step[i] < 0:
+                continue
+            r, p, s, t = int(rank[i]), int(peer[i]), int(step[i]), int(t_start[i])
+            if r != p:
+                edges.add((min(r, p), max(r, p)))
+            if op[i] == "Send":
+                per = sends.setdefault((r, p), {})
+                per[s] = per.get(s, 0) + 1
+            old = first.setdefault(r, {}).get(s)
+            if old is None or t < old[0]:
+                first[r][s] = (t, op[i] == "Send")
+            last[r] = max(last.get(r, -1), s)
+    assert log.edges == edges and log.last_step == last
+    assert log.sends == sends
+    # within a batch, among calls at the same earliest time, either may be the first
+    assert {r: {s: v[0] for s, v in per.items()} for r, per in log.first.items()} == \
+        {r: {s: v[0] for s, v in per.items()} for r, per in first.items()}
