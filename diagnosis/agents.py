@@ -490,7 +490,8 @@ class DiagnosisAgents:
             steps = iterations_as_steps(b.cols) if what == "iterations" else \
                 steps_from_stages(b.cols)
             now = self.watermark.get(b.job_id) or int(steps["t_end"].max(initial=0))
-            await self._publish_triggers(w.observe(now, steps=steps))
+            await self._publish_triggers(w.observe(
+                now, steps=steps, stages=b.cols if what == "stages" else None))
         else:
             await self._publish_triggers(w.observe_beats(beat_counters(b)))
 

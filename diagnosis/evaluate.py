@@ -420,7 +420,7 @@ def run_batches(batches: Any, epoch: int, config: AnalystConfig | None = None
         if "ops" in new:
             feed.add(new["ops"], watch[0].ranks)
         for t in watch[0].observe(now, ops=new.get("ops"), beats=new.get("beats"), steps=steps,
-                                  progress=feed.windows(now)):
+                                  progress=feed.windows(now), stages=new.get("stages")):
             diags.extend(analyst.on_trigger(t, now))
         diags.extend(analyst.tick(now))
 

@@ -23,6 +23,9 @@
   step again (a preview, then its window's rows; a recomputed window; a redelivery after a
   restart) or several steps in one message, and neither may change the count. One trigger per
   run: a run is identified by its first step.
+- a rank's own stage rising (`stage_rise.StageRise`, rule `rankwatch.stage_rise`), read from
+  every rank's stored stage records: a slowdown the job's step time absorbs moves none of the
+  above.
 
 Inputs per call (all optional, any ranks — rows of unsampled ranks are ignored): `ops` rows
 (rank, comm_id, op_seq, bytes, t_enqueue, t_start, t_end), `beats` rows (rank, ts), `progress`
@@ -52,6 +55,8 @@ from diagnosis.triggers.heartbeat import (
 from diagnosis.triggers.mycroft import MycroftTriggerConfig, MycroftTriggerState, mycroft_trigger
 from diagnosis.triggers.mycroft_progress import ProgressStragglerState, progress_straggler_trigger
 from diagnosis.triggers.sampling import Sample, sample_ranks
+from diagnosis.triggers.stage_rise import RULE as STAGE_RISE
+from diagnosis.triggers.stage_rise import StageRise
 from ingest.records import JobTopology
 from ingest.units import SECOND
 
@@ -88,6 +93,7 @@ class JobWatch:
     beat_progress: BeatProgress = field(init=False)
     mycroft: MycroftTriggerState = field(init=False)
     progress: ProgressStragglerState = field(init=False)
+    stage_rise: StageRise = field(init=False)
     step_ns: dict[int, float] = field(default_factory=dict)  # step -> max over sampled ranks
     step_end: dict[int, int] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
@@ -103,6 +109,7 @@ class JobWatch:
         self.mycroft = MycroftTriggerState(self.topo.job_id, np.asarray(self.sample.ranks),
                                            MycroftTriggerConfig())
         self.progress = ProgressStragglerState(self.topo.job_id)
+        self.stage_rise = StageRise(self.topo.world_size)
 
     @property
     def ranks(self) -> np.ndarray:
@@ -119,13 +126,16 @@ class JobWatch:
         return {k: np.asarray(v)[keep] for k, v in cols.items()}
 
     def observe(self, now_ns: int, *, ops: Columns | None = None, beats: Columns | None = None,
-                steps: Columns | None = None, progress: Columns | None = None
-                ) -> list[Trigger]:
-        """Fold new rows in and evaluate every trigger at `now_ns`."""
+                steps: Columns | None = None, progress: Columns | None = None,
+                stages: Columns | None = None) -> list[Trigger]:
+        """Fold new rows in and evaluate every trigger at `now_ns`. `stages`: stored stage
+        records of every rank (not only the sampled ones), for `stage_rise`."""
         out: list[Trigger] = []
         s = self._mine(steps)
         if s:
             out += self._steps(s, now_ns)
+        if stages:
+            out += self._stage_rise(stages, now_ns)
         exp = self.expected_step_ns()
         if exp is not None:
             delta = max(int(self.config.delta_steps * exp), self.config.min_delta_ns)
@@ -157,6 +167,17 @@ class JobWatch:
             self._resample([int(r) for r in t.evidence.get("silent_no_beats", [])  # type: ignore[attr-defined]
                             if int(r) in self.sample.ranks])
         return hb
+
+    def _stage_rise(self, stages: Columns, now_ns: int) -> list[Trigger]:
+        """One straggler trigger naming the ranks whose own stage rose (`stage_rise`)."""
+        rose = self.stage_rise.observe(stages)
+        if not rose:
+            return []
+        onset = min(o for _, _, o, _ in rose)
+        return [Trigger(self.topo.job_id, now_ns, "straggler", tuple(sorted(r for r, *_ in rose)),
+                        {"rule": STAGE_RISE, "onset_step": onset,
+                         "stages": {str(r): st for r, st, _, _ in rose},
+                         "ratio": max(x for *_, x in rose)})]
 
     def _resample(self, dead: list[int]) -> None:
         if not dead:
