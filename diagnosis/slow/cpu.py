@@ -77,7 +77,11 @@ their counters; only the change test's strictness kept the controls quiet.
 
 Contention for everyone (`crowded`): a suspect of any analysis whose onset saw the job's other
 ranks wait more too — their median rise at least `EXPLAIN` of its excess — is the host's
-contention rising, not the suspect's fault, and is dropped.
+contention rising, not the suspect's fault, and is dropped. Tried and left out: asking the
+others' rise to reach the suspect's whole excess, not half (its excess is already measured over
+them): in replays of the 28 kept runs the hog whose processes' start made every rank wait 3–6 ms
+a step more was named (but by its backward, 0.74), and a contended pipeline control's rank was
+named `host cpu` (0.75).
 """
 
 from __future__ import annotations
