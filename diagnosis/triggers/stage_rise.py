@@ -20,9 +20,10 @@ analysis finds nothing yet is tried again as stage records are stored (`Analyst.
 One trigger per rank per episode: a rank fires again only once its newest `k + base` steps no
 longer include the onset it was reported for.
 
-State per job: [world, history, stages] durations and [world, history] step numbers, indexed by
-step modulo `history` (a newer step overwrites an older one; a late record of an older step
-does not). Vectorized over the ranks of a batch.
+State per job: [world, history, stages] float32 durations and [world, history] step numbers
+(512 bytes a rank: 8 MiB at 16,384 ranks), indexed by step modulo `history` (a newer step
+overwrites an older one; a late record of an older step does not). Vectorized over the ranks of
+a batch.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class StageRiseConfig:
     base: int = 12  # the steps before them: the rank's own level
     ratio: float = 2.0  # median rise factor (slow.SlowConfig.absorbed_ratio)
     min_share: float = 0.03  # and at least this share of the job's step time
-    history: int = 32  # steps kept per rank (≥ k + base)
+    history: int = 16  # steps kept per rank (≥ k + base)
 
 
 @dataclass
@@ -58,7 +59,7 @@ class StageRise:
 
     def __post_init__(self) -> None:
         h = max(self.config.history, self.config.k + self.config.base)
-        self.val = np.zeros((self.world, h, len(STAGES)))
+        self.val = np.zeros((self.world, h, len(STAGES)), dtype=np.float32)  # 6 MiB at 16k ranks
         self.step = np.full((self.world, h), -1, dtype=np.int64)
         self.reported = np.full(self.world, -1, dtype=np.int64)
 
@@ -71,7 +72,7 @@ class StageRise:
             return []
         h = self.step.shape[1]
         rank, step = rank[ok], step[ok]
-        vals = np.stack([ints(stages, c, 0)[ok] for c in STAGES], axis=1).astype(np.float64)
+        vals = np.stack([ints(stages, c, 0)[ok] for c in STAGES], axis=1).astype(np.float32)
         slot = step % h
         # a newer step takes its slot; within the batch the newest row per slot is written last
         order = np.argsort(step, kind="stable")
