@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diagnosis.columns import Columns, ints
+from ingest.torch.events import STAGE_FIELDS
 
 RULE = "rankwatch.stage_rise"
-STAGES = ("data_next_wait", "model_fwd_loss", "model_backward", "callbacks", "optim_step",
-          "step_other")
+STAGES = STAGE_FIELDS  # the six stage durations of a stage record
 
 
 @dataclass(frozen=True)
