@@ -206,7 +206,9 @@ def process_exit(w: Window, now_ns: int) -> Conclusion | None:
     intervals before the others') cannot see this: every rank stops within one beat. A wait
     that outlived `stuck_ns` was a hang before the end, which `analyze` names as such.
     Several min-op culprits (the killed rank, and one the launcher stopped before it reached
-    the call) are narrowed to the one whose process ended alone and first (`_first_alone`).
+    the call) are narrowed to the one whose process ended alone and first (`_first_alone`),
+    else to those whose process had already ended when the wait began (the others were alive
+    then and on their way to the call).
 
     Stage "process", component host_software; the evidence gives the stage and step the
     culprit's position last showed. A job that ends with nothing in flight (a normal end, or a
@@ -230,19 +232,38 @@ def process_exit(w: Window, now_ns: int) -> Conclusion | None:
         return ended_alone(w, now_ns)
     top = min_op[0]
     ranks = tuple(sorted({r for f in min_op for r in f.culprit_ranks}))
+    t_end = ints(ops, "t_end")
+    enq = ints(ops, "t_enqueue")
+
+    def wait_began(found: list[Finding]) -> int | None:
+        """When the first of `found`'s waiters entered a call still in flight at the end."""
+        who = sorted({int(r) for f in found for r in _ints_of(f.evidence.get("direct_waiters"))})
+        sel = np.isin(ints(ops, "rank"), who) & ((t_end == 0) | (t_end > end_ns)) \
+            & (enq <= end_ns)
+        return int(enq[sel].min()) if sel.any() else None
+
     if len(ranks) > 1:
         # several ranks never issued the call the others wait in: a killed one, and one the
         # launcher stopped on its way there. The one whose process ended alone and first
-        # (`ended_alone`'s test, where the agent timed the ends) is the one that went
+        # (`ended_alone`'s test, where the agent timed the ends) is the one that went; else
+        # the ones whose process had already ended when the wait began: the others were
+        # alive then, on their way to the call, and ended after it (the launcher stopping
+        # them — over 17-20 ms under a 10 ms monitor, too close for the first test)
         first = _first_alone(beats, w.grid.world, now_ns)
+        began = wait_began(min_op)
+        gone = _ends(beats, w.grid.world, now_ns)
         if first is not None and first[0] in ranks:
-            ranks = (first[0],)
-            min_op = [f for f in min_op if first[0] in f.culprit_ranks] or min_op
+            keep: tuple[int, ...] = (first[0],)
+        elif began is not None:
+            keep = tuple(r for r in ranks if 0 <= r < gone.size and gone[r] <= began)
+        else:
+            keep = ()
+        if keep and len(keep) < len(ranks):
+            ranks = keep
+            min_op = [f for f in min_op if set(f.culprit_ranks) & set(keep)] or min_op
             top = min_op[0]
     waiters = sorted({int(r) for f in min_op
                       for r in _ints_of(f.evidence.get("direct_waiters"))})
-    t_end = ints(ops, "t_end")
-    enq = ints(ops, "t_enqueue")
     inflight = np.isin(ints(ops, "rank"), waiters) & ((t_end == 0) | (t_end > end_ns)) & (
         enq <= end_ns)
     if not inflight.any():
@@ -304,8 +325,11 @@ def ended_alone(w: Window, now_ns: int) -> Conclusion | None:
     one of them — the others ended together, as a launcher stops them — while its last
     position was inside a stage of a step no other rank was behind. A job stopped from outside
     ends every process at once (no gap); a normal end leaves every rank between stages; exit
-    rows timed at the beat (an agent without pidfds) all carry one time. Confidence
-    `ALONE_CONFIDENCE`: the order of the ends says who ended first, not that it was a fault.
+    rows timed at the beat (an agent without pidfds) all carry one time. A job already hung
+    when its first process ended (a call in flight for 1.5 steps, at least 1 s) is stopped
+    from outside: the order of its ends is its teardown's, and the hang `analyze`'s to name.
+    Confidence `ALONE_CONFIDENCE`: the order of the ends says who ended first, not that it
+    was a fault.
     """
     beats = w.get("beats")
     world = w.grid.world
@@ -313,6 +337,17 @@ def ended_alone(w: Window, now_ns: int) -> Conclusion | None:
     if first is None:
         return None
     x, end, gap, spread = first
+    ops = w.get("ops")
+    if ops:
+        # the job was hung before its processes ended: a call in flight at the first end had
+        # been waiting 1.5 steps (≥ 1 s) by then. The ends are the hang's teardown (a
+        # launcher or an operator stopping the job; the first to go is whichever it stopped
+        # first), and the hang is `analyze`'s to name (a rank inside a collective its peers
+        # never joined, waited on for 13 s, was renamed to the rank stopped first)
+        t_end, enq = ints(ops, "t_end"), ints(ops, "t_enqueue")
+        stuck_ns = max(int(1.5 * w.step_ns), SECOND)
+        if (((t_end == 0) | (t_end > end)) & (enq <= end - stuck_ns)).any():
+            return None
     rank, ts = ints(beats, "rank"), ints(beats, "ts")
     last = np.flatnonzero((ints(beats, "exited", 0) == 1) & (ts <= now_ns) & (rank >= 0)
                           & (rank < world))
@@ -346,11 +381,8 @@ def _first_alone(beats: Columns | None, world: int, now_ns: int
     exit row by `now_ns`; else None."""
     if not beats or "exited" not in beats or world < 2:
         return None
-    rank, ts = ints(beats, "rank"), ints(beats, "ts")
-    ex = (ints(beats, "exited", 0) == 1) & (ts <= now_ns) & (rank >= 0) & (rank < world)
+    ends = _ends(beats, world, now_ns)
     never = np.iinfo(np.int64).max
-    ends = np.full(world, never, dtype=np.int64)
-    np.minimum.at(ends, rank[ex], ts[ex])
     if (ends == never).any():
         return None  # not every rank has ended (as the beats show so far)
     order = np.argsort(ends, kind="stable")
@@ -359,6 +391,19 @@ def _first_alone(beats: Columns | None, world: int, now_ns: int
     if gap < max(ALONE_MIN_NS, ALONE_K * spread):
         return None
     return x, int(ends[x]), gap, spread
+
+
+def _ends(beats: Columns | None, world: int, now_ns: int) -> np.ndarray:
+    """int64 [world]: when each rank's process was first seen ended (its earliest exit row by
+    `now_ns`), int64 max for a rank without one."""
+    never = np.iinfo(np.int64).max
+    ends = np.full(world, never, dtype=np.int64)
+    if not beats or "exited" not in beats:
+        return ends
+    rank, ts = ints(beats, "rank"), ints(beats, "ts")
+    ex = (ints(beats, "exited", 0) == 1) & (ts <= now_ns) & (rank >= 0) & (rank < world)
+    np.minimum.at(ends, rank[ex], ts[ex])
+    return ends
 
 
 def _ints_of(v: object) -> list[int]:

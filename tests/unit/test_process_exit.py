@@ -171,6 +171,50 @@ def test_of_two_ranks_that_never_issued_the_call_the_one_that_ended_alone_is_nam
     assert c is not None and c.ranks == (1, 2)
 
 
+def test_of_several_that_never_issued_the_call_the_one_gone_before_the_wait_is_named() -> None:
+    """Rank 1 inside all-reduce 40 from 30 ms into step 40; rank 2 killed in its forward 20 ms
+    in, ranks 0 and 3 stopped by a fast launcher in their backward after rank 1 began to wait
+    (38 ms after rank 2, the rest over 20 ms: too close for the ended-alone test). Of the three
+    that never issued the call, only rank 2 was already gone when the wait began; ends timed at
+    one beat say nothing of that, and all three stay named."""
+    o = all_reduces({0: 39, 1: 40, 2: 39, 3: 39}, in_flight={1})
+    t0 = 40 * STEP
+
+    def at(ends_ms: dict[int, float]) -> Window:
+        b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
+                  + [(r, t0 + int(ends_ms[r] * MS), 40,
+                      "model.fwd_loss" if r == 2 else "model.backward", 1) for r in range(4)])
+        return Window(ddp4(), {"ops": o, "beats": b}, 0, t0 + 2 * S)
+
+    timed = at({0: 58.0, 1: 78.0, 2: 20.0, 3: 75.0})
+    c = hang_rca.process_exit(timed, timed.now_ns)
+    assert c is not None and c.ranks == (2,) and "min_op" in c.findings[0].labels
+    one_beat = at({r: 600.0 for r in range(4)})
+    c = hang_rca.process_exit(one_beat, one_beat.now_ns)
+    assert c is not None and c.ranks == (0, 2, 3)
+
+
+def test_the_teardown_of_a_job_hung_for_seconds_is_no_process_exit() -> None:
+    """Every rank inside all-reduce 40 for 13 s (a hang), then the job stopped from outside,
+    rank 0 first and alone: the ends are the hang's teardown, not a process that took the job
+    down — no verdict here (the hang analysis names the hang). The same ends 30 ms after the
+    calls began still name the first rank to go."""
+    o = all_reduces({r: 40 for r in range(4)}, in_flight={0, 1, 2, 3})
+    began = 40 * STEP + 30 * MS
+
+    def ended(after_ms: float) -> Window:
+        b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
+                  + [(r, began + int((after_ms + (0 if r == 0 else 100)) * MS), 40,
+                      "model.backward", 1) for r in range(4)])
+        return Window(ddp4(), {"ops": o, "beats": b}, 0, began + int(after_ms * MS) + 2 * S)
+
+    hung = ended(13_000.0)
+    assert hang_rca.process_exit(hung, hung.now_ns) is None
+    quick = ended(30.0)
+    c = hang_rca.process_exit(quick, quick.now_ns)
+    assert c is not None and c.ranks == (0,) and "ended_alone" in c.labels
+
+
 def test_the_analyst_looks_for_exits_and_opens_one_incident() -> None:
     """No trigger fires for a job whose ranks all stopped within a beat; the analyst's look
     for exit beats (every min_sweep_s) opens the incident, once."""
