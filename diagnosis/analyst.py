@@ -16,7 +16,8 @@ finished job would drift to "process died".
   `window_s` and a conclusion opens an incident.
 - `tick` (call every second or so): every `recheck_s`, each open incident is re-analysed: a
   changed conclusion is published as "updated", nothing found `clear_after` times in a row as
-  "resolved". The first re-check comes `first_recheck_s` after the incident opens: a trigger
+  "resolved"; an incident kept on records that have not moved since (a job that ended) is not
+  re-read. The first re-check comes `first_recheck_s` after the incident opens: a trigger
   fires seconds after the onset, when the raw tables may hold little of the fault yet (a dead
   rank's missing beats span one interval), so the first version is soon checked against more
   evidence. Every `_sweep_gap` (its last sweep's cost over `sweep_share`, between
@@ -161,6 +162,10 @@ class Analyst:
     #: job -> the event clock its last sweep judged: a job whose clock stands still (it ended,
     #: or its feed stopped) is not swept again over the same records
     swept_at: dict[str, int] = field(default_factory=dict)
+    #: job -> the moment its last re-check read up to, when that re-check kept every open
+    #: incident: the same records give the same verdict, so a job whose clock stands still is
+    #: not re-checked again (`_recheck`)
+    kept_at: dict[str, int] = field(default_factory=dict)
     triggers: dict[tuple[str, str], Trigger] = field(default_factory=dict)
     resolved_hangs: dict[str, tuple[frozenset[int], int]] = field(default_factory=dict)
     #: (job, incident class) -> the moment of the job's time its open incident's newest version
@@ -599,15 +604,24 @@ class Analyst:
         silence fired another trigger."""
         at = max([self.event_clock(job, now_ns),
                   *(self.read_to.get((job, cls), 0) for cls in classes)])
+        if self.kept_at.get(job) == at:
+            # a job that ended (or whose feed stopped): its incidents were kept on these very
+            # records. Re-reading its 90 s window every `recheck_s` cost every job seen since
+            # — on the 2-core machine, ticks of 2-15 s by a catalog's 30th job, each holding
+            # up the pending tries of the live ones
+            return []
+        self.kept_at.pop(job, None)
         w = self._window(job, at)
         if w is None:
             return []
         out: list[Diagnosis] = []
+        kept = True
         for cls in classes:
             fn = hang_rca.analyze if cls == "hang" else self._confirming(job) if w.get("stages") \
                 else ops_rca.slowdown  # a job without stage records: from ops alone
             c, ms = self._run(fn, w, at)
             if c is None or incident_class(c.kind) != cls:
+                kept = False  # counted toward resolution: judged again until resolved
                 r = self.book.clear(job, cls, now_ns)
                 if r is not None:
                     self.triggers.pop((job, cls), None)
@@ -619,6 +633,8 @@ class Analyst:
                 t = self.triggers.get((job, cls)) or Trigger(job, at, "straggler", (),
                                                              {"rule": "rankwatch.recheck"})
                 out += self._publish(c, w, t, now_ns, ms)
+        if kept:
+            self.kept_at[job] = at
         return out
 
 

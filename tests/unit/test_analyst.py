@@ -142,6 +142,54 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost(
     assert job not in b.pending_slow  # expired
 
 
+def test_an_incident_kept_on_records_that_no_longer_change_is_not_rechecked_again() -> None:
+    """An open incident of a job whose event clock stands still (the job ended) is re-checked
+    once on its final records; the same records give the same verdict, so later ticks do
+    not read them again — until the clock moves. A re-check that finds nothing is repeated
+    until the incident resolves."""
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("hang rank=13 stage=bwd mb=3 at=3s")
+    job = w.topo.job_id
+    reads: list[int] = []
+    clock = {"at": now}
+
+    def read(job_id: str, start_ns: int, now_ns: int,
+             kinds: Collection[str] | None = None) -> Window:
+        reads.append(now_ns)
+        return w
+
+    a = Analyst(read, AnalystConfig(recheck_s=4, first_recheck_s=1),
+                event_clock=lambda _job, _now: clock["at"])
+    assert [d.status for d in a.on_trigger(Trigger(job, now, "hang", ()), now)] == ["open"]
+    a.jobs.add(job)
+    n = len(reads)
+    a.tick(now + S)  # the first re-check: kept
+    assert a.book.is_open(job, "hang") and len(reads) == n + 1
+    for k in range(2, 6):
+        a.tick(now + 4 * k * S)
+    assert len(reads) == n + 1  # the clock stood still: not read again
+    clock["at"] = now + S // 10  # records moved on
+    a.tick(now + 30 * S)
+    assert len(reads) == n + 2
+    # a re-check that finds nothing is repeated, the clock standing still, until resolved
+    clock["at"] = now + S // 5
+    empty = Window(w.topo, {}, w.start_ns, w.now_ns)
+
+    def read_empty(job_id: str, start_ns: int, now_ns: int,
+                   kinds: Collection[str] | None = None) -> Window:
+        reads.append(now_ns)
+        return empty
+
+    a.read = read_empty
+    for k in range(8, 30):
+        a.tick(now + 4 * k * S)
+        if not a.book.is_open(job, "hang"):
+            break
+    assert not a.book.is_open(job, "hang")
+
+
 def test_a_job_whose_event_clock_stands_still_is_swept_once() -> None:
     """The sweep reads the job's window, the look for exit beats its recent beats; a job that
     ended (its event clock no longer moves) is not read again every sweep_s."""
