@@ -25,7 +25,10 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     `z_change` of its own σ is named "absorbed" too while the job's step time does not move:
     the pipeline or the shared cores hide it today, its rank is still the one to look at. An
     absorbed change must have held for `2 × onset_steps` steps (weaker evidence, more of it: a
-    rank crowded off its core for a few hundred milliseconds doubles a phase too) — and
+    rank crowded off its core for a few hundred milliseconds doubles a phase too), as must a
+    change of a rank beside fewer than `min_peers` peers — unless the rank's own steps' CPU
+    wait did not rise with it (`crowd_free`: the scheduler did not crowd it, so the hold has
+    nothing to guard against and `onset_steps` suffice) — and
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
@@ -244,6 +247,10 @@ def _nanmedian(x: Array, axis: int = 0) -> Array:
         return np.asarray(np.nanmedian(x, axis=axis))
 
 
+#: a rank's change is the scheduler's when its steps' CPU wait rose by this share of it
+#: (`crowd_free`; `slow.cpu.EXPLAIN` judges a starved suspect by the same share)
+CROWD_SHARE = 0.5
+
 #: a link's own rise is common to the job's links when the median rise of the others over the
 #: same steps reaches this share of it (a machine-wide stall lengthens every transfer)
 COMMON = 0.5
@@ -398,6 +405,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
     # it is a change of its own time, not of its excess over a peer (a peer that got faster
     # because its other end now arrives late is no evidence against this one)
     few = (not job_gate) & (peers < cfg.min_peers)
+    ranked = job_gate and u == ctx.w.grid.world  # the units are the job's ranks
     k = cfg.onset_steps
     tail = np.zeros(u, dtype=bool)
     if n >= 2 * k:  # cheap pre-test: the newest known steps well above the older half's
@@ -428,13 +436,26 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # so must a change of a quantity judged on changes only (a rank's CPU wait): bursty
         # where cores are shared, a rank crowded off its core for 4-5 steps, near a contended
         # control's end, waited 10-75 ms a step more than its peers
-        if (peers[x] < cfg.min_peers or changes_only) and res[3] < 2 * k:
+        # — unless the rank's own CPU counters rule the crowding out (`crowd_free`: its steps
+        # did not wait more for a CPU while its time rose): the hold guards against the
+        # scheduler, and a rank the scheduler did not crowd needs no more steps than any
+        # other change. A quantity of ranks only; a link's transfer runs in the transport's
+        # threads, whose waiting the counter (the training thread's) does not see
+        short = res[3] < 2 * k
+        if short and (changes_only or peers[x] < cfg.min_peers or not job_moved):
+            cleared = ranked and not changes_only and crowd_free(
+                ctx, x, n - res[3],
+                float(_nanmedian(d[n - res[3]:, x]) - _nanmedian(d[:n - res[3], x])))
+        else:
+            cleared = False
+        if (peers[x] < cfg.min_peers or changes_only) and short and not cleared:
             continue
         hidden = res[1] >= cfg.absorbed_ratio and res[2] >= cfg.absorbed_z * cfg.z_change \
             and not changes_only
         # a change the job's step time does not show is weaker evidence: it must hold twice
-        # as long (a rank crowded off its core for a few hundred ms doubles a phase too)
-        held = job_moved or res[3] >= 2 * k
+        # as long (a rank crowded off its core for a few hundred ms doubles a phase too) —
+        # the same hold against the scheduler as above, and cleared the same way
+        held = job_moved or not short or cleared
         if held and (job_moved or not job_gate or hidden):
             flag[x], exc[x], ratio[x], z[x] = True, res[0], res[1], res[2]
             how[x] = "change" if job_moved else "absorbed"
@@ -538,6 +559,55 @@ def full_steps(step: Array) -> Array:
 
 def stage_total(st: Columns) -> Array:
     return np.asarray(sum(ints(st, c, 0) for c in STAGE_COLS))
+
+
+def step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
+    """(wait, time): float [judged steps, world] matrices of each step's CPU wait and wall time
+    per rank (nan where a rank has no stage record or no counter); None when no judged step of
+    the window carries the counter. Computed once per analysis (`ctx.memo`); callers must not
+    change them."""
+    if "cpu:wait" not in ctx.memo:
+        got = _step_waits(ctx)
+        ctx.memo["cpu:wait"], ctx.memo["cpu:time"] = got if got is not None else (
+            np.zeros((0, 0)), np.zeros((0, 0)))
+    wait, tot = ctx.memo["cpu:wait"], ctx.memo["cpu:time"]
+    return (wait, tot) if wait.size else None
+
+
+def _step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
+    st = ctx.w.get("stages")
+    if not st or "sched_wait_ns" not in st:
+        return None
+    sel = in_steps(ints(st, "step"), ctx.steps)
+    wait = ints(st, "sched_wait_ns", -1)[sel]
+    if not (wait >= 0).any():
+        return None
+    step, rank = ints(st, "step")[sel], ints(st, "rank")[sel]
+    w = matrix(ctx, step, rank, np.maximum(wait, 0), aligned=True)
+    t = matrix(ctx, step, rank, stage_total(st)[sel], aligned=True)
+    known = matrix(ctx, step, rank, (wait >= 0).astype(np.int64), aligned=True) > 0
+    bad = ~known | ~(t > 0)
+    w[bad], t[bad] = np.nan, np.nan
+    return w, t
+
+
+def crowd_free(ctx: Ctx, x: int, row: int, rise: float) -> bool:
+    """Whether rank `x`'s change from judged row `row` on — its quantity `rise` ns a step above
+    its baseline — is not the scheduler's doing: its steps' CPU wait (the tracer's per-step
+    counter, `step_waits`) over the same steps rose by less than `CROWD_SHARE` of `rise` over
+    its wait before. A rank crowded off a shared core loses its time waiting for a CPU; a rank
+    whose own work got slower does not. False without the counter on at least `onset_steps`
+    − 1 steps since the onset and `onset_steps` before it: then nothing rules the crowding out."""
+    got = step_waits(ctx)
+    if got is None or not 0 <= x < got[0].shape[1]:
+        return False
+    col_ = got[0][:, x]
+    before, after = col_[:row], col_[row:]
+    before, after = before[~np.isnan(before)], after[~np.isnan(after)]
+    k = ctx.cfg.onset_steps
+    if before.size < k or after.size < k - 1:
+        return False
+    return float(np.median(after)) - float(np.median(before)) < CROWD_SHARE * rise
 
 
 def reach_start(stages: Columns, extra_steps: int, config: SlowConfig | None = None

@@ -93,7 +93,7 @@ import numpy as np
 
 from diagnosis.columns import Columns, ints
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow.context import Ctx, in_steps, judge, matrix, stage_total
+from diagnosis.slow.context import Ctx, judge, step_waits
 
 RULE = "rankwatch.cpu_starved"
 MIN_SHARE = 0.2
@@ -199,36 +199,6 @@ def _starved(top: Suspicion, how_much: str) -> Suspicion:
                    rules=(*top.rules, RULE),
                    summary=f"{top.summary}; {who} waited for a CPU {how_much}: starved of CPU, "
                            "not slower work")
-
-
-def step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
-    """(wait, time): float [judged steps, world] matrices of each step's CPU wait and wall time
-    per rank (nan where a rank has no stage record or no counter); None when no judged step of
-    the window carries the counter. Computed once per analysis (`ctx.memo`); callers must not
-    change them."""
-    if "cpu:wait" not in ctx.memo:
-        got = _step_waits(ctx)
-        ctx.memo["cpu:wait"], ctx.memo["cpu:time"] = got if got is not None else (
-            np.zeros((0, 0)), np.zeros((0, 0)))
-    wait, tot = ctx.memo["cpu:wait"], ctx.memo["cpu:time"]
-    return (wait, tot) if wait.size else None
-
-
-def _step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
-    st = ctx.w.get("stages")
-    if not st or "sched_wait_ns" not in st:
-        return None
-    sel = in_steps(ints(st, "step"), ctx.steps)
-    wait = ints(st, "sched_wait_ns", -1)[sel]
-    if not (wait >= 0).any():
-        return None
-    step, rank = ints(st, "step")[sel], ints(st, "rank")[sel]
-    w = matrix(ctx, step, rank, np.maximum(wait, 0), aligned=True)
-    t = matrix(ctx, step, rank, stage_total(st)[sel], aligned=True)
-    known = matrix(ctx, step, rank, (wait >= 0).astype(np.int64), aligned=True) > 0
-    bad = ~known | ~(t > 0)
-    w[bad], t[bad] = np.nan, np.nan
-    return w, t
 
 
 def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion, bool]:

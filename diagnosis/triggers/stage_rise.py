@@ -14,9 +14,9 @@ median of the `base` steps before them; a stage whose newest steps' lower median
 least that high) at least doubled (`ratio`) and rose by at least `min_share` of the job's step
 time fires one "straggler" trigger (rule `rankwatch.stage_rise`) naming the rank. It only says
 where and when to look: the slowdown analysis judges the rise against the rank's own noise and
-its peers (`slow.context.judge`; an absorbed change must hold `2 × onset_steps`), and a trigger
-whose analysis finds nothing yet is tried again as stage records are stored
-(`Analyst.retry_slow`).
+its peers (`slow.context.judge`; an absorbed change must hold `2 × onset_steps` unless the rank's
+CPU counters rule out the scheduler), and a trigger whose analysis finds nothing yet is tried
+again as stage records are stored (`Analyst.retry_slow`).
 One trigger per rank per episode: a rank fires again only once its newest `k + base` steps no
 longer include the onset it was reported for.
 

@@ -174,6 +174,51 @@ def test_a_doubled_stage_the_job_absorbs_is_named_absorbed() -> None:
     assert context.persistence(m, ref)[1] < 1.0  # from its first noisy step instead
 
 
+def _with_waits(w: Window, steps: int, wait: np.ndarray) -> Window:
+    """`w` with one stage record per (step, rank) of `steps` steps whose thread waited
+    `wait[step, rank]` ns for a CPU (the tracer's per-step counter)."""
+    world = w.grid.world
+    step, rank = (a.ravel() for a in np.meshgrid(np.arange(steps), np.arange(world),
+                                                  indexing="ij"))
+    one = np.full(step.size, 50_000_000, np.int64)
+    zero = np.zeros(step.size, np.int64)
+    stages = {"rank": rank, "step": step, "t_start": step * 60_000_000,
+              "data_next_wait": zero, "model_fwd_loss": one, "model_backward": one,
+              "callbacks": zero, "optim_step": zero, "step_other": zero,
+              "sched_wait_ns": wait.ravel().astype(np.int64)}
+    return Window(w.topo, {**w.tables, "stages": stages}, w.start_ns, w.now_ns)
+
+
+def test_a_short_change_the_scheduler_did_not_cause_needs_no_longer_hold() -> None:
+    """The 2 × onset_steps hold of a change the job's step time does not show (and of a rank
+    beside fewer than `min_peers` peers) guards against a rank crowded off a shared core for a
+    few hundred milliseconds. Where the rank's own steps' CPU wait did not rise with its time,
+    crowding is ruled out and the change counts after onset_steps; where the wait rose with
+    it, or the records lack the counter, it still waits for the longer hold."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(5)
+    m = _noisy(rng, 40, world)
+    m[-6:, 3] *= 6.0  # +500 ms a step, held 6 steps: shorter than twice onset_steps
+    flat = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    assert not context.judge(_ctx(w, 40, flat), m, 1.05).flag[3]  # no counter: held
+    wait = 2e6 + 2e5 * rng.standard_normal((40, world))
+    v = context.judge(_ctx(_with_waits(w, 40, wait), 40, flat), m, 1.05)
+    assert v.flag[3] and v.how[3] == "absorbed" and int(v.since[3]) == 34
+    assert not v.flag[[0, 1, 2, *range(4, world)]].any()
+    crowded = wait.copy()
+    crowded[-6:, 3] += 400e6  # it waited for a CPU for most of its extra time
+    assert not context.judge(_ctx(_with_waits(w, 40, crowded), 40, flat), m, 1.05).flag[3]
+    few = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    few[-6:] += 500e6  # the job felt it, yet a change of a unit beside too few peers is held
+    m2 = _noisy(rng, 40, world)
+    m2[-6:, 3] *= 6.0
+    groups_of_two = np.arange(world) // 2
+    assert not context.judge(_ctx(w, 40, few), m2, 1.05, groups_of_two).flag[3]
+    v2 = context.judge(_ctx(_with_waits(w, 40, wait), 40, few), m2, 1.05, groups_of_two)
+    assert v2.flag[3] and v2.how[3] == "change"
+
+
 def test_a_change_inside_the_noise_of_its_own_series_is_not_evidence() -> None:
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     rng = np.random.default_rng(4)
