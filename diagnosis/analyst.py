@@ -283,7 +283,14 @@ class Analyst:
         if cls == "performance" and t.job_id in self.pending_slow and \
                 t.job_id in self.stages_stored:
             # the pending trigger's tries, timed to the stored evidence and paced by their
-            # cost, read the same steps: an analysis now would spend a whole read on them
+            # cost, read the same steps: an analysis now would spend a whole read on them.
+            # The new trigger is news that the job is still off: the tries go on for
+            # `slow_pending_s` from it, under its name (a rank's stage rise 0.3 s after its
+            # onset was absorbed by a step trigger that had fired 3.7 s before, on noise,
+            # and whose tries ran out 2.3 s later; by the next trigger's analysis the change
+            # was too old for the default window, and a sweep named it 76 steps in)
+            _, _, due = self.pending_slow[t.job_id]
+            self.pending_slow[t.job_id] = (t, now_ns, due)
             return []
         at = self._trigger_clock(t, now_ns, now_ns) if cls == "hang" else \
             self._slow_clock(t.job_id, now_ns)
@@ -336,7 +343,10 @@ class Analyst:
         stored = self.stages_stored.get(job)
         if now_ns < due or (stored is not None and stored == self.slow_tried_at.get(job)):
             return []
-        t0 = time.perf_counter()
+        # the try's cost is the worker's CPU, not its wall time: a try that waits for a core
+        # the training processes hold, or for the database thread behind an insert, costs
+        # the worker nothing, and paced by its wall time the evidence waited for the next
+        t0 = time.process_time()
         at = self._slow_clock(job, now_ns)
         tried = self._slow_try(job, at)
         if tried is None:  # no stage records: the trigger's own analysis, over every kind
@@ -346,7 +356,7 @@ class Analyst:
         else:
             c, w, ms = tried
         if c is None or w is None:
-            cost = (time.perf_counter() - t0) * 1e3  # the read included: most of a try
+            cost = (time.process_time() - t0) * 1e3  # the read included: most of a try
             floor = None if stored is None else self.config.evidence_retry_s
             self.pending_slow[job] = (t, since, now_ns + self._retry_gap(cost, floor_s=floor))
             if stored is not None:

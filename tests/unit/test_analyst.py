@@ -130,11 +130,11 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost(
     clock = [0.0]
 
     def run(fn: object, w_: Window, n: int) -> tuple[None, float]:
-        clock[0] += 0.5  # the try (its read and analysis) takes 0.5 s
+        clock[0] += 0.5  # the try (its read and analysis) takes 0.5 CPU-s of the worker
         return None, 5.0
 
     b._run = run  # type: ignore[method-assign, assignment]
-    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "process_time", lambda: clock[0])
     b.tick(now + S)
     monkeypatch.undo()
     assert b.pending_slow[job][2] == now + S + 2 * S
@@ -459,6 +459,37 @@ def test_a_slowdown_is_read_up_to_where_every_ranks_records_are_stored() -> None
     b = Analyst(lambda *_a, **_k: None, event_clock=lambda job, now: 170 * S)
     b.stored("j", "stages", np.array([0]), np.array([150 * S]))
     assert b._slow_clock("j", 200 * S) == 170 * S  # the event clock, when it is later
+
+
+def test_a_trigger_absorbed_by_a_pending_one_keeps_its_tries_going() -> None:
+    """A performance trigger that fires while another is pending is absorbed, and its tries
+    go on `slow_pending_s` from the newer trigger, under its name: a step trigger on noise
+    5 s before a rank's stage rise no longer ends the tries a second after the rise."""
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("gpu_slow rank=9 factor=1.6 at=2s", steps=16)
+    job = w.topo.job_id
+    seen = {"early": True}
+
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
+        return Window(w.topo, {}, start_ns, now_ns) if seen["early"] else w
+
+    a = Analyst(read, AnalystConfig(retry_s=1, evidence_retry_s=0.05, slow_pending_s=6,
+                                    sweep_s=60, min_sweep_s=60), event_clock=lambda j, t: now)
+    a.last_sweep[job] = now + 100 * S
+    a.exit_checks[job] = (now + 100 * S, now)
+    a.stored(job, "stages", np.array([9]), np.array([now]))
+    noise = Trigger(job, now, "straggler", (), {"rule": "venustrace.expected_step"})
+    assert a.on_trigger(noise, now) == [] and job in a.pending_slow
+    rise = Trigger(job, now + 5 * S, "straggler", (9,), {"rule": "rankwatch.stage_rise"})
+    assert a.on_trigger(rise, now + 5 * S) == []
+    assert a.pending_slow[job][0] is rise
+    seen["early"] = False
+    a.stored(job, "stages", np.array([9]), np.array([now]))
+    out = a.retry_slow(now + 8 * S)  # 8 s after the first trigger, 3 s after the rise
+    assert [(d.status, d.culprit_ranks) for d in out] == [("open", [9])]
 
 
 def test_a_pending_slowdown_is_tried_as_its_stage_records_are_stored() -> None:
