@@ -53,8 +53,9 @@ finished job would drift to "process died".
   `evidence_retry_s` and its cost allow (`retry_slow`, which the worker calls as a pending
   job's stage batch is stored); another performance trigger of the job meanwhile is absorbed:
   its analysis would read the same steps, unpaced (the step triggers fire again every few
-  steps while a slowdown lasts). Pending hang triggers are paced on the tick by their cost too,
-  but never wait more than `HANG_RETRY_S`.
+  steps while a slowdown lasts) — it restarts the `slow_pending_s` and becomes the pending
+  one. A try's cost is the worker's CPU time over it, not the wall clock's. Pending hang
+  triggers are paced on the tick by their cost too, but never wait more than `HANG_RETRY_S`.
 - a slowdown analysis (trigger, tries, sweep) reads up to the job's slow clock: the moment
   every rank's stage records and calls are reported stored, or the event clock if later. The
   event clock follows the progress feed's watermark, which moves one closed one-second window

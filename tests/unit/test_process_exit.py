@@ -150,23 +150,25 @@ def test_ends_together_between_stages_or_spread_out_name_no_one() -> None:
     assert hang_rca.process_exit(still, still.now_ns) is None
 
 
+def ended_in_step_40(o: dict[str, np.ndarray], ends_ms: dict[int, float]) -> Window:
+    """The calls `o` and each rank's exit row `ends_ms` into step 40 (rank 2 in its forward,
+    the others in their backward), after a beat at step 39."""
+    t0 = 40 * STEP
+    b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
+              + [(r, t0 + int(ends_ms[r] * MS), 40,
+                  "model.fwd_loss" if r == 2 else "model.backward", 1) for r in range(4)])
+    return Window(ddp4(), {"ops": o, "beats": b}, 0, t0 + 2 * S)
+
+
 def test_of_two_ranks_that_never_issued_the_call_the_one_that_ended_alone_is_named() -> None:
     """Ranks 0 and 3 inside all-reduce 40; rank 2 killed in its forward, rank 1 stopped by the
     launcher before it got there: both never issued the call. Timed ends single out rank 2;
     ends at one beat leave both named."""
     o = all_reduces({0: 40, 1: 39, 2: 39, 3: 40}, in_flight={0, 3})
-    t0 = 40 * STEP
-
-    def at(ends_ms: dict[int, float]) -> Window:
-        b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
-                  + [(r, t0 + int(ends_ms[r] * MS), 40,
-                      "model.fwd_loss" if r == 2 else "model.backward", 1) for r in range(4)])
-        return Window(ddp4(), {"ops": o, "beats": b}, 0, t0 + 2 * S)
-
-    timed = at({0: 116.1, 1: 116.1, 2: 35.0, 3: 117.5})
+    timed = ended_in_step_40(o, {0: 116.1, 1: 116.1, 2: 35.0, 3: 117.5})
     c = hang_rca.process_exit(timed, timed.now_ns)
     assert c is not None and c.ranks == (2,) and "min_op" in c.findings[0].labels
-    one_beat = at({r: 600.0 for r in range(4)})
+    one_beat = ended_in_step_40(o, {r: 600.0 for r in range(4)})
     c = hang_rca.process_exit(one_beat, one_beat.now_ns)
     assert c is not None and c.ranks == (1, 2)
 
@@ -178,18 +180,10 @@ def test_of_several_that_never_issued_the_call_the_one_gone_before_the_wait_is_n
     that never issued the call, only rank 2 was already gone when the wait began; ends timed at
     one beat say nothing of that, and all three stay named."""
     o = all_reduces({0: 39, 1: 40, 2: 39, 3: 39}, in_flight={1})
-    t0 = 40 * STEP
-
-    def at(ends_ms: dict[int, float]) -> Window:
-        b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
-                  + [(r, t0 + int(ends_ms[r] * MS), 40,
-                      "model.fwd_loss" if r == 2 else "model.backward", 1) for r in range(4)])
-        return Window(ddp4(), {"ops": o, "beats": b}, 0, t0 + 2 * S)
-
-    timed = at({0: 58.0, 1: 78.0, 2: 20.0, 3: 75.0})
+    timed = ended_in_step_40(o, {0: 58.0, 1: 78.0, 2: 20.0, 3: 75.0})
     c = hang_rca.process_exit(timed, timed.now_ns)
     assert c is not None and c.ranks == (2,) and "min_op" in c.findings[0].labels
-    one_beat = at({r: 600.0 for r in range(4)})
+    one_beat = ended_in_step_40(o, {r: 600.0 for r in range(4)})
     c = hang_rca.process_exit(one_beat, one_beat.now_ns)
     assert c is not None and c.ranks == (0, 2, 3)
 
