@@ -49,6 +49,7 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from diagnosis.model import Diagnosis
+from ingest.keys import batch_key
 from ingest.publish import BatchPublisher
 from ingest.records import MODELS
 from ingest.sim.config import JobConfig
@@ -158,14 +159,15 @@ def idle_rate(pids: list[int | None], seconds: float = IDLE_S) -> float:
 def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
             progress: Any) -> Run:
     """Simulate the jobs first (outside the measurement), then publish every batch at once,
-    keyed by job as the simulator's own sink does, and measure until stored and idle."""
+    keyed as the simulator's own sink does (ingest/keys.py), and measure until stored and
+    idle."""
     batches: list[tuple[str, str, bytes]] = []
     published = 0
     epoch = time.time_ns()
     for cfg in cfgs:
         sim = Simulation(cfg.with_(epoch_ns=epoch))
-        batches += [(cfg.job_id, kind, data)
-                    for _, kind, data in sim.batches(framing=KafkaSink.framing)]
+        batches += [(batch_key(kind, cfg.job_id, producer), kind, data)
+                    for _, kind, producer, data in sim.uploads(framing=KafkaSink.framing)]
         published += int(sim.rows)
     workers = [d.pid() for d in stack.worker_daemons(settings)[:n]]
     store_pid = stack.store_daemon(settings).pid()
@@ -174,8 +176,8 @@ def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
     store0 = cpu_s(store_pid)
     t0 = time.monotonic()
     pub = BatchPublisher(settings.bootstrap, settings.topics)
-    for job, kind, data in batches:
-        pub.publish(kind, data, key=job)
+    for key, kind, data in batches:
+        pub.publish(kind, data, key=key)
     if pub.flush(120):
         raise RuntimeError(f"{workload}: batches not delivered: {pub.stats.errors[:3]}")
     progress(f"  {workload}: published {published:,} records in {time.monotonic() - t0:.1f} s")
@@ -275,7 +277,8 @@ def one_count(n: int, broker: Broker, base: Path, args: argparse.Namespace,
         stack.start_workers(settings, n, lambda m: None, 180)
         split = wait_split(settings, n)
         progress(f"{n} worker(s): partitions {split}")
-        big = JobConfig(job_id=f"big-{n}", tp=8, pp=4, dp=32, steps=args.big_steps, seed=3)
+        big = JobConfig(job_id=f"big-{n}", tp=8, pp=4, dp=32, steps=args.big_steps, seed=3,
+                        uploaders=args.uploaders)
         runs.append(measure(settings, n, "1 job x 1,024 ranks", [big], progress))
         small = [JobConfig(job_id=f"small-{n}-{i}", tp=2, pp=2, dp=2, steps=args.small_steps,
                            seed=i) for i in range(args.small_jobs)]
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="1,2,3", help="worker counts, comma-separated")
     ap.add_argument("--big-steps", type=int, default=3)
+    ap.add_argument("--uploaders", type=int, default=16,
+                    help="producers the big job's 128 hosts publish as (ingest/keys.py)")
     ap.add_argument("--small-jobs", type=int, default=16)
     ap.add_argument("--small-steps", type=int, default=30)
     ap.add_argument("--no-kill", action="store_true", help="skip the kill measurement")

@@ -509,12 +509,9 @@ class DiagnosisAgents:
         previews of the derived runner's next tick (module docstring)."""
         if kind in ("stages", "ops"):
             try:  # how far the job's stage records and calls are stored (`Analyst.stored`)
-                self.analyst.stored(batch.job_id, kind, *newest_per_rank(kind, batch.cols))
+                self.on_stored_ends(batch.job_id, kind, *newest_per_rank(kind, batch.cols))
             except (KeyError, ValueError, TypeError):  # stored, but not this bookkeeping's
                 log.warning("stored %s batch of %s: no rank/time columns", kind, batch.job_id)
-            # a pending slowdown's evidence may be complete: try it now, not at the tick
-            if kind == "stages" and batch.job_id in self.analyst.pending_slow:
-                self._evidence.set()
         if kind not in ("beats", "stages"):
             return
         try:
@@ -524,6 +521,16 @@ class DiagnosisAgents:
                 self.beats_dropped += 1
             else:
                 self.stages_dropped += 1
+
+    def on_stored_ends(self, job: str, kind: str, ranks: np.ndarray, ends: np.ndarray) -> None:
+        """Records of `kind` of an owned job are stored up to `ends[i]` for rank `ranks[i]`,
+        by this worker (`on_stored`) or another one (its report: streams/reports.py)."""
+        if kind not in ("stages", "ops"):
+            return
+        self.analyst.stored(job, kind, ranks, ends)
+        # a pending slowdown's evidence may be complete: try it now, not at the tick
+        if kind == "stages" and job in self.analyst.pending_slow:
+            self._evidence.set()
 
     async def _on_stored(self) -> None:
         while True:

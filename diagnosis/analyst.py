@@ -98,6 +98,7 @@ from diagnosis.slow.context import stage_total
 from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window, announced_ops_stored, beats_current
 from ingest.units import SECOND
+from streams.reports import newest_call_ends
 
 #: The raw kinds a sweep reads: what `slow.analyze` and `hang_rca.stuck_ranks` use
 #: (tests/unit/test_analyst.py checks the conclusions equal those on every kind).
@@ -653,11 +654,10 @@ def newest_per_rank(kind: str, cols: Columns) -> tuple[np.ndarray, np.ndarray]:
     """(ranks, the newest moment of each one's records) in a batch of `kind` ("stages": a
     record's step end; "ops": a call's end, or its enqueue while it is in flight), for
     `Analyst.stored`."""
+    if kind != "stages":
+        return newest_call_ends(cols)
     rank = ints(cols, "rank")
-    if kind == "stages":
-        end = ints(cols, "t_start") + stage_total(cols)
-    else:
-        end = np.maximum(ints(cols, "t_end", 0), ints(cols, "t_enqueue", 0))
+    end = ints(cols, "t_start") + stage_total(cols)
     if not rank.size:
         return rank, end
     ranks, at = np.unique(rank, return_inverse=True)

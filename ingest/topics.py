@@ -33,6 +33,8 @@ class Topics:
     iterations: str = "rw.iterations"
     kernel_summaries: str = "rw.kernel_summaries"
     triggers: str = "rw.triggers"
+    #: what a worker stored of a job it does not own, for the job's owner (streams/reports.py)
+    stored: str = "rw.stored"
     diagnoses: str = "rw.diagnoses"
     truth: str = "rw.truth"
     dlq: str = "rw.dlq"
@@ -59,7 +61,7 @@ class Topics:
         # job-keyed derived topics have the raw topics' count: a job's home partition of each
         # is assigned to the job's owner (streams.ownership)
         out += [TopicSpec(getattr(self, k), partitions)
-                for k in ("progress", "iterations", "kernel_summaries", "triggers")]
+                for k in ("progress", "iterations", "kernel_summaries", "triggers", "stored")]
         out += [TopicSpec(self.dlq, few)]
         out += [TopicSpec(self.diagnoses, 1, retention_ms=year), TopicSpec(self.truth, 1)]
         return out

@@ -139,6 +139,15 @@ class WorkerCollector(Collector):
             yield _gauge("rankwatch_consumer_lag_messages", "Messages not yet committed by the "
                          "worker's consumer group", ["topic"],
                          [([t], float(n)) for t, n in sorted(self.lag.lag.items())])
+        store: Any = getattr(self.sapp, "store", None)
+        if hasattr(store, "reports_sent"):
+            yield _counter("rankwatch_stored_reports", "Reports of raw batches stored for "
+                           "another worker's job (streams/reports.py): sent, folded by the "
+                           "owner, read for a job owned elsewhere, malformed", "what",
+                           {"sent": float(store.reports_sent),
+                            "folded": float(store.reports_folded),
+                            "not_owned": float(store.reports_not_owned),
+                            "malformed": float(getattr(self.sapp, "bad_reports", 0))})
         yield from self._derived()
         yield from self._diagnosis()
 

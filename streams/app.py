@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,6 +37,7 @@ from ingest.topics import MAX_MESSAGE_BYTES, Topics
 from streams.batching import LingerStream
 from streams.ownership import Ownership
 from streams.raw_sink import DeadLetter, Message, RawSink, TimeBounds, refused_by_store
+from streams.reports import Extent, ReportError, decode_report
 from streams.store import ClickHouseStore
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class StreamsApp:
                                         key_serializer="raw")
         self.sinks: dict[str, RawSink] = {}
         self.dead_lettered = 0
+        #: reports on the `stored` topic that were not reports (add_reports_agent)
+        self.bad_reports = 0
         #: Called with (exit code, reason) before the worker exits uncommitted.
         self.on_exit: Callable[[int, str], None] | None = None
         self._commits: dict[Any, tuple[int | None, float]] = {}  # tp -> (committed, since)
@@ -158,7 +161,8 @@ class StreamsApp:
 
     def _add_raw_agent(self, kind: str) -> None:
         sink = RawSink(kind, raw_table(kind), self.store, self._dead_letters,
-                       stopping=lambda: self.stopping, bounds=self.cfg.bounds)
+                       stopping=lambda: self.stopping, bounds=self.cfg.bounds,
+                       on_skipped=getattr(self.store, "stored", None))
         self.sinks[kind] = sink
         topic = self.app.topic(self.cfg.topics.for_kind(kind), value_serializer="raw",
                                key_serializer="raw")
@@ -210,6 +214,43 @@ class StreamsApp:
                     self.exit_unstored(f"jobs: {type(e).__name__}: {e}")
 
         self.app.agent(topic, name="rankwatch.ingest.jobs", concurrency=1)(consume)
+
+    def add_reports_agent(self, fold: Callable[[Sequence[list[Extent]]], Awaitable[None]]
+                          ) -> None:
+        """Read the `stored` topic (what other workers stored of the jobs this worker owns:
+        streams/reports.py) into `fold` (`ObservingStore.fold_reports`), retried while it fails
+        (the store out); a malformed report is logged, counted and skipped. Subscribed with the
+        job-keyed topics' partition count, so a job's reports reach its owner."""
+        topic = self.app.topic(self.cfg.topics.stored, value_serializer="raw",
+                               key_serializer="raw")
+        within = self.cfg.within("ops")
+
+        async def consume(stream: StreamT[Any]) -> None:
+            async for events in cast(Stream[bytes], stream).take_events(256, within):
+                reports = []
+                for e in events:
+                    try:
+                        reports.append(decode_report(e.message.value or b""))
+                    except ReportError as err:
+                        self.bad_reports += 1
+                        log.warning("bad report %s[%d]@%d skipped: %s", e.message.topic,
+                                    e.message.partition, e.message.offset, err)
+                try:
+                    await retry(functools.partial(fold, reports), Backoff(*RETRY_S),
+                                self._fold_again)
+                except BaseException as e:
+                    log.critical("stopping with unfolded reports; exiting without committing "
+                                 "them so they are delivered again", exc_info=True)
+                    self.exit_unstored(f"stored reports: {type(e).__name__}: {e}")
+
+        self.app.agent(topic, name="rankwatch.ingest.stored", concurrency=1)(consume)
+
+    def _fold_again(self, e: Exception, wait: float) -> bool:
+        if self.stopping:
+            return False
+        log.warning("folding stored reports failed (%s: %s); retrying in %.1fs",
+                    type(e).__name__, e, wait)
+        return True
 
     async def _write_topologies(self, topos: list[tuple[Any, Any]], token: str,
                                 events: Sequence[Any]) -> None:

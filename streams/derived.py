@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingest.backoff import Backoff
-from ingest.batch import TIME_COLUMN, Coded, RecordBatch, encode_batch
+from ingest.batch import Coded, RecordBatch, encode_batch
 from ingest.inflight import superseded
 from ingest.records import comm_kind_code_sql, declared_codes
 from ingest.units import SECOND as SEC
@@ -68,8 +68,9 @@ from streams.iterations import KIND_CODES, Bounds, OpFrame, iteration_rows
 from streams.kernel_summaries import KernelBuffer, KernelParams, KernelSummarizer
 from streams.ownership import Ownership
 from streams.progress import ProgressFeed, ProgressParams
+from streams.reports import Extent, encode_report, extent
 from streams.store import ClickHouseStore
-from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec, event_segments
+from streams.windows import Checkpoint, WatermarkParams, Windows, WindowSpec
 from streams.writer import ClickHouseWriter, insert_settings
 
 log = logging.getLogger(__name__)
@@ -110,69 +111,132 @@ def checkpoint_columns(rows: Sequence[Checkpoint], now: int) -> dict[str, np.nda
 
 
 class ObservingStore(ClickHouseStore):
-    """The raw sinks' store; reports each stored batch's event-time range, producer and kind to
-    `windows`, and hands stored kernel batches to `kernels` (the runner's `kernels.buffer`:
-    summaries from memory, streams/kernel_summaries.py). A batch that marks closed windows late,
-    or opens a job's windows or moves their start back, has the job's checkpoint stored before
-    `write` returns, i.e. before the raw sink acks the batch. The stored checkpoints are loaded
-    into `windows` before the first batch is observed (`restore_windows`)."""
+    """The raw sinks' store; reports each stored batch's event-time extent (streams/reports.py)
+    to `windows` when this worker owns the batch's job, else to the job's owner (`report`:
+    published on the job-keyed `stored` topic, awaited), and hands stored kernel batches to
+    `kernels` (the runner's `kernels.buffer`: summaries from memory,
+    streams/kernel_summaries.py). A batch that marks closed windows late, or opens a job's
+    windows or moves their start back, has the job's checkpoint stored before `write` returns,
+    i.e. before the raw sink acks the batch; the owner folding a report does the same before
+    the report is acked (`fold_reports`). The stored checkpoints are loaded into `windows`
+    before the first batch is observed (`restore_windows`)."""
 
     def __init__(self, writer: ClickHouseWriter, windows: Windows,
                  kernels: KernelBuffer | None = None, *,
-                 ownership: Ownership | None = None) -> None:
+                 ownership: Ownership | None = None,
+                 report: Callable[[str, bytes], Awaitable[None]] | None = None) -> None:
         super().__init__(writer)
         self.windows, self.kernels = windows, kernels
         self.ownership = ownership or Ownership()
+        #: publishes (job, report) for the job's owner; None: a batch of a job this worker does
+        #: not own is stored and nothing more (one worker, or tests)
+        self.report = report
         #: called with (kind, batch) for every stored batch of an owned job (the diagnosis
         #: agents read the beats this way); each must be quick and must not block
         self.listeners: list[Callable[[str, RecordBatch], None]] = []
+        #: called with (job, kind, ranks, newest ends) for each folded report of an owned job
+        #: (what `listeners` learn of calls another worker stored); quick, never blocking
+        self.end_listeners: list[Callable[[str, str, np.ndarray, np.ndarray], None]] = []
+        self.reports_sent = self.reports_folded = self.reports_not_owned = 0
 
     async def write(self, kind: str, batches: Sequence[RecordBatch], token: str, *,
                     sources: Sequence[tuple[int, int]]) -> int:
         # a failure here fails the write (nothing stored yet): the raw sink retries it
         await restore_windows(self.writer.db, self.windows, self.ownership)
         n = await super().write(kind, batches, token, sources=sources)
+        await self.stored(kind, batches)
+        return n
+
+    async def stored(self, kind: str, batches: Sequence[RecordBatch]) -> None:
+        """`batches` of `kind` are stored (by `write`, or before a crash: `RawSink.on_skipped`):
+        report them to their jobs' owners first (a failure fails the write, which is retried
+        and deduplicated, so nothing is observed twice here), then observe those of owned jobs.
+        """
+        gap = self.windows.params.gap_ns
+        local: list[tuple[RecordBatch, Extent | None]] = []
+        remote: dict[str, list[Extent]] = {}
+        for b in batches:
+            owned = self.ownership.owns(b.job_id)
+            if not owned and self.report is None:
+                continue  # stored; its owner closes its windows
+            try:
+                ext = extent(kind, b, gap)
+            except Exception:  # stored: a bookkeeping bug must not fail (and stop) the sink
+                log.exception("derived windows: the extent of a stored %s batch", kind)
+                continue
+            if owned:
+                local.append((b, ext))
+            elif ext is not None:
+                remote.setdefault(b.job_id, []).append(ext)
+        for job, exts in remote.items():
+            try:
+                assert self.report is not None
+                await self.report(job, encode_report(job, exts))
+            except Exception as e:  # an outage: the raw sink retries the (deduplicated) write
+                raise ReportUndelivered(f"reporting stored {kind} of {job} to its owner: "
+                                        f"{type(e).__name__}: {e}") from e
+            self.reports_sent += 1
         changed: set[str] = set()
-        try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
-            column = TIME_COLUMN[kind]
-            for b in batches:
-                if not self.ownership.owns(b.job_id):  # stored; its owner closes its windows
-                    continue
-                t = np.asarray(b.cols[column])
-                has = t > 0
-                known = t[has]
-                if not len(known):
-                    continue
-                hi = int(known.max())
-                end = known
-                if "t_end" in b.cols and len(b.cols["t_end"]):  # a completion is an event too
-                    t_end = np.asarray(b.cols["t_end"])
-                    hi = max(hi, int(t_end.max()))
-                    end = t_end[has]
-                segments = event_segments(known, end, self.windows.params.gap_ns)
-                segments[-1] = (segments[-1][0], max(segments[-1][1], hi))
-                if self.windows.observe(b.job_id, int(known.min()), hi, source=b.producer,
-                                        kind=kind, segments=segments):
+        for b, ext in local:
+            try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
+                if ext is not None and self._observe(ext):
                     changed.add(b.job_id)
-                if kind == "kernels" and self.kernels is not None:
+                if ext is not None and kind == "kernels" and self.kernels is not None:
                     self.kernels.close(b.job_id, self.windows.open_window(
                         b.job_id, "kernel_summaries")[0])
                     self.kernels.add(b)
-        except Exception:
-            log.exception("derived windows: observing a %s write failed", kind)
-        for fn in self.listeners:
-            for b in batches:
-                if self.ownership.owns(b.job_id):
+            except Exception:
+                log.exception("derived windows: observing a %s write failed", kind)
+            for fn in self.listeners:
+                try:
+                    fn(kind, b)
+                except Exception:  # a listener's bug must not fail (and stop) the raw sink
+                    log.exception("a listener of stored %s batches failed", kind)
+        await self._checkpoint(changed)
+
+    async def fold_reports(self, reports: Sequence[list[Extent]]) -> None:
+        """Fold reports of what other workers stored (`stored`) into the windows of the jobs
+        this worker owns; a job's checkpoint is stored before this returns when a report
+        changed what a restart resumes from (as for the worker's own batches). Reports of jobs
+        this worker does not own (read during a rebalance) are counted and skipped: their
+        new owner restores the job from the stored tables."""
+        await restore_windows(self.writer.db, self.windows, self.ownership)
+        changed: set[str] = set()
+        for exts in reports:
+            for ext in exts:
+                if not self.ownership.owns(ext.job):
+                    self.reports_not_owned += 1
+                    break
+                try:
+                    if self._observe(ext):
+                        changed.add(ext.job)
+                except Exception:
+                    log.exception("derived windows: folding a report of %s failed", ext.job)
+                for fn in self.end_listeners:
                     try:
-                        fn(kind, b)
-                    except Exception:  # a listener's bug must not fail (and stop) the raw sink
-                        log.exception("a listener of stored %s batches failed", kind)
-        for job in sorted(changed):  # a failure here fails the write: the batch comes again
+                        fn(ext.job, ext.kind, ext.ranks, ext.ends)
+                    except Exception:
+                        log.exception("a listener of stored %s extents failed", ext.kind)
+            else:
+                self.reports_folded += 1
+        await self._checkpoint(changed)
+
+    def _observe(self, ext: Extent) -> bool:
+        return self.windows.observe(ext.job, ext.lo, ext.hi, source=ext.producer,
+                                    kind=ext.kind, segments=list(ext.segments))
+
+    async def _checkpoint(self, jobs: set[str]) -> None:
+        """Store the checkpoints of `jobs`; a failure fails the caller (the batch or report
+        comes again)."""
+        for job in sorted(jobs):
             rows = self.windows.checkpoint(job)  # stamped by the runner's clock, as its own are
             await self.writer.db.ainsert("stream_state",
                                          checkpoint_columns(rows, self.windows.clock()),
                                          insert_settings(None))
-        return n
+
+
+class ReportUndelivered(ConnectionError):
+    """A report for a job's owner could not be published: an outage, the write is retried."""
 
 
 STAGES_SQL = """

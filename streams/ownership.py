@@ -5,15 +5,17 @@ workers share one ClickHouse.
   (murmur2 of the UTF-8 job id, sign bit cleared, modulo P; the hash is aiokafka's, the one
   Faust's producer places messages with). It is where a message keyed by the bare job id lands
   from the Java client, aiokafka and librdkafka with ``partitioner=murmur2_random``.
-- **Every producer keys a job's batches by the bare job id** (ingest.publish, the simulator,
-  the importers, the host agent), and the derived and diagnosis topics are keyed by job too, so
-  all of a job's messages of every job-keyed topic sit on its home partition.
+- **A job's messages of every job-keyed topic sit on its home partition**: the derived,
+  trigger and `stored` topics are keyed by the bare job id, and so are the raw kinds the owner
+  needs whole (stage records, beats, kernel events, the topology). The bulk raw kinds (calls,
+  flows, chunks, work requests) are keyed by job and producer (ingest/keys.py) and spread over
+  every partition.
 - **The owner is the worker assigned that partition of the ops topic.** Faust's assignor gives
   the same-numbered partitions of co-subscribed topics with equal partition counts (every
-  job-keyed topic: ingest.topics.Topics.specs) to one worker, so that worker stores the job's raw
-  rows, closes its windows (its raw sinks observe every batch of the job: the watermark is
-  complete), runs its triggers and root cause, and keeps its incidents. Raw storage is spread
-  over the workers job by job; a single job's ingest is bounded by one worker.
+  job-keyed topic: ingest.topics.Topics.specs) to one worker, so that worker closes the job's
+  windows, runs its triggers and root cause, and keeps its incidents. Raw storage is spread
+  over every worker: a worker that stores a batch of a job it does not own reports its extent
+  to the owner (streams/reports.py), so the owner's watermark is complete.
 - **Ownership changes only with a rebalance**, never by a message: `Ownership.assign` is called
   with the worker's new partitions; `owns` is a pure function of (job, partitions, P).
   The derived runner and the diagnosis agents drop what they held of jobs they lost and load

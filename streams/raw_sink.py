@@ -270,8 +270,13 @@ class RawSink:
         stopping: Callable[[], bool] = lambda: False,
         bounds: TimeBounds | None = None,
         clock: Callable[[], int] = time.time_ns,
+        on_skipped: Callable[[str, Sequence[RecordBatch]], Awaitable[None]] | None = None,
     ) -> None:
         self.kind, self.table, self.store = kind, table, store
+        #: told of the valid batches skipped as already stored (a redelivery after a crash
+        #: between the insert and the commit), as the store's write tells what it stored: the
+        #: job's owner may never have heard of them (streams/reports.py)
+        self.on_skipped = on_skipped
         self.dead_letters = dead_letters
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self.stopping = stopping
@@ -303,9 +308,11 @@ class RawSink:
         kept: list[Message] = []
         ranges: list[tuple[int, int, int]] = []  # (partition, first, last) of the fresh messages
         now = self.clock()
+        skipped: list[Message] = []
         for partition, msgs in sorted(by_partition.items()):
             msgs.sort(key=lambda m: m.offset)
             fresh = await self._unstored(partition, msgs)
+            skipped += msgs[:len(msgs) - len(fresh)]
             if not fresh:
                 continue
             ranges.append((partition, fresh[0].offset, fresh[-1].offset))
@@ -322,6 +329,8 @@ class RawSink:
                 batches.append(rb)
                 sources.append((partition, m.offset))
                 kept.append(m)
+        if skipped and self.on_skipped is not None:
+            await self._tell_skipped(skipped, now)
         if dead:  # first: after a crash past the insert, the skip below would pass them by
             await self._dead(dead)
         rows = 0
@@ -347,6 +356,34 @@ class RawSink:
         fresh = [m for m in msgs if m.offset > through]
         self.stats.skipped_messages += len(msgs) - len(fresh)
         return fresh
+
+    async def _tell_skipped(self, skipped: list[Message], now: int) -> None:
+        """`on_skipped` with the valid batches among `skipped` (the invalid ones were
+        dead-lettered, not stored), retried while it fails for an outage."""
+        batches = []
+        for m in skipped:
+            try:
+                rb = decode_batch(m.value, coded=True)
+                if rb.kind == self.kind and self.bounds is not None:
+                    self.bounds.check(self.kind, rb, m.timestamp_ns or now)
+            except BatchError:
+                continue
+            if rb.kind == self.kind:
+                batches.append(rb)
+        if not batches:
+            return
+        assert self.on_skipped is not None
+        tell = self.on_skipped
+
+        async def once() -> None:
+            await tell(self.kind, batches)
+
+        def again(e: Exception, wait: float) -> bool:
+            log.warning("%s: telling of %d batches stored before failed (%s: %s); retrying in "
+                        "%.1fs", self.table, len(batches), type(e).__name__, e, wait)
+            return not self.stopping()
+
+        await retry(once, Backoff(self.retry_initial_s, self.retry_max_s), again)
 
     async def _dead(self, dead: list[DeadLetter]) -> None:
         await self.dead_letters(dead)

@@ -26,6 +26,7 @@ import numpy as np
 from ingest.agent.decode import Cols, n_rows
 from ingest.agent.spill import Pending, Spill
 from ingest.batch import encode_batch
+from ingest.keys import batch_key
 
 
 class Publisher(Protocol):
@@ -89,8 +90,8 @@ class Outbox:
         self.seq += 1
         data = encode_batch(kind, job, cols, producer=self.producer, seq=self.seq,
                             validate=False, framing="binary")  # docs/records.md
-        # keyed by the bare job id: the job's home partition (streams.ownership)
-        self.send(Pending(kind, job.encode(), data, rows, t0))
+        # the job's home partition, or this host's share of a spread kind (ingest/keys.py)
+        self.send(Pending(kind, batch_key(kind, job, self.producer).encode(), data, rows, t0))
 
     def send(self, item: Pending) -> None:
         """Publish `item`, or spill it behind the batches already waiting."""

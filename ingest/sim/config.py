@@ -57,6 +57,9 @@ class JobConfig:
     kernel_every: int = 1  # emit kernel events every k-th step (1 = all)
     hang_tail_s: float = 30.0  # simulated time recorded after the job stalls for good
     batch_rows: int = 32768  # rows per record batch (~0.3-1 MiB encoded)
+    #: producers the hosts' spread kinds (ingest/keys.py) are published as: host % uploaders
+    #: (1: one producer for the whole job, as one uploader would)
+    uploaders: int = 1
     # realism (ingest/sim/realism.py; all off by default: the clean model above)
     tail_p: float = 0.0  # probability per rank and phase of a heavy-tailed (Lomax) slowdown
     tail_alpha: float = 1.7  # its Pareto shape (smaller: heavier tail)
@@ -74,7 +77,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         positive = ("microbatches", "steps", "tp_collectives", "slices", "window", "channels",
-                    "kernel_every", "batch_rows")
+                    "kernel_every", "batch_rows", "uploaders")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -1,9 +1,10 @@
 """Run a simulation into a sink, as fast as possible (`max`) or paced to simulated time
 (`realtime`: a batch is sent once the wall clock since start reaches its release time).
 
-Sinks implement `Sink`: `topology(bytes)`, `batch(kind, bytes)`, `truth(list[TruthRecord])` and
-`close()`. `KafkaSink` publishes through ingest.publish.BatchPublisher (topology to the jobs topic,
-batches to their kind's topic keyed by job and a shard, truth as JSON lines to the truth topic);
+Sinks implement `Sink`: `batch(kind, bytes, key)`, `truth(list[TruthRecord])` and `close()`.
+`KafkaSink` publishes through ingest.publish.BatchPublisher (topology to the jobs topic,
+batches to their kind's topic under their key: ingest/keys.py, truth as JSON lines to the truth
+topic);
 `DirSink` writes `<kind>.jsonl` (one encoded batch per line) plus `truth.json`; `NullSink` only
 counts (benchmarks: batches are still encoded).
 """
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from ingest.keys import batch_key
 from ingest.sim.simulation import Simulation
 from ingest.sim.truth import TruthRecord
 from ingest.topics import Topics
@@ -30,8 +32,9 @@ class Sink(Protocol):
     #: where every reader is a worker (Kafka), "json" for files of one batch per line.
     framing: str
 
-    def batch(self, kind: str, data: bytes) -> None:
-        """Deliver one encoded batch (kind "jobs" is the topology)."""
+    def batch(self, kind: str, data: bytes, key: str = "") -> None:
+        """Deliver one encoded batch (kind "jobs" is the topology); `key` its Kafka key
+        (ingest/keys.py; "" for the job id)."""
 
     def truth(self, records: list[TruthRecord]) -> None:
         """Deliver the ground truth, once, after the last batch."""
@@ -45,7 +48,7 @@ class NullSink:
     def __init__(self) -> None:
         self.bytes = 0
 
-    def batch(self, kind: str, data: bytes) -> None:
+    def batch(self, kind: str, data: bytes, key: str = "") -> None:
         self.bytes += len(data)
 
     def truth(self, records: list[TruthRecord]) -> None:
@@ -63,7 +66,7 @@ class DirSink:
         self.path.mkdir(parents=True, exist_ok=True)
         self._files: dict[str, Any] = {}
 
-    def batch(self, kind: str, data: bytes) -> None:
+    def batch(self, kind: str, data: bytes, key: str = "") -> None:
         f = self._files.get(kind)
         if f is None:
             f = self._files[kind] = (self.path / f"{kind}.jsonl").open("wb")
@@ -87,12 +90,12 @@ class KafkaSink:
         self.publisher = BatchPublisher(bootstrap, topics)
         self.topics, self.job_id = topics, job_id
 
-    def batch(self, kind: str, data: bytes) -> None:
+    def batch(self, kind: str, data: bytes, key: str = "") -> None:
         if kind == "jobs":
             self.publisher.publish("jobs", data, key=self.job_id)
             return
-        # keyed by the bare job id: the job's home partition (streams.ownership)
-        self.publisher.publish(kind, data, key=self.job_id)
+        # the job's home partition, or an uploader's share of a spread kind (ingest/keys.py)
+        self.publisher.publish(kind, data, key=key or self.job_id)
 
     def truth(self, records: list[TruthRecord]) -> None:
         for r in records:
@@ -134,12 +137,12 @@ def run(sim: Simulation, sink: Sink, speed: str = "max",
     stats = RunStats()
     t0 = clock()
     last_note = t0
-    for release, kind, data in sim.batches(kinds=kinds, framing=sink.framing):
+    for release, kind, producer, data in sim.uploads(kinds=kinds, framing=sink.framing):
         if speed == "realtime":
             wait = release - (clock() - t0)
             if wait > 0:
                 sleep(wait)
-        sink.batch(kind, data)
+        sink.batch(kind, data, batch_key(kind, sim.cfg.job_id, producer))
         stats.batches[kind] += 1
         stats.bytes += len(data)
         stats.sim_s = max(stats.sim_s, release)

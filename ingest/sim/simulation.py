@@ -21,6 +21,7 @@ from collections.abc import Collection, Iterator, Sequence
 import numpy as np
 
 from ingest.batch import encode_batch, encode_topology
+from ingest.keys import SPREAD_KINDS
 from ingest.records import MODELS, JobTopology
 from ingest.sim.config import JobConfig
 from ingest.sim.emit import Clock, Cols, StepEmitter, anonymous_topology, comm_dictionary
@@ -250,13 +251,21 @@ class Simulation:
         and flushed at each release time; the topology batch comes first. `kinds` keeps only
         those raw kinds (the others are simulated, not encoded or counted in `rows`);
         `framing` is encode_batch's ("binary": framed batches, for Kafka)."""
+        for release, kind, _, data in self.uploads(producer, kinds, framing):
+            yield release, kind, data
+
+    def uploads(self, producer: str = "", kinds: Collection[str] | None = None,
+                framing: str = "json") -> Iterator[tuple[float, str, str, bytes]]:
+        """`batches` with the producer of each: `producer` (default `sim/<job>`), or for the
+        spread kinds (ingest/keys.py) with `uploaders` > 1, `<producer>/<host % uploaders>`
+        — each such batch holds the records of that group of hosts only."""
         producer = producer or f"sim/{self.cfg.job_id}"
         if kinds is not None:
             unknown = set(kinds) - set(MODELS)
             if unknown:
                 raise ValueError(f"unknown record kinds {sorted(unknown)}; "
                                  f"expected some of {', '.join(MODELS)}")
-        yield 0.0, "jobs", encode_topology(self.topology(), producer=producer)
+        yield 0.0, "jobs", producer, encode_topology(self.topology(), producer=producer)
         seq = 0
         pending: dict[str, list[Cols]] = {}
         sizes: dict[str, int] = {}
@@ -266,36 +275,47 @@ class Simulation:
                 continue
             if release != current:
                 for k in list(pending):
-                    for data in self._encode(k, pending.pop(k), producer, seq, framing):
+                    for who, data in self._encode(k, pending.pop(k), producer, seq, framing):
                         seq += 1
-                        yield current, k, data
+                        yield current, k, who, data
                 sizes.clear()
                 current = release
             pending.setdefault(kind, []).append(cols)
             sizes[kind] = sizes.get(kind, 0) + len(cols["rank"])
             if sizes[kind] >= self.cfg.batch_rows:
-                for data in self._encode(kind, pending.pop(kind), producer, seq, framing):
+                for who, data in self._encode(kind, pending.pop(kind), producer, seq, framing):
                     seq += 1
-                    yield current, kind, data
+                    yield current, kind, who, data
                 sizes[kind] = 0
         for k in list(pending):
-            for data in self._encode(k, pending.pop(k), producer, seq, framing):
+            for who, data in self._encode(k, pending.pop(k), producer, seq, framing):
                 seq += 1
-                yield current, k, data
+                yield current, k, who, data
 
     def _encode(self, kind: str, parts: list[Cols], producer: str, seq: int,
-                framing: str = "json") -> Iterator[bytes]:
+                framing: str = "json") -> Iterator[tuple[str, bytes]]:
         cols = _concat(parts)
         n = len(cols["rank"])
         self.rows += n
         self.rows_by_kind[kind] += n
+        groups: list[tuple[str, Cols]] = [(producer, cols)]
+        if self.cfg.uploaders > 1 and kind in SPREAD_KINDS:
+            host = np.asarray(cols["rank"]) // self.cfg.ranks_per_host % self.cfg.uploaders
+            groups = [(f"{producer}/{u}", _take(cols, np.flatnonzero(host == u)))
+                      for u in range(self.cfg.uploaders)]
         step = self.cfg.batch_rows
-        for lo in range(0, n, step):
-            part = {k: (v[0][lo:lo + step], v[1]) if isinstance(v, tuple) else v[lo:lo + step]
-                    for k, v in cols.items()}
-            yield encode_batch(kind, self.cfg.job_id, part, producer=producer, seq=seq,
-                               validate=False, framing=framing)
-            seq += 1
+        for who, g in groups:
+            m = len(g["rank"])
+            for lo in range(0, m, step):
+                part = {k: (v[0][lo:lo + step], v[1]) if isinstance(v, tuple)
+                        else v[lo:lo + step] for k, v in g.items()}
+                yield who, encode_batch(kind, self.cfg.job_id, part, producer=who, seq=seq,
+                                        validate=False, framing=framing)
+                seq += 1
+
+
+def _take(cols: Cols, idx: np.ndarray) -> Cols:
+    return {k: (v[0][idx], v[1]) if isinstance(v, tuple) else v[idx] for k, v in cols.items()}
 
 
 def _concat(parts: list[Cols]) -> Cols:

@@ -34,6 +34,10 @@ def register(sub: Any) -> None:
     p.add_argument("--clock-skew-ms", type=float)
     p.add_argument("--kernel-every", type=int,
                    help="kernel events every k-th step only (default 1: every step)")
+    p.add_argument("--ranks-per-host", type=int)
+    p.add_argument("--uploaders", type=int,
+                   help="publish the hosts' calls, flows, chunks and work requests as this many "
+                        "producers, spread over the partitions (default 1; ingest/keys.py)")
     p.add_argument("--kinds", help="publish only these raw kinds, comma-separated (e.g. "
                    "ops,flows,chunks; default all): benchmarks of one kind's path")
     p.add_argument("--fault", action="append", default=[], help="fault spec (repeatable)")
@@ -72,7 +76,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             cfg, faults = JobConfig(), []
         overrides = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatches", "steps",
                                                    "seed", "job_id", "clock_skew_ms",
-                                                   "kernel_every")
+                                                   "kernel_every", "uploaders",
+                                                   "ranks_per_host")
                      if getattr(args, k) is not None}
         if args.realism is not None:
             from ingest.sim.realism import PRESETS

@@ -99,16 +99,26 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     derived = derived or derived_config(settings)
     ownership = Ownership(standalone=False)  # the jobs whose home partition is assigned here
     deriver = DerivedRunner(db, publish, derived, ownership=ownership)
-    store = ObservingStore(writer, deriver.windows, deriver.kernels.buffer, ownership=ownership)
+
+    async def report(job: str, data: bytes) -> None:  # for the job's owner (streams/reports.py)
+        fut = await topics["stored"].send(key=job.encode(), value=data)
+        await fut  # delivered before the raw batch is acked
+
+    store = ObservingStore(writer, deriver.windows, deriver.kernels.buffer, ownership=ownership,
+                           report=report)
     sapp = StreamsApp(cfg, store, ownership)
+    sapp.add_reports_agent(store.fold_reports)
     sapp.derived = deriver
     sapp.on_exit = lambda code, reason: record_exit(settings, code, reason)
     sapp.diagnosis = attach_diagnosis(  # type: ignore[attr-defined]
         sapp.app, db, settings.topics, ownership=ownership, lateness_ns=derived.lateness_ns)
     store.listeners.append(sapp.diagnosis.on_stored)  # type: ignore[attr-defined]
+    store.end_listeners.append(sapp.diagnosis.on_stored_ends)  # type: ignore[attr-defined]
     sapp.metrics = worker_metrics(settings, sapp, writer)  # type: ignore[attr-defined]
     for kind in DERIVED:
         topics[kind] = sapp.app.topic(settings.topics.for_kind(kind), value_serializer="raw",
+                                      key_serializer="raw")
+    topics["stored"] = sapp.app.topic(settings.topics.stored, value_serializer="raw",
                                       key_serializer="raw")
     restored: list[bool] = []
 
@@ -193,7 +203,7 @@ def worker_metrics(settings: Settings, sapp: StreamsApp, writer: ClickHouseWrite
     metrics.time_inserts(writer, registry)
     t = settings.topics
     consumed = [t.jobs, t.ops, t.flows, t.chunks, t.stages, t.kernels, t.wr, t.beats,
-                t.progress, t.iterations, t.triggers]
+                t.progress, t.iterations, t.triggers, t.stored]
     lag = metrics.ConsumerLag(settings.bootstrap, f"rankwatch-{settings.topic_prefix}", consumed)
     registry.register(metrics.WorkerCollector(sapp, lag))
     return registry, lag

@@ -22,6 +22,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from diagnosis.model import Diagnosis
+from ingest.keys import batch_key
 from rankwatch import stack
 from rankwatch.commands.stack import format_status
 from rankwatch.daemon import Daemon
@@ -77,6 +78,13 @@ def wait_split(settings: Settings, timeout: float) -> list[set[int]]:
     raise AssertionError(f"the workers did not split the partitions: {got}")
 
 
+def spread_over(job: str, split: list[set[int]]) -> bool:
+    """Whether `job`'s 4 uploaders' spread kinds land on both workers' partitions."""
+    parts = {job_partition(batch_key("ops", job, f"sim/{job}/{u}"), PARTITIONS)
+             for u in range(4)}
+    return all(parts & mine for mine in split)
+
+
 def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Settings) -> None:
     settings = two_workers
     daemons = stack.worker_daemons(settings)
@@ -86,7 +94,9 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
     assert st["healthy"] and st["store"]["healthy"], st
     assert [w["healthy"] for w in st["workers"]] == [True, True]
     assert "store" in format_status(st) and "worker-2" in format_status(st)
-    job = "takeover-1"
+    # a job whose calls, flows, chunks and work requests (4 hosts, one producer each:
+    # ingest/keys.py) are stored by both workers, the owner's share reported by the other
+    job = next(j for j in (f"takeover-{i}" for i in range(1000)) if spread_over(j, split))
     home = job_partition(job, PARTITIONS)
     owner = next(i for i, parts in enumerate(split) if home in parts)
     survivor = daemons[1 - owner]
@@ -97,6 +107,7 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
     sim = subprocess.Popen(
         [sys.executable, "-m", "rankwatch.cli", "simulate", "--tp", "2", "--pp", "2", "--dp", "2",
          "--steps", "30", "--job-id", job, "--fault", "hang rank=5 stage=bwd mb=2 at=4s",
+         "--ranks-per-host", "2", "--uploaders", "4",
          "--speed", "realtime", "--out", "kafka", "--quiet", "--json"],
         env=stack.child_env(settings), stdout=subprocess.PIPE)
     got: list[Diagnosis] = []

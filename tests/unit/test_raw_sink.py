@@ -144,3 +144,26 @@ def test_failed_insert_while_stopping_raises_so_offsets_are_not_committed() -> N
     with pytest.raises(ConnectionError):
         run(sink.process([Message("rw.ops", 0, 0, ops(1))]))
     assert store.count() == 0
+
+
+def test_batches_skipped_as_stored_are_told_again_for_the_jobs_owner() -> None:
+    """A worker stored a job's batches and died before reporting them (streams/reports.py): the
+    worker they are redelivered to skips them, and tells `on_skipped` of the valid ones (the
+    invalid one was dead-lettered, not stored)."""
+    store = FakeStore()
+    first = [Message("rw.ops", 0, 0, ops(2)), Message("rw.ops", 0, 1, b"garbage"),
+             Message("rw.ops", 0, 2, ops(3, start=2))]
+    run(make(store).process(first))
+    told: list[tuple[str, list[RecordBatch]]] = []
+
+    async def on_skipped(kind: str, batches: Sequence[RecordBatch]) -> None:
+        told.append((kind, list(batches)))
+
+    sink2 = RawSink("ops", "ops", store, make(store).dead_letters, retry_initial_s=0.001,
+                    on_skipped=on_skipped)
+    run(sink2.process([*first, Message("rw.ops", 0, 3, ops(1, start=5))]))
+    assert store.count() == 6 and sink2.stats.skipped_messages == 3
+    (kind, batches), = told
+    assert kind == "ops" and [b.n for b in batches] == [2, 3]
+    run(sink2.process([Message("rw.ops", 0, 4, ops(1, start=6))]))
+    assert len(told) == 1  # nothing skipped: nothing told

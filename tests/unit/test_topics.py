@@ -12,7 +12,7 @@ from rankwatch.settings import Settings
 
 YEAR_MS = 365 * 24 * 3600 * 1000
 RAW = ("ops", "flows", "chunks", "stages", "kernels", "wr", "beats")
-JOB_KEYED = ("progress", "iterations", "kernel_summaries", "triggers")
+JOB_KEYED = ("progress", "iterations", "kernel_summaries", "triggers", "stored")
 
 
 def test_default_names_follow_the_design():
