@@ -162,7 +162,7 @@ class StreamsApp:
     def _add_raw_agent(self, kind: str) -> None:
         sink = RawSink(kind, raw_table(kind), self.store, self._dead_letters,
                        stopping=lambda: self.stopping, bounds=self.cfg.bounds,
-                       on_skipped=getattr(self.store, "stored", None))
+                       on_skipped=getattr(self.store, "skipped", None))
         self.sinks[kind] = sink
         topic = self.app.topic(self.cfg.topics.for_kind(kind), value_serializer="raw",
                                key_serializer="raw")

@@ -147,11 +147,17 @@ class ObservingStore(ClickHouseStore):
         await self.stored(kind, batches)
         return n
 
-    async def stored(self, kind: str, batches: Sequence[RecordBatch]) -> None:
-        """`batches` of `kind` are stored (by `write`, or before a crash: `RawSink.on_skipped`):
-        report them to their jobs' owners first (a failure fails the write, which is retried
-        and deduplicated, so nothing is observed twice here), then observe those of owned jobs.
-        """
+    async def skipped(self, kind: str, batches: Sequence[RecordBatch]) -> None:
+        """`batches` were stored before (a redelivery the raw sink skips: `RawSink.on_skipped`):
+        report and observe them again, which is idempotent, but hand them to no listener and
+        no kernel buffer — those may have them already."""
+        await self.stored(kind, batches, again=True)
+
+    async def stored(self, kind: str, batches: Sequence[RecordBatch], *,
+                     again: bool = False) -> None:
+        """`batches` of `kind` are stored (by `write`; `again`: before, `skipped`): report
+        them to their jobs' owners first (a failure fails the write, which is retried and
+        deduplicated, so nothing is observed twice here), then observe those of owned jobs."""
         gap = self.windows.params.gap_ns
         local: list[tuple[RecordBatch, Extent | None]] = []
         remote: dict[str, list[Extent]] = {}
@@ -181,13 +187,14 @@ class ObservingStore(ClickHouseStore):
             try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
                 if ext is not None and self._observe(ext):
                     changed.add(b.job_id)
-                if ext is not None and kind == "kernels" and self.kernels is not None:
+                if ext is not None and kind == "kernels" and self.kernels is not None \
+                        and not again:
                     self.kernels.close(b.job_id, self.windows.open_window(
                         b.job_id, "kernel_summaries")[0])
                     self.kernels.add(b)
             except Exception:
                 log.exception("derived windows: observing a %s write failed", kind)
-            for fn in self.listeners:
+            for fn in [] if again else self.listeners:
                 try:
                     fn(kind, b)
                 except Exception:  # a listener's bug must not fail (and stop) the raw sink

@@ -135,3 +135,33 @@ def test_reports_of_a_job_owned_elsewhere_are_counted_not_folded(
     assert sent and other.reports_sent == len(sent)
     assert here.reports_not_owned == len(sent) and here.reports_folded == 0
     assert job not in here.windows.jobs
+
+
+def test_a_batch_skipped_as_stored_is_reported_again_but_not_listened_to_twice(
+        clickhouse_db: Database) -> None:
+    """A redelivered batch the raw sink skips (`ObservingStore.skipped`): its owner may never
+    have heard of it, so it is reported again; the listeners (the triggers) had it already."""
+    db = clickhouse_db
+    job = job_on(1, 2, "again")
+    cfg = JobConfig(job_id=job, tp=2, pp=2, dp=2, steps=3, microbatches=4, seed=5)
+    sent: list[bytes] = []
+
+    async def report(j: str, data: bytes) -> None:
+        sent.append(data)
+
+    async def go() -> tuple[int, int, int]:
+        _, owner = worker(db, [1])
+        _, other = worker(db, [0], report)
+        heard: list[str] = []
+        owner.listeners.append(lambda kind, b: heard.append(kind))
+        every = {kind: decode_batch(data) for _, kind, data in Simulation(cfg).batches()}
+        await owner.write("stages", [every["stages"]], f"{job}:s", sources=[(1, 0)])
+        await owner.skipped("stages", [every["stages"]])
+        await other.write("ops", [every["ops"]], f"{job}:o", sources=[(0, 0)])
+        await other.skipped("ops", [every["ops"]])
+        return len(heard), other.reports_sent, len(sent)
+
+    heard, reports, published = asyncio.run(go())
+    assert heard == 1
+    assert reports == published == 2
+    assert decode_report(sent[0])[0].segments == decode_report(sent[1])[0].segments
