@@ -37,7 +37,7 @@ from ingest.topics import MAX_MESSAGE_BYTES, Topics
 from streams.batching import LingerStream
 from streams.ownership import Ownership
 from streams.raw_sink import DeadLetter, Message, RawSink, TimeBounds, refused_by_store
-from streams.reports import Extent, ReportError, decode_report
+from streams.reports import Extent, ReportError, check_times, decode_report
 from streams.store import ClickHouseStore
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,9 @@ class StreamsApp:
                           ) -> None:
         """Read the `stored` topic (what other workers stored of the jobs this worker owns:
         streams/reports.py) into `fold` (`ObservingStore.fold_reports`), retried while it fails
-        (the store out); a malformed report is logged, counted and skipped. Subscribed with the
-        job-keyed topics' partition count, so a job's reports reach its owner."""
+        (the store out); a malformed report, or one with times no stored batch could have
+        (`check_times` with the raw sinks' bounds), is logged, counted and skipped. Subscribed
+        with the job-keyed topics' partition count, so a job's reports reach its owner."""
         topic = self.app.topic(self.cfg.topics.stored, value_serializer="raw",
                                key_serializer="raw")
         within = self.cfg.within("ops")
@@ -230,7 +231,12 @@ class StreamsApp:
                 reports = []
                 for e in events:
                     try:
-                        reports.append(decode_report(e.message.value or b""))
+                        exts = decode_report(e.message.value or b"")
+                        if self.cfg.bounds is not None:  # the raw batches' bounds (future)
+                            ref = _timestamp_ns(e.message) or time.time_ns()
+                            check_times(exts, self.cfg.bounds.min_ns,
+                                        ref + self.cfg.bounds.future_ns)
+                        reports.append(exts)
                     except ReportError as err:
                         self.bad_reports += 1
                         log.warning("bad report %s[%d]@%d skipped: %s", e.message.topic,

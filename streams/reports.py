@@ -124,6 +124,16 @@ def decode_report(data: bytes) -> list[Extent]:
     return [_extent(job, i, item) for i, item in enumerate(items)]
 
 
+def check_times(extents: list[Extent], min_ns: int, max_ns: int) -> None:
+    """ReportError unless every extent lies in [min_ns, max_ns]: the raw sink's plausible
+    times (`streams.raw_sink.TimeBounds`) around the report's own Kafka timestamp, so a forged
+    report cannot move a job's windows where no stored batch could."""
+    for e in extents:
+        if e.lo < min_ns or e.hi > max_ns:
+            raise ReportError(f"extent of {e.kind} from {e.producer!r} at [{e.lo}, {e.hi}] ns is "
+                              f"outside the plausible times [{min_ns}, {max_ns}]")
+
+
 def _extent(job: str, i: int, item: Any) -> Extent:
     if not isinstance(item, dict):
         raise ReportError(f"extent {i} is not an object")

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -113,6 +114,13 @@ def test_worst_records_of_every_topic_leave_the_worker_up_and_neighbours_stored(
     topo2 = JobTopology(job_id="good2", ts=now, world_size=2, dp=2, hosts=["h0", "h1"],
                         communicators=[Communicator(comm_id="dp0", kind="dp", members=[0, 1])])
     pub.publish("jobs", encode_topology(topo2), key="good2")
+    # reports (streams/reports.py) that are not, or that would move the job's windows to 2262
+    stored = p.settings.topics.stored
+    forged = {"v": 1, "job": "good", "extents": [
+        {"kind": "ops", "producer": "x", "lo": t0, "hi": (1 << 63) - 1,
+         "segments": [[t0, (1 << 63) - 1]], "ranks": [0], "ends": [(1 << 63) - 1]}]}
+    for data in (b"", b"{", b'{"v": 1, "job": "good", "extents": [7]}', orjson.dumps(forged)):
+        pub.publish("ops", data, key="good", topic=stored)
     assert pub.flush(60) == 0
 
     for kind, n in good.items():
@@ -131,6 +139,11 @@ def test_worst_records_of_every_topic_leave_the_worker_up_and_neighbours_stored(
     # the same process took all of it, and it still answers
     assert stack.worker_daemon(p.settings).pid() == pid
     os.kill(pid, 0)
+    deadline = time.monotonic() + 30
+    while metric(p, "rankwatch_stored_reports_total", 'what="malformed"') < 4 \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric(p, "rankwatch_stored_reports_total", 'what="malformed"') == 4
     # derived windows stay near now: nothing before the good rows, nothing ahead of the clock
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not p.count("progress"):
@@ -144,6 +157,17 @@ def test_worst_records_of_every_topic_leave_the_worker_up_and_neighbours_stored(
                                   f"{time.time_ns() + 60 * SEC}")
     assert ahead == 0
     check_year_old_batches(p, t0)
+
+
+def metric(p: Pipeline, name: str, labels: str) -> float:
+    """A sample of the worker's /metrics."""
+    s = p.settings
+    with urllib.request.urlopen(f"http://{s.bind_host}:{s.metrics_port}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name}\{{{labels}\}} (\S+)$", text, re.M)
+    assert m, [ln for ln in text.splitlines() if name in ln]
+    return float(m.group(1))
 
 
 def check_year_old_batches(p: Pipeline, t0: int) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ingest.batch import decode_batch, encode_batch
 from ingest.keys import SPREAD_KINDS, batch_key
-from streams.reports import Extent, ReportError, decode_report, encode_report, extent
+from streams.reports import Extent, ReportError, check_times, decode_report, encode_report, extent
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -101,3 +101,12 @@ def test_spread_kinds_are_keyed_by_job_and_producer() -> None:
     for kind in ("stages", "beats", "kernels", "jobs"):
         assert batch_key(kind, "j", "h") == "j"
     assert batch_key("ops", "j", "") == "j"
+
+
+def test_times_no_stored_batch_could_have_are_refused() -> None:
+    exts = decode_report(orjson.dumps(good()))
+    check_times(exts, 10, 20)
+    with pytest.raises(ReportError, match="outside the plausible times"):
+        check_times(exts, 11, 20)
+    with pytest.raises(ReportError, match="outside the plausible times"):
+        check_times(exts, 10, 19)
