@@ -64,6 +64,7 @@ The strength of the evidence (`z`) feeds the conclusion's confidence.
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from dataclasses import dataclass, field
 
@@ -517,17 +518,26 @@ def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
     rr = None if ref is None else ref[ok]
     n = dd.size
     best: tuple[float, int, float] | None = None
+    # the medians of every baseline and every newest run, one sorted insertion per step
+    head, tail = _running_medians(dd), _running_medians(dd[::-1])
+    ref_head = None if rr is None or np.isnan(rr).any() else _running_medians(rr)
     for length in range(k, n - max(k, cfg.min_baseline) + 1):
         before, after = dd[:-length], dd[-length:]
-        mb = float(np.median(before))
-        base = mb if rr is None else float(np.median(rr[:-length]))
+        mb = head[n - length]
+        base = mb if rr is None else ref_head[n - length] if ref_head is not None \
+            else float(np.median(rr[:-length]))
         # σ is at least 1 % of the reference and 0.1 % of the step: a quantity that is ~0 on
         # every peer (a stage made only of waiting) has no noise to measure a rise against
-        sd = max(_spread(before), 0.01 * base, 1e-3 * ctx.step_ns, 1.0)
-        if np.mean(after > mb + 2 * sd) < 0.8:
+        least = max(0.01 * base, 1e-3 * ctx.step_ns, 1.0)
+        # both tests only get harder as σ grows: a split that fails them with σ at its floor
+        # is passed over without measuring the baseline's spread (most splits, most units)
+        if np.mean(after > mb + 2 * least) < 0.8:
             continue
-        rise = float(np.median(after)) - mb
-        if rise < floor or rise < cfg.z_change * sd:
+        rise = tail[length] - mb
+        if rise < floor or rise < cfg.z_change * least:
+            continue
+        sd = max(_spread(before), least)
+        if np.mean(after > mb + 2 * sd) < 0.8 or rise < cfg.z_change * sd:
             continue
         t = rise / (sd * np.sqrt(1.0 / length + 1.0 / before.size))
         if best is None or t > best[0]:
@@ -549,6 +559,19 @@ def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
     if ratio < ratio_min:
         return None
     return float(np.mean(np.maximum(dd[-run:], 0.0))), ratio, zx, steps_since
+
+
+def _running_medians(x: Array) -> list[float]:
+    """`out[i]`: the median of `x[:i]` as np.median gives it (the middle value, or the mean of
+    the two middle ones), for every i (nan for 0): one sorted insertion per value, instead of
+    a median of every prefix."""
+    kept: list[float] = []
+    out = [float("nan")]
+    for v in np.asarray(x, dtype=np.float64).tolist():
+        bisect.insort(kept, v)
+        h = len(kept) // 2
+        out.append(kept[h] if len(kept) % 2 else (kept[h - 1] + kept[h]) / 2)
+    return out
 
 
 def full_steps(step: Array) -> Array:

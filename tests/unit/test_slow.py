@@ -824,3 +824,14 @@ def test_a_links_lasting_excess_keeps_only_an_incident_that_named_a_link() -> No
     kept = slow.analyze(w, w.now_ns, confirm=(1,), confirm_stage="pp_p2p")
     assert kept is not None and (kept.ranks, kept.stage) == ((1,), "pp_p2p"), kept
     assert slow.analyze(w, w.now_ns, confirm=(1,), confirm_stage="callbacks") is None
+
+
+def test_running_medians_are_numpys_median_of_every_prefix() -> None:
+    """`own_change` reads the medians of every baseline and newest run from one pass of sorted
+    insertions; they must be np.median's values exactly (ties, even and odd lengths)."""
+    rng = np.random.default_rng(3)
+    for x in (rng.standard_normal(57), np.round(rng.standard_normal(40), 1),
+              np.array([2.0, 2.0, 1.0, 3.0]), np.array([5.0])):
+        got = context._running_medians(x)
+        assert np.isnan(got[0]) and len(got) == x.size + 1
+        assert got[1:] == [float(np.median(x[:i])) for i in range(1, x.size + 1)]
