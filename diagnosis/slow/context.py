@@ -565,12 +565,21 @@ def _running_medians(x: Array) -> list[float]:
     """`out[i]`: the median of `x[:i]` as np.median gives it (the middle value, or the mean of
     the two middle ones), for every i (nan for 0): one sorted insertion per value, instead of
     a median of every prefix."""
+    x = np.asarray(x)
+    # np.median means the two middle values in the array's own float type (float32 stays
+    # float32); integers and float64 in float64, as Python's floats are
+    narrow = x.dtype.type if x.dtype.kind == "f" and x.dtype != np.float64 else None
     kept: list[float] = []
     out = [float("nan")]
-    for v in np.asarray(x, dtype=np.float64).tolist():
+    for v in x.tolist():
         bisect.insort(kept, v)
         h = len(kept) // 2
-        out.append(kept[h] if len(kept) % 2 else (kept[h - 1] + kept[h]) / 2)
+        if len(kept) % 2:
+            out.append(float(kept[h]))
+        elif narrow is None:
+            out.append((kept[h - 1] + kept[h]) / 2)
+        else:
+            out.append(float((narrow(kept[h - 1]) + narrow(kept[h])) / narrow(2)))
     return out
 
 

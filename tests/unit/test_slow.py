@@ -831,6 +831,8 @@ def test_running_medians_are_numpys_median_of_every_prefix() -> None:
     insertions; they must be np.median's values exactly (ties, even and odd lengths)."""
     rng = np.random.default_rng(3)
     for x in (rng.standard_normal(57), np.round(rng.standard_normal(40), 1),
+              (rng.standard_normal(57) * 1e7).astype(np.float32),
+              (rng.standard_normal(33) * 1e7).astype(np.int64),
               np.array([2.0, 2.0, 1.0, 3.0]), np.array([5.0])):
         got = context._running_medians(x)
         assert np.isnan(got[0]) and len(got) == x.size + 1
