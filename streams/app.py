@@ -243,20 +243,13 @@ class StreamsApp:
                                     e.message.partition, e.message.offset, err)
                 try:
                     await retry(functools.partial(fold, reports), Backoff(*RETRY_S),
-                                self._fold_again)
+                                self._again("folding stored reports"))
                 except BaseException as e:
                     log.critical("stopping with unfolded reports; exiting without committing "
                                  "them so they are delivered again", exc_info=True)
                     self.exit_unstored(f"stored reports: {type(e).__name__}: {e}")
 
         self.app.agent(topic, name="rankwatch.ingest.stored", concurrency=1)(consume)
-
-    def _fold_again(self, e: Exception, wait: float) -> bool:
-        if self.stopping:
-            return False
-        log.warning("folding stored reports failed (%s: %s); retrying in %.1fs",
-                    type(e).__name__, e, wait)
-        return True
 
     async def _write_topologies(self, topos: list[tuple[Any, Any]], token: str,
                                 events: Sequence[Any]) -> None:
@@ -299,13 +292,18 @@ class StreamsApp:
         fut = await self.dlq_topic.send(key=key, value=value)
         await fut
 
-    def _broker_again(self, e: Exception, wait: float) -> bool:
-        """Whether to publish a dead letter again after `e` (not once the worker stops)."""
-        if self.stopping:
-            return False
-        log.warning("publishing a dead letter failed (%s: %s); retrying in %.1fs",
-                    type(e).__name__, e, wait)
-        return True
+    def _again(self, what: str) -> Callable[[Exception, float], bool]:
+        """For `ingest.backoff.retry`: try `what` again after a failure, logged, until the
+        worker stops."""
+
+        def again(e: Exception, wait: float) -> bool:
+            if self.stopping:
+                return False
+            log.warning("%s failed (%s: %s); retrying in %.1fs", what, type(e).__name__, e,
+                        wait)
+            return True
+
+        return again
 
     async def _dead_letters(self, dead: Sequence[DeadLetter]) -> None:
         """Durable in the DLQ topic before the source offsets are committed; also in SQL. A
@@ -316,7 +314,7 @@ class StreamsApp:
             log.warning("dead letter %s[%d]@%d: %s", d.topic, d.partition, d.offset, d.reason())
             send = functools.partial(self._send_dead_letter, f"{d.topic}:{d.partition}".encode(),
                                      orjson.dumps(d.to_json()))
-            await retry(send, Backoff(*RETRY_S), self._broker_again)
+            await retry(send, Backoff(*RETRY_S), self._again("publishing a dead letter"))
         self.dead_lettered += len(dead)
         try:  # the topic has them: the table is a convenience and must not stop the stream
             await self.store.write_dead_letters(dead)

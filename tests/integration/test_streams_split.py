@@ -31,6 +31,19 @@ def job_on(partition: int, count: int, prefix: str) -> str:
     return f"{prefix}-{i}"
 
 
+class Outbox:
+    """What a worker would publish on the stored topic: (job, report) in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def report(self, job: str, data: bytes) -> None:
+        self.sent.append((job, data))
+
+    def reports(self) -> list[bytes]:
+        return [d for _, d in self.sent]
+
+
 def worker(db: Database, partitions: Sequence[int], report: Any = None
            ) -> tuple[DerivedRunner, ObservingStore]:
     own = Ownership(standalone=False)
@@ -43,13 +56,10 @@ def worker(db: Database, partitions: Sequence[int], report: Any = None
 
 async def split_load(db: Database, cfg: JobConfig) -> tuple[ObservingStore, ObservingStore,
                                                             DerivedRunner, dict[str, int]]:
-    sent: list[tuple[str, bytes]] = []
-
-    async def report(job: str, data: bytes) -> None:
-        sent.append((job, data))
-
+    out = Outbox()
+    sent = out.sent
     runner, owner = worker(db, [0])
-    other_runner, other = worker(db, [1], report)
+    other_runner, other = worker(db, [1], out.report)
     await runner.restore()
     await other_runner.restore()
     keys: dict[str, int] = {}
@@ -116,22 +126,20 @@ def test_reports_of_a_job_owned_elsewhere_are_counted_not_folded(
     db = clickhouse_db
     job = job_on(1, 2, "notmine")
     cfg = JobConfig(job_id=job, tp=2, pp=2, dp=2, steps=3, microbatches=4, seed=5)
-    sent: list[bytes] = []
-
-    async def report(j: str, data: bytes) -> None:
-        sent.append(data)
+    out = Outbox()
 
     async def go() -> tuple[ObservingStore, ObservingStore]:
         runner, here = worker(db, [0])
-        _, other = worker(db, [0], report)  # neither owns the job: other reports it
+        _, other = worker(db, [0], out.report)  # neither owns the job: other reports it
         await runner.restore()
         for i, (_, kind, data) in enumerate(Simulation(cfg).batches()):
             if kind == "ops":
                 await other.write(kind, [decode_batch(data)], f"{job}:{i}", sources=[(0, i)])
-        await here.fold_reports([decode_report(d) for d in sent])
+        await here.fold_reports([decode_report(d) for d in out.reports()])
         return here, other
 
     here, other = asyncio.run(go())
+    sent = out.reports()
     assert sent and other.reports_sent == len(sent)
     assert here.reports_not_owned == len(sent) and here.reports_folded == 0
     assert job not in here.windows.jobs
@@ -144,14 +152,11 @@ def test_a_batch_skipped_as_stored_is_reported_again_but_not_listened_to_twice(
     db = clickhouse_db
     job = job_on(1, 2, "again")
     cfg = JobConfig(job_id=job, tp=2, pp=2, dp=2, steps=3, microbatches=4, seed=5)
-    sent: list[bytes] = []
-
-    async def report(j: str, data: bytes) -> None:
-        sent.append(data)
+    out = Outbox()
 
     async def go() -> tuple[int, int, int]:
         _, owner = worker(db, [1])
-        _, other = worker(db, [0], report)
+        _, other = worker(db, [0], out.report)
         heard: list[str] = []
         owner.listeners.append(lambda kind, b: heard.append(kind))
         every = {kind: decode_batch(data) for _, kind, data in Simulation(cfg).batches()}
@@ -159,9 +164,10 @@ def test_a_batch_skipped_as_stored_is_reported_again_but_not_listened_to_twice(
         await owner.skipped("stages", [every["stages"]])
         await other.write("ops", [every["ops"]], f"{job}:o", sources=[(0, 0)])
         await other.skipped("ops", [every["ops"]])
-        return len(heard), other.reports_sent, len(sent)
+        return len(heard), other.reports_sent, len(out.sent)
 
     heard, reports, published = asyncio.run(go())
+    sent = out.reports()
     assert heard == 1
     assert reports == published == 2
     assert decode_report(sent[0])[0].segments == decode_report(sent[1])[0].segments
