@@ -166,7 +166,7 @@ class ObservingStore(ClickHouseStore):
             if not owned and self.report is None:
                 continue  # stored; its owner closes its windows
             try:
-                ext = extent(kind, b, gap)
+                ext = extent(kind, b, gap, ends=not owned)
             except Exception:  # stored: a bookkeeping bug must not fail (and stop) the sink
                 log.exception("derived windows: the extent of a stored %s batch", kind)
                 continue

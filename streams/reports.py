@@ -77,10 +77,11 @@ def newest_call_ends(cols: Any) -> tuple[np.ndarray, np.ndarray]:
     return ranks, newest
 
 
-def extent(kind: str, b: RecordBatch, gap_ns: int) -> Extent | None:
+def extent(kind: str, b: RecordBatch, gap_ns: int, *, ends: bool = True) -> Extent | None:
     """The extent of a stored batch (None when none of its records has a known time): the
     range of its record times and completions (`t_end`), the stretches they cover split where
-    more than `gap_ns` holds none (`event_segments`)."""
+    more than `gap_ns` holds none (`event_segments`), and for calls each rank's newest end
+    unless `ends` is False (the owner's own batches: its listeners read them whole)."""
     t = np.asarray(b.cols[TIME_COLUMN[kind]])
     has = t > 0
     known = t[has]
@@ -94,9 +95,9 @@ def extent(kind: str, b: RecordBatch, gap_ns: int) -> Extent | None:
         end = t_end[has]
     segments = event_segments(known, end, gap_ns)
     segments[-1] = (segments[-1][0], max(segments[-1][1], hi))
-    ranks, ends = newest_call_ends(b.cols) if kind == "ops" else (_EMPTY, _EMPTY)
+    ranks, newest = newest_call_ends(b.cols) if kind == "ops" and ends else (_EMPTY, _EMPTY)
     return Extent(b.job_id, kind, b.producer, int(known.min()), hi, tuple(segments),
-                  ranks, ends)
+                  ranks, newest)
 
 
 def encode_report(job: str, extents: list[Extent]) -> bytes:
