@@ -246,8 +246,11 @@ class DiagnosisAgents:
         self.watches: dict[str, JobWatch] = {}
         self.watermark: dict[str, int] = {}  # per job: newest progress window_end (event time)
         self.topos: dict[str, JobTopology] = {}
+        busy = getattr(db, "busy_s", None)
         self.analyst = Analyst(self._read, config or AnalystConfig(),
-                               event_clock=self._event_time)
+                               event_clock=self._event_time,
+                               spent=time.thread_time if busy is None else
+                               lambda: time.thread_time() + busy())
         self.lock = asyncio.Lock()
         self.published: list[Diagnosis] = []
         #: triggers published per trigger kind (the worker's /metrics)

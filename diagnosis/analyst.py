@@ -54,7 +54,8 @@ finished job would drift to "process died".
   job's stage batch is stored); another performance trigger of the job meanwhile is absorbed:
   its analysis would read the same steps, unpaced (the step triggers fire again every few
   steps while a slowdown lasts) — it restarts the `slow_pending_s` and becomes the pending
-  one. A try's cost is the worker's CPU time over it, not the wall clock's. Pending hang
+  one. A try's cost is the work it made (`spent`: the thread's CPU and its reads' time in
+  the database), not the wall clock's nor the process's CPU. Pending hang
   triggers are paced on the tick by their cost too, but never wait more than `HANG_RETRY_S`.
 - a slowdown analysis (trigger, tries, sweep) reads up to the job's slow clock: the moment
   every rank's stage records and calls are reported stored, or the event clock if later. The
@@ -82,6 +83,7 @@ finished job would drift to "process died".
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -112,6 +114,8 @@ MAX_RECENT = 200
 EXIT_MARGIN_S = 5.0
 #: The longest gap between two tries of a pending hang trigger, however costly (`_retry_gap`).
 HANG_RETRY_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 class Reader(Protocol):
@@ -175,6 +179,13 @@ class Analyst:
     read_to: dict[tuple[str, str], int] = field(default_factory=dict)
     analysis_ms: list[float] = field(default_factory=list)
     event_clock: Callable[[str, int], int] = field(default=lambda _job, now: now)
+    #: seconds of work the calling thread has spent, ever: its own CPU time, and where the
+    #: caller's reads run elsewhere (the worker's database thread) their time there. The
+    #: difference over a try or a sweep is its cost, which paces the next (`_retry_gap`,
+    #: `_sweep_gap`). The process's CPU time counted the ingest threads' inserts during a
+    #: try as the try's: live, tries of 25–120 ms of their own were billed 200–570 ms, and
+    #: the next waited 0.8–2.3 s, 10–30 steps of a 80 ms job, with its evidence stored
+    spent: Callable[[], float] = field(default=time.thread_time)
     #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived,
     #: wall ns its next try is due)
     pending: dict[str, tuple[Trigger, int, int]] = field(default_factory=dict)
@@ -293,6 +304,8 @@ class Analyst:
             # was too old for the default window, and a sweep named it 76 steps in)
             _, _, due = self.pending_slow[t.job_id]
             self.pending_slow[t.job_id] = (t, now_ns, due)
+            log.debug("%s trigger %s (ranks %s) absorbed by the pending one", t.kind, t.job_id,
+                      list(t.ranks)[:8])
             return []
         at = self._trigger_clock(t, now_ns, now_ns) if cls == "hang" else \
             self._slow_clock(t.job_id, now_ns)
@@ -303,6 +316,9 @@ class Analyst:
             self.pending.setdefault(t.job_id, (t, now_ns, now_ns + self._retry_gap(0, hang=True)))
             return []
         c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        log.debug("%s trigger %s (ranks %s) analysed at %d (%.0f ms behind): %s (%.0f ms)",
+                  t.kind, t.job_id, list(t.ranks)[:8], at, (now_ns - at) / 1e6,
+                  None if c is None else (c.kind, c.ranks[:8], c.stage), ms)
         if c is None:
             if cls == "hang":
                 self.pending.setdefault(
@@ -345,10 +361,10 @@ class Analyst:
         stored = self.stages_stored.get(job)
         if now_ns < due or (stored is not None and stored == self.slow_tried_at.get(job)):
             return []
-        # the try's cost is the worker's CPU, not its wall time: a try that waits for a core
-        # the training processes hold, or for the database thread behind an insert, costs
-        # the worker nothing, and paced by its wall time the evidence waited for the next
-        t0 = time.process_time()
+        # the try's cost is its own work (`spent`), not its wall time: a try that waits for
+        # a core the training processes hold, or for the database thread behind an insert,
+        # costs the worker nothing, and paced by its wall time the evidence waited for the next
+        t0 = self.spent()
         at = self._slow_clock(job, now_ns)
         tried = self._slow_try(job, at)
         if tried is None:  # no stage records: the trigger's own analysis, over every kind
@@ -357,8 +373,11 @@ class Analyst:
                 self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
         else:
             c, w, ms = tried
+        cost = (self.spent() - t0) * 1e3  # the read included: most of a try
+        log.debug("slowdown try %s at %d (%.0f ms behind), %s stage batches stored: %s "
+                  "(cost %.0f ms, analysis %.0f ms)", job, at, (now_ns - at) / 1e6, stored,
+                  None if c is None else (c.kind, c.ranks[:8], c.stage), cost, ms)
         if c is None or w is None:
-            cost = (time.process_time() - t0) * 1e3  # the read included: most of a try
             floor = None if stored is None else self.config.evidence_retry_s
             self.pending_slow[job] = (t, since, now_ns + self._retry_gap(cost, floor_s=floor))
             if stored is not None:
@@ -442,14 +461,14 @@ class Analyst:
             return []
         if now_ns < due:
             return []
-        t0 = time.perf_counter()
+        t0 = self.spent()
         at = self._trigger_clock(t, since, now_ns)
         w = self._window(job, at)
         c, ms = None, 0.0
         if w is not None and not self._unsettled(t, w, at, since, now_ns):
             c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
         if c is None or w is None:
-            cost = (time.perf_counter() - t0) * 1e3  # the read included: most of a try
+            cost = (self.spent() - t0) * 1e3  # the read included: most of a try
             self.pending[job] = (t, since, now_ns + self._retry_gap(cost, hang=True))
             return []
         del self.pending[job]
@@ -515,7 +534,7 @@ class Analyst:
             elif not self.book.is_open(job, "performance") and not self.book.is_open(job, "hang") \
                     and now_ns - self.last_sweep.get(job, 0) >= self._sweep_gap(job) * SECOND:
                 self.last_sweep[job] = now_ns
-                t0 = time.perf_counter()
+                t0 = self.spent()
                 at = self._slow_clock(job, now_ns)
                 prev = self.swept_at.get(job)
                 if prev == at:
@@ -529,7 +548,11 @@ class Analyst:
                 c, w, ms = tried
                 if c is not None and w is not None:
                     out += self._publish(c, w, t, now_ns, ms)
-                self.sweep_cost[job] = time.perf_counter() - t0
+                self.sweep_cost[job] = self.spent() - t0
+                log.debug("sweep %s at %d (%.0f ms behind): %s (cost %.0f ms)", job, at,
+                          (now_ns - at) / 1e6,
+                          None if c is None else (c.kind, c.ranks[:8], c.stage),
+                          self.sweep_cost[job] * 1e3)
         return out
 
     def _exits(self, job: str, now_ns: int) -> list[Diagnosis]:
@@ -576,7 +599,7 @@ class Analyst:
         return self._publish(c, w, t, now_ns, ms)
 
     def _sweep_gap(self, job: str) -> float:
-        """Seconds between two sweeps of `job`: its last sweep's wall time over `sweep_share`,
+        """Seconds between two sweeps of `job`: its last sweep's cost (`spent`) over `sweep_share`,
         within [`min_sweep_s`, `sweep_s`] — a small job is judged every couple of seconds (a
         slowdown named within steps, not after a 10 s sweep interval), a 1,024-rank job whose
         sweep costs most of a second every `sweep_s`."""

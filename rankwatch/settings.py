@@ -128,6 +128,11 @@ class Settings(BaseModel):
     progress_window_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     iteration_window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     kernel_window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    #: Loggers whose debug lines the worker writes, comma-separated (`diagnosis.analyst`: every
+    #: trigger's analysis, slowdown try and sweep, with the moment it read up to, how far that
+    #: was behind the wall clock and what it cost), above the worker's --loglevel.
+    debug_loggers: Annotated[str, Field(pattern=r"^([A-Za-z_][\w.]*(,[A-Za-z_][\w.]*)*)?$",
+                                        max_length=1000)] = ""
     #: A stretch of a job's event time longer than this without a record of a derived kind's
     #: inputs is skipped by its windows, not closed one by one (streams/windows.py, "Gaps"): a
     #: batch a year older than the rest of its job costs a few windows, not 31 M.

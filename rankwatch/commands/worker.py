@@ -248,6 +248,8 @@ def no_numpy_hugepages() -> bool:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(level=args.loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in filter(None, settings.debug_loggers.split(",")):
+        logging.getLogger(name).setLevel(logging.DEBUG)
     no_numpy_hugepages()
     try:
         db = Database(settings.clickhouse, settings.clickhouse_database,

@@ -101,6 +101,8 @@ class Database:
         self._cluster_settings: dict[str, Any] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
         self._thread: int | None = None
+        #: per calling thread: seconds the database thread spent running its calls (`busy_s`)
+        self._busy = threading.local()
         #: The SQL endpoint's threads (`aexecute_sql`), made on first use; queries in flight
         #: there: id -> (time.monotonic() at start, the SQL's first 200 characters).
         self._sql_pool: ThreadPoolExecutor | None = None
@@ -124,12 +126,29 @@ class Database:
             raise ClickHouseError(f"database {self.database} at {self.target.display()} is closed")
 
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` on the database thread and wait; inline when already on it."""
+        """Run `fn` on the database thread and wait; inline when already on it. The time it
+        ran there, not the time it queued behind other threads' calls, is added to the
+        calling thread's `busy_s`."""
         self._check_open()
         if threading.get_ident() == self._thread:
             return self._guarded(fn, *args, **kwargs)
-        future: Future[T] = self._executor.submit(self._guarded, fn, *args, **kwargs)
-        return future.result()
+        future: Future[tuple[T, float]] = self._executor.submit(self._timed, fn, *args,
+                                                                **kwargs)
+        out, took = future.result()
+        self._busy.s = getattr(self._busy, "s", 0.0) + took
+        return out
+
+    def _timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
+        t0 = time.perf_counter()
+        return self._guarded(fn, *args, **kwargs), time.perf_counter() - t0
+
+    def busy_s(self) -> float:
+        """Seconds the database has spent running the calling thread's calls, ever: the
+        difference over a piece of work is what the work cost the database, without the
+        time its calls waited for the inserts of the ingest ahead of them. A caller that
+        paces its work by its cost (the analyst's tries) counts this with its own CPU time;
+        the process's CPU time counts every other thread's work as the caller's."""
+        return float(getattr(self._busy, "s", 0.0))
 
     async def _acall(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self._check_open()

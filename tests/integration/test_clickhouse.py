@@ -191,6 +191,35 @@ def test_async_calls_share_one_thread(clickhouse_db: Database) -> None:
     assert len(threads) == 1
 
 
+def test_busy_counts_a_threads_calls_not_their_wait_in_the_queue(
+        clickhouse_db: Database) -> None:
+    """`busy_s` bills each calling thread the time its calls ran on the database thread: a
+    query queued behind another thread's long call waited for it, and is billed only its own
+    run (the analyst paces its tries by this; the process's CPU would bill it the other's)."""
+    started = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        time.sleep(0.5)
+
+    def long_call() -> float:
+        b0 = clickhouse_db.busy_s()
+        clickhouse_db._call(hold)
+        return clickhouse_db.busy_s() - b0
+
+    other: list[float] = []
+    t = threading.Thread(target=lambda: other.append(long_call()))
+    t.start()
+    assert started.wait(10)
+    b0, w0 = clickhouse_db.busy_s(), time.perf_counter()
+    clickhouse_db.query("SELECT 1")  # queued behind the 0.5 s call
+    waited, billed = time.perf_counter() - w0, clickhouse_db.busy_s() - b0
+    t.join()
+    assert other[0] >= 0.5  # the long call is billed to its own thread
+    assert billed > 0  # the query ran, and is billed to this thread
+    assert waited - billed >= 0.3  # ... without the time it queued behind the other call
+
+
 def test_query_parameters_and_empty_results(clickhouse_db: Database) -> None:
     asyncio.run(ClickHouseWriter(clickhouse_db).write("ops", [ops_batch("job-p", 14)], "t"))
     got = clickhouse_db.query_columns(

@@ -826,6 +826,31 @@ def test_a_links_lasting_excess_keeps_only_an_incident_that_named_a_link() -> No
     assert slow.analyze(w, w.now_ns, confirm=(1,), confirm_stage="callbacks") is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 9), st.integers(1, 7), st.integers(0, 2**32 - 1),
+       st.sampled_from([np.float64, np.float32]), st.sampled_from([0, 1]))
+def test_nan_median_is_numpys_nanmedian(rows: int, cols: int, seed: int, dtype: type,
+                                        axis: int) -> None:
+    """`nan_median` gives np.nanmedian's values, dtype and shape exactly: NaN lanes, all-NaN
+    lanes, empty lanes, ties, infinities, both float widths, both axes."""
+    import warnings
+
+    rng = np.random.default_rng(seed)
+    x: np.ndarray = np.round(rng.standard_normal((rows, cols)) * 4,
+                             int(rng.integers(0, 3))).astype(dtype)
+    x[rng.random(x.shape) < rng.random()] = np.nan
+    if x.size and rng.random() < 0.2:
+        x.flat[int(rng.integers(x.size))] = rng.choice([np.inf, -np.inf])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = np.asarray(np.nanmedian(x, axis=axis)) if x.shape[axis] else \
+            np.full(x.shape[1 - axis], np.nan, dtype=dtype)
+    got = context.nan_median(x, axis=axis)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)  # nan where nan, exact elsewhere
+    assert context.nan_median(x[:, 0] if cols else x, axis=0).shape == ()
+
+
 def test_running_medians_are_numpys_median_of_every_prefix() -> None:
     """`own_change` reads the medians of every baseline and newest run from one pass of sorted
     insertions; they must be np.median's values exactly (ties, even and odd lengths)."""
