@@ -572,8 +572,14 @@ class DiagnosisAgents:
                 if not self.ownership.owns(rec.job_id):  # read during a rebalance
                     continue
                 t = Trigger(rec.job_id, rec.ts, rec.kind, tuple(rec.ranks), rec.evidence)
+                # a trigger's way here: the Kafka hop, then the analyst's lock
+                hop_ms = (time.time() - (e.message.timestamp or 0.0)) * 1e3
+                read_at = time.monotonic()
                 try:
                     async with self.lock:
+                        log.debug("%s trigger %s read %.0f ms after it was published, analysed "
+                                  "%.0f ms after that", t.kind, t.job_id, hop_ms,
+                                  (time.monotonic() - read_at) * 1e3)
                         diags = await asyncio.to_thread(self.analyst.on_trigger, t,
                                                         self.clock())
                     await self._publish(diags)
