@@ -18,8 +18,9 @@ faulty rank; of those the earliest naming the rank as primary culprit is scored 
 earliest naming it as a suspect), on its last version before resolution. ranks right =
 culprit ranks equal the faulty rank(s); stage right = the diagnosis's stage is one the truth
 accepts (`bench.real.labels.expected`); component and kind right likewise; latency = onset →
-the scored incident's first version, in seconds and in steps: how many steps rank 0 finished
-between the two (`steps_after`). Every other incident of a case is a false alarm (a
+the scored incident's first version on rw.diagnoses (its Kafka timestamp; in a replay its
+`detected_ns`), in seconds and in steps: how many steps rank 0 finished between the two
+(`steps_after`). Every other incident of a case is a false alarm (a
 duplicate of the scored one included); on controls every incident is. Precision = scored
 incidents / all incidents; recall = faults with a scored incident / faults.
 
@@ -52,7 +53,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,8 +156,14 @@ def kind_compatible(truth: dict[str, Any], kind: str) -> bool:
     return kind == "hang" if truth["kind"] == "hang" else kind != "hang"
 
 
-def score(res: CaseResult, diags: Sequence[Diagnosis]) -> None:
-    """Fill `res`'s scores from the job's diagnoses (module docstring)."""
+def score(res: CaseResult, diags: Sequence[Diagnosis],
+          published: Mapping[str, int] | None = None) -> None:
+    """Fill `res`'s scores from the job's diagnoses (module docstring). `published`: each
+    version's moment on rw.diagnoses (its Kafka timestamp, ns, by version id), where a
+    user's tooling gets it; a diagnosis's latency is counted to then, not to its
+    `detected_ns` (the moment its analysis began: the read and the analysis, seconds on a
+    loaded worker, come after). Without it (replays in process) to `detected_ns`."""
+    published = published or {}
     res.detected = res.kind_ok = res.ranks_ok = res.stage_ok = res.component_ok = False
     res.resolved, res.got, res.latency_s, res.latency_steps, res.confidence = (
         False, None, None, None, None)
@@ -167,7 +174,8 @@ def score(res: CaseResult, diags: Sequence[Diagnosis]) -> None:
     res.diagnoses = [{"incident": d.incident_id, "version": d.version, "status": d.status,
                       "kind": d.kind, "ranks": d.culprit_ranks[:16], "stage": d.stage,
                       "component": d.component, "confidence": d.confidence,
-                      "detected_ns": d.detected_ns, "rules": d.rules,
+                      "detected_ns": d.detected_ns, "published_ns": published.get(d.id),
+                      "rules": d.rules,
                       "suspects": [s.ranks[:8] for s in d.suspects][:4]}
                      for v in inc.values() for d in v]
     t = res.truth
@@ -195,7 +203,8 @@ def score(res: CaseResult, diags: Sequence[Diagnosis]) -> None:
             first = versions[0]
             final = next((v for v in reversed(versions) if v.status != "resolved"), versions[-1])
             res.detected = True
-            res.latency_s = round((first.detected_ns - onset) / SECOND, 2)
+            res.latency_s = round((published.get(first.id, first.detected_ns) - onset)
+                                  / SECOND, 2)
             res.kind_ok = final.kind == t["kind"] or (t["fault"] == "stall"
                                                        and final.kind == "slowdown")
             res.ranks_ok = sorted(final.culprit_ranks) == sorted(ranks)
@@ -396,6 +405,8 @@ class Runner:
         self.ring_dir = home / "rings"
         self.consumer: Any = None
         self.diags: dict[str, list[Diagnosis]] = {}
+        #: version id -> its first Kafka timestamp on rw.diagnoses, ns (`score`)
+        self.published: dict[str, int] = {}
 
     def __enter__(self) -> Runner:
         from confluent_kafka import Consumer
@@ -420,6 +431,8 @@ class Runner:
             ring.load_library().rw_ring__unlink(name.encode())
 
     def poll(self, seconds: float) -> None:
+        from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
+
         end = time.monotonic() + seconds
         while True:
             left = end - time.monotonic()
@@ -433,6 +446,9 @@ class Runner:
             except ValueError:
                 continue
             self.diags.setdefault(d.job_id, []).append(d)
+            kind, ms = m.timestamp()
+            if kind != TIMESTAMP_NOT_AVAILABLE and d.id not in self.published:
+                self.published[d.id] = int(ms) * 1_000_000
 
     def env(self, case: Case, job: str, truth: Path) -> dict[str, str]:
         from ingest.torch.provision import pythonpath_with_torch
@@ -567,7 +583,7 @@ class Runner:
             res.error = f"the job failed (exit {res.exit_code}; see train.log)"
         if res.error:
             res.error += f" [{cdir}]"
-        score(res, self.diags.get(job, []))
+        score(res, self.diags.get(job, []), self.published)
         return res
 
 
@@ -675,7 +691,7 @@ def run_catalog(cases: Sequence[Case], say: Say, home: Path | None = None,
             say(f"reading the last diagnoses ({SETTLE_S:.0f} s)…")
             runner.poll(SETTLE_S)
             for r in results:
-                score(r, runner.diags.get(r.job, []))
+                score(r, runner.diags.get(r.job, []), runner.published)
     return results, summarize(results)
 
 

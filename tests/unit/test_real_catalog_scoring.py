@@ -44,6 +44,19 @@ def fault_result(**truth: object) -> CaseResult:
                       step_ms_p50=50.0, step_ends_ms=[50.0 * i for i in range(1, 201)])
 
 
+def test_latency_counts_to_the_topic_not_to_the_analysis_start() -> None:
+    """A version's latency runs to its moment on rw.diagnoses, where the user gets it: the
+    analysis that began at 4.8 s and was published at 6.3 s is 6.3 s late (126 steps of 50
+    ms), not 4.8. Without a publication moment (a replay) `detected_ns` counts."""
+    r = fault_result()
+    first = diag("a", 1, [2], "bwd mb=0 pp=0", "gpu_compute", 4.8)
+    score(r, [first], {first.id: ONSET + int(6.3 * S)})
+    assert r.latency_s == 6.3 and r.latency_steps == 126.0
+    assert r.diagnoses[0]["published_ns"] == ONSET + int(6.3 * S)
+    score(r, [first], {"another/1": ONSET})
+    assert r.latency_s == 4.8 and r.diagnoses[0]["published_ns"] is None
+
+
 def test_stage_accept_prefix_and_exact() -> None:
     assert stage_ok(["bwd *"], "bwd mb=3 pp=1")
     assert not stage_ok(["bwd *"], "fwd mb=0 pp=0")
