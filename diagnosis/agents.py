@@ -61,6 +61,7 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -298,12 +299,16 @@ class DiagnosisAgents:
               kinds: Collection[str] | None = None) -> Window | None:
         """The job's window, on its newest topology: a job publishes its topology again when
         its communicators change (a group created after the first step), and an analysis on
-        the first one would not know the newer groups' members (one indexed lookup per read)."""
-        topo = read_topology(self.db, job_id) or self.topos.get(job_id)
-        if topo is None:
-            return None
-        self.topos[job_id] = topo
-        return read_window(self.db, topo, start_ns, now_ns, kinds)
+        the first one would not know the newer groups' members (one indexed lookup per read).
+        Its queries go ahead of the inserts waiting for the database thread (`Database.urgent`):
+        a diagnosis waits on them."""
+        urgent = getattr(self.db, "urgent", None)
+        with contextlib.nullcontext() if urgent is None else urgent():
+            topo = read_topology(self.db, job_id) or self.topos.get(job_id)
+            if topo is None:
+                return None
+            self.topos[job_id] = topo
+            return read_window(self.db, topo, start_ns, now_ns, kinds)
 
     async def _watch(self, job_id: str) -> JobWatch | None:
         w = self.watches.get(job_id)

@@ -22,19 +22,27 @@ Contract:
 With `cluster` (a server's cluster), every request carries `cluster_settings`, so that a read
 sees the rows just written (streams.cluster: replicated tables behind Distributed ones of the
 same names).
+
+Calls made inside `urgent()` (the diagnosis analyst's reads: streams.db's one thread is shared
+with the ingest's inserts) go ahead of the calls waiting on the database thread, not behind
+them: live on 2 loaded cores an analysis's read queued for seconds behind inserts, and its
+diagnosis came out that much later. A call already running is not interrupted; the analyst's
+reads are paced (diagnosis/analyst.py), so inserts are not starved.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast, overload
 
@@ -78,6 +86,67 @@ class _TableShape:
     type_names: dict[str, str]
 
 
+
+class _DatabaseThread(Executor):
+    """One thread that runs submitted calls in order, the urgent ones (`submit_first`) ahead
+    of the others that wait; `ThreadPoolExecutor(1)` otherwise (`loop.run_in_executor` and
+    `shutdown` as usual)."""
+
+    def __init__(self, name: str) -> None:
+        self._cv = threading.Condition()
+        self._urgent: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...],
+                                  dict[str, Any]]] = deque()
+        self._normal: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...],
+                                  dict[str, Any]]] = deque()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name)
+        self._thread.start()
+        # as ThreadPoolExecutor's threads: at the interpreter's exit the thread runs what is
+        # queued and ends (a Database never closed must not hold the exit for ever)
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self.shutdown, False)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return self.submit_first(False, fn, *args, **kwargs)
+
+    def submit_first(self, urgent: bool, fn: Callable[..., T], /, *args: Any,
+                     **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            (self._urgent if urgent else self._normal).append((future, fn, args, kwargs))
+            self._cv.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._urgent or self._normal or self._stopping):
+                    self._cv.wait()
+                if not (self._urgent or self._normal):
+                    return  # stopping, nothing left
+                future, fn, args, kwargs = (self._urgent or self._normal).popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to the caller, as an executor does
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._cv:
+            self._stopping = True
+            if cancel_futures:
+                for future, *_ in (*self._urgent, *self._normal):
+                    future.cancel()
+                self._urgent.clear()
+                self._normal.clear()
+            self._cv.notify_all()
+        if wait:
+            self._thread.join()
+
 class Database:
     """One ClickHouse database (`database`) at `url`, accessed from one thread. See module doc."""
 
@@ -99,7 +168,7 @@ class Database:
         #: streams.cluster for the tables, `cluster_settings` for how writes are read back.
         self.cluster = cluster
         self._cluster_settings: dict[str, Any] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"clickhouse-{database}")
+        self._executor = _DatabaseThread(f"clickhouse-{database}")
         self._thread: int | None = None
         #: per calling thread: seconds the database thread spent running its calls (`busy_s`)
         self._busy = threading.local()
@@ -132,8 +201,8 @@ class Database:
         self._check_open()
         if threading.get_ident() == self._thread:
             return self._guarded(fn, *args, **kwargs)
-        future: Future[tuple[T, float]] = self._executor.submit(self._timed, fn, *args,
-                                                                **kwargs)
+        future: Future[tuple[T, float]] = self._executor.submit_first(
+            bool(getattr(self._busy, "urgent", False)), self._timed, fn, *args, **kwargs)
         out, took = future.result()
         self._busy.s = getattr(self._busy, "s", 0.0) + took
         return out
@@ -141,6 +210,17 @@ class Database:
     def _timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
         t0 = time.perf_counter()
         return self._guarded(fn, *args, **kwargs), time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        """The calling thread's calls inside go ahead of those waiting for the database thread
+        (module docstring)."""
+        was = getattr(self._busy, "urgent", False)
+        self._busy.urgent = True
+        try:
+            yield
+        finally:
+            self._busy.urgent = was
 
     def busy_s(self) -> float:
         """Seconds the database has spent running the calling thread's calls, ever: the

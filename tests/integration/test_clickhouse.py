@@ -4,6 +4,7 @@ schema against the record contract, numpy inserts, deduplication, topologies, de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -218,6 +219,49 @@ def test_busy_counts_a_threads_calls_not_their_wait_in_the_queue(
     assert other[0] >= 0.5  # the long call is billed to its own thread
     assert billed > 0  # the query ran, and is billed to this thread
     assert waited - billed >= 0.3  # ... without the time it queued behind the other call
+
+
+def test_urgent_calls_go_ahead_of_the_queued_ones(clickhouse_db: Database) -> None:
+    """A call inside `urgent()` (the analyst's reads) runs before the calls already waiting
+    for the database thread (the ingest's inserts), after the one running; the others keep
+    their order. Without it the analyst's read queued behind every insert."""
+    order: list[str] = []
+    started = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(10)
+        order.append("running")
+
+    def call(name: str, urgent: bool = False) -> threading.Thread:
+        def run() -> None:
+            with clickhouse_db.urgent() if urgent else contextlib.nullcontext():
+                clickhouse_db._call(order.append, name)
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    threads = [threading.Thread(target=clickhouse_db._call, args=(hold,))]
+    threads[0].start()
+    assert started.wait(10)
+    queue = clickhouse_db._executor
+
+    def queued(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(queue._normal) + len(queue._urgent) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    for i in range(3):  # queued behind the running call, in this order
+        threads.append(call(f"insert-{i}"))
+        queued(i + 1)
+    threads.append(call("read", urgent=True))
+    queued(4)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert order == ["running", "read", "insert-0", "insert-1", "insert-2"]
+    assert clickhouse_db.query("SELECT 1").result_rows == [(1,)]  # the thread still serves
 
 
 def test_query_parameters_and_empty_results(clickhouse_db: Database) -> None:
