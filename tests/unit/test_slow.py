@@ -219,6 +219,36 @@ def test_a_short_change_the_scheduler_did_not_cause_needs_no_longer_hold() -> No
     assert v2.flag[3] and v2.how[3] == "change"
 
 
+def test_a_short_change_the_scheduler_made_is_held_whatever_the_peers() -> None:
+    """Beside many peers, with the job's step time up with it, a change of a rank whose steps
+    waited for a CPU for at least half its rise — on average over the change: lost time adds
+    up, two long waits in six steps are crowding too — must hold twice onset_steps (a healthy
+    DDP control's rank crowded off its core for 4 steps was named `host cpu`); without the
+    wait's rise it counts after onset_steps, and a crowded change that holds long enough
+    counts."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(7)
+    m = _noisy(rng, 40, world)
+    m[-6:, 3] += 100e6  # +100 ms a step for 6 steps
+    job = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    job[-6:] += 100e6  # the job felt it
+    wait = 2e6 + 2e5 * rng.standard_normal((40, world))
+    v = context.judge(_ctx(_with_waits(w, 40, wait), 40, job), m, 1.05)
+    assert v.flag[3] and v.how[3] == "change"  # not crowded: onset_steps suffice
+    spiky = wait.copy()
+    spiky[-5, 3] += 180e6  # two long waits in the six steps: 60 ms a step on average,
+    spiky[-3, 3] += 180e6  # none at the median
+    assert not context.judge(_ctx(_with_waits(w, 40, spiky), 40, job), m, 1.05).flag[3]
+    m_long, job_long, spiky_long = m.copy(), job.copy(), spiky.copy()
+    m_long[-10:, 3] = m[-10:, 3] + 100e6 * (m[-10:, 3] < 150e6)  # held 10 steps
+    job_long[-10:] = job[-10:] + 100e6 * (job[-10:] < 1.05e9)
+    spiky_long[-9, 3] += 180e6
+    spiky_long[-7, 3] += 180e6
+    v = context.judge(_ctx(_with_waits(w, 40, spiky_long), 40, job_long), m_long, 1.05)
+    assert v.flag[3] and int(v.since[3]) == 30  # crowded, but it held twice the onset
+
+
 def test_a_change_inside_the_noise_of_its_own_series_is_not_evidence() -> None:
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     rng = np.random.default_rng(4)
