@@ -184,7 +184,7 @@ class Analyst:
     #: difference over a try or a sweep is its cost, which paces the next (`_retry_gap`,
     #: `_sweep_gap`). The process's CPU time counted the ingest threads' inserts during a
     #: try as the try's: live, tries of 25–120 ms of their own were billed 200–570 ms, and
-    #: the next waited 0.8–2.3 s, 10–30 steps of a 80 ms job, with its evidence stored
+    #: the next waited 0.8–2.3 s, 10–30 steps of an 80 ms job, with its evidence stored
     spent: Callable[[], float] = field(default=time.thread_time)
     #: job -> (hang or failure trigger whose analysis found nothing yet, wall ns it arrived,
     #: wall ns its next try is due)
