@@ -27,7 +27,7 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     absorbed change must have held for `2 × onset_steps` steps (weaker evidence, more of it: a
     rank crowded off its core for a few hundred milliseconds doubles a phase too), as must a
     change of a rank beside fewer than `min_peers` peers — unless the rank's own steps' CPU
-    wait did not rise with it (`crowd_free`: the scheduler did not crowd it, so the hold has
+    wait did not rise with it (`crowding` False: the scheduler did not crowd it, so the hold has
     nothing to guard against and `onset_steps` suffice) — and, whatever its peers, a change of
     a rank whose steps' CPU wait rose by at least half its rise (`crowding`: the scheduler's
     doing, over in a few hundred milliseconds as often as not); and
@@ -269,7 +269,7 @@ def _nanmedian(x: Array, axis: int = 0) -> Array:
 
 
 #: a rank's change is the scheduler's when its steps' CPU wait rose by this share of it
-#: (`crowd_free`; `slow.cpu.EXPLAIN` judges a starved suspect by the same share)
+#: (`crowding`; `slow.cpu.EXPLAIN` judges a starved suspect by the same share)
 CROWD_SHARE = 0.5
 
 #: a link's own rise is common to the job's links when the median rise of the others over the
@@ -457,7 +457,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # so must a change of a quantity judged on changes only (a rank's CPU wait): bursty
         # where cores are shared, a rank crowded off its core for 4-5 steps, near a contended
         # control's end, waited 10-75 ms a step more than its peers
-        # — unless the rank's own CPU counters rule the crowding out (`crowd_free`: its steps
+        # — unless the rank's own CPU counters rule the crowding out (`crowding` False: its steps
         # did not wait more for a CPU while its time rose): the hold guards against the
         # scheduler, and a rank the scheduler did not crowd needs no more steps than any
         # other change. A quantity of ranks only; a link's transfer runs in the transport's
@@ -672,11 +672,6 @@ def crowding(ctx: Ctx, x: int, row: int, rise: float) -> bool | None:
         return None
     return float(np.mean(after)) - float(np.median(before)) >= CROWD_SHARE * rise
 
-
-def crowd_free(ctx: Ctx, x: int, row: int, rise: float) -> bool:
-    """Whether the counters rule the scheduler out of rank `x`'s change (`crowding`): False
-    where they cannot tell."""
-    return crowding(ctx, x, row, rise) is False
 
 
 def reach_start(stages: Columns, extra_steps: int, config: SlowConfig | None = None
