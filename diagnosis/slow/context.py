@@ -45,7 +45,9 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     their ratio is not evidence, and no such verdict is given;
   - `sparse` (intermittent excess: a stalled callback, a slow batch): at least three steps above
     the reference by the whole materiality floor, three times as many as the busiest peer plus
-    two, the first of them inside the window; where the peers spike too (the quantity has
+    two, more than the group's spikes shared out by chance at one rate would give any unit
+    (`spread_by_chance` below `sparse_quiet`: 3 of 3 on one of 4 ranks is not, 5 of 5 is),
+    the first of them inside the window; where the peers spike too (the quantity has
     spikes of its own in this job) after a quiet stretch the spike rate since makes improbable
     (`sparse_quiet`: a Poisson count of zero in those steps — on a contended 4-rank control
     one rank the scheduler crowded more spiked 8 times to its peers' 1, as it always had); a
@@ -67,6 +69,7 @@ The strength of the evidence (`z`) feeds the conclusion's confidence.
 from __future__ import annotations
 
 import bisect
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -502,6 +505,12 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             busiest = int(cnt[others].max()) if others.size else 0
             if not others.size or cnt[x] < 3 * busiest + 2:
                 continue
+            # the spikes of the group's units, shared out by chance at one rate, would give
+            # some unit this many at most `sparse_quiet` of the time: 3 spikes of 3 on one
+            # of 4 ranks is 1 in 16 — the first steps of a healthy job on a busy host
+            total = int(cnt[x]) + int(cnt[others].sum())
+            if spread_by_chance(int(cnt[x]), total, others.size + 1) >= cfg.sparse_quiet:
+                continue
             # peers that spike too: the quantity has spikes of its own in this job (shared
             # cores), and a unit spiking more may always have — its first spike must follow
             # a quiet stretch that its rate of spikes since makes improbable (e^(−rate ×
@@ -525,6 +534,19 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         for x in np.flatnonzero(keep & most).tolist():
             flag[x], how[x] = True, "confirm"
     return Verdict(flag, exc, ratio, z, how, since)
+
+
+def spread_by_chance(count: int, total: int, units: int) -> float:
+    """How likely one of `units` units, each as likely as the others to have each of `total`
+    events, has at least `count` of them: `units` × the binomial upper tail P(X ≥ count),
+    X ~ Bin(total, 1 / units) (a union bound over the units; exact for count > total / 2,
+    where two units cannot both reach it)."""
+    if count <= 0:
+        return 1.0
+    p = 1.0 / units
+    tail = sum(math.comb(total, k) * p ** k * (1.0 - p) ** (total - k)
+               for k in range(count, total + 1))
+    return min(1.0, units * tail)
 
 
 def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,

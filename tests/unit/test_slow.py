@@ -7,6 +7,7 @@ of long kernels (ECC-like spikes) names the pass they ran in."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -350,15 +351,32 @@ def test_an_intermittent_excess_needs_many_more_spikes_than_its_peers() -> None:
     a, b = np.flatnonzero(stage == 0)[:2].tolist()
     c, d = np.flatnonzero(stage == 1)[:2].tolist()
     m = np.full((40, w.grid.world), 8e6)
-    m[[-9, -6, -3, -1], a] += 180e6  # four slow batches late in the window
+    m[[-9, -7, -6, -3, -1], a] += 180e6  # five slow batches late in the window
     m[[5, 15, 25, 35], c] += 180e6  # four...
     m[[6, 16, 26], d] += 180e6  # ...beside a stage peer with three: the stage's noise
     v = context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True)
     assert v.flag[a] and v.how[a] == "sparse" and v.exc[a] > 50e6
     assert int(v.since[a]) == 31
     assert not v.flag[[b, c, d]].any()
-    m[[-5, -2], b] += 180e6  # two: too few, and with them a's four are within 3×2 + 2
+    m[[-5, -2], b] += 180e6  # two: too few, and with them a's five are within 3×2 + 2
     assert not context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True).flag[[a, b]].any()
+    m[[-5, -2], b] -= 180e6
+    m[-7, a] -= 180e6  # four of four on one of four ranks: by chance 1 time in 64 × 4
+    assert not context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True).flag[a]
+
+
+def test_spikes_spread_by_chance() -> None:
+    """The chance that one of `units` equally likely units has at least `count` of `total`
+    events: a union bound over the units of the binomial tail, exact where only one unit can
+    reach the count; 3 of 3 on one of 4 ranks (a healthy job's first steps) is 1 in 16."""
+    assert context.spread_by_chance(3, 3, 4) == pytest.approx(4 * 0.25 ** 3)
+    assert context.spread_by_chance(5, 5, 4) < 0.01 < context.spread_by_chance(4, 4, 4)
+    # exact for count > total / 2: enumerate every way 6 events fall on 4 units
+    hits = sum(max(np.bincount(p, minlength=4)) >= 4
+               for p in itertools.product(range(4), repeat=6))
+    assert context.spread_by_chance(4, 6, 4) == pytest.approx(hits / 4 ** 6)
+    assert context.spread_by_chance(0, 5, 4) == 1.0
+    assert context.spread_by_chance(1, 9, 4) == 1.0  # capped: a union bound past certainty
 
 
 def test_spikes_among_spiking_peers_need_a_quiet_stretch_before_them() -> None:
@@ -892,3 +910,36 @@ def test_running_medians_are_numpys_median_of_every_prefix() -> None:
         got = context._running_medians(x)
         assert np.isnan(got[0]) and len(got) == x.size + 1
         assert got[1:] == [float(np.median(x[:i])) for i in range(1, x.size + 1)]
+
+
+def test_beats_are_read_only_for_a_culprit_the_steps_cannot_judge() -> None:
+    """`analyze(..., beats=)`: a window read without beats gets them from the loader only once
+    a culprit is found whose CPU the steps' own counters cannot judge, and concludes as the
+    window with its beats does; a window without a suspect reads none."""
+    w, now = window("gpu_slow rank=9 factor=3 at=1s")
+    calls: list[int] = []
+
+    def beats() -> dict[str, np.ndarray]:
+        calls.append(1)
+        return dict(w.tables["beats"])
+
+    def without(w: Window, *drop: str) -> Window:
+        return Window(w.topo, {k: v for k, v in w.tables.items() if k != "beats"}
+                      | {"stages": {k: v for k, v in w.tables["stages"].items()
+                                    if k not in drop}}, w.start_ns, w.now_ns)
+
+    want = slow.analyze(w, now)
+    assert want is not None and want.ranks == (9,)
+    assert slow.analyze(without(w), now, beats=beats) == want
+    assert calls == []  # the steps' own counters judge it
+    assert "sched_wait_ns" in w.tables["stages"]
+    older = Window(w.topo, {**without(w, "sched_wait_ns").tables, "beats": w.tables["beats"]},
+                   w.start_ns, w.now_ns)
+    want = slow.analyze(older, now)  # an older tracer's stage records: the beats judge it
+    assert want is not None and want.ranks == (9,)
+    assert slow.analyze(without(w, "sched_wait_ns"), now, beats=beats) == want
+    assert calls == [1]
+    quiet, qnow = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    calls.clear()
+    assert slow.analyze(without(quiet, "sched_wait_ns"), qnow, beats=beats) is None
+    assert calls == []
