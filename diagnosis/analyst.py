@@ -401,21 +401,28 @@ class Analyst:
         `at`: over the job's stage records and the other `SWEEP_KINDS` from where the analysis
         looks (`_sweep_window`; `since_ns`: the previous sweep's clock), nothing while a rank is
         stuck in a call (a stall in progress is the hang analysis's: a slowdown read off the
-        stalled step would open a second, wrong incident), a conclusion judged again with the
-        beats (the read has none; its culprit may be starved of CPU: slow.cpu). (conclusion,
-        window, analysis ms); None for a job without stage records."""
+        stalled step would open a second, wrong incident), the job's beats read only for a
+        culprit the steps' own scheduler counters cannot judge (the read has none; its culprit
+        may be starved of CPU: slow.cpu). (conclusion, window, analysis ms); None for a job
+        without stage records."""
         w, cfg = self._sweep_window(job, at, since_ns)
         if w is not None and not w.get("stages"):
             return None
         if w is None or hang_rca.stuck_ranks(w, at).size:
             return None, w, 0.0
-        c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
-        if c is not None and "beats" not in w.tables:
-            b = self.read(job, w.start_ns, at, ("beats",))
-            if b is not None and b.get("beats"):
-                w = Window(w.topo, {**w.tables, "beats": b.tables["beats"]}, w.start_ns,
-                           w.now_ns)
-                c, ms = self._run(functools.partial(slow.analyze, config=cfg), w, at)
+        read: list[Columns] = []
+        start = w.start_ns
+
+        def beats() -> Columns | None:
+            b = self.read(job, start, at, ("beats",))
+            cols = None if b is None else b.get("beats")
+            if cols:
+                read.append(cols)
+            return cols
+
+        c, ms = self._run(functools.partial(slow.analyze, config=cfg, beats=beats), w, at)
+        if read:
+            w = Window(w.topo, {**w.tables, "beats": read[0]}, w.start_ns, w.now_ns)
         return c, w, ms
 
     def _trigger_clock(self, t: Trigger, since_ns: int, now_ns: int) -> int:

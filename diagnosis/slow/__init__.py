@@ -36,9 +36,11 @@ whether the frontier's blame agrees; docs/diagnoses.md has its calibration on th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from diagnosis.columns import codes, col, ints
+from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.conclusion import Conclusion, Suspicion
 from diagnosis.rules import frontier_labels
 from diagnosis.rules.base import Component, Finding, Kind
@@ -74,11 +76,13 @@ ANALYSES = (compute.suspects, own_time.suspects, phases.suspects, launch.suspect
 
 
 def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
-            confirm: tuple[int, ...] = (), confirm_stage: str | None = None
-            ) -> Conclusion | None:
+            confirm: tuple[int, ...] = (), confirm_stage: str | None = None,
+            beats: Callable[[], Columns | None] | None = None) -> Conclusion | None:
     """The slowdown conclusion over `w`, or None. `confirm`: the culprit ranks of an incident
     already open, kept while their excess persists, `confirm_stage` its stage (module
-    docstring of `context`)."""
+    docstring of `context`). `beats`: where `w` has none, reads the job's beats over `w`, and
+    is called only for a culprit the steps' own scheduler counters cannot judge (most tries
+    find no suspect, and the tracer's stage records carry the counters)."""
     cfg = config or SlowConfig()
     if not w.get("stages"):
         return None
@@ -103,13 +107,16 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     # a starved CPU: judged on the steps' own counters where the stage records carry them,
     # else on the beats'
     sus[0], by_steps = cpu.refine_steps(ctx, pcie.refine(ctx, sus[0]))
+    beat_cols = ctx.w.get("beats")
+    if not by_steps and not beat_cols and beats is not None:
+        beat_cols = beats() or {}
     if not by_steps:
-        sus[0] = cpu.refine(ctx.w.get("beats"), sus[0], _onset(ctx, sus[0]), ctx.lo_ns,
+        sus[0] = cpu.refine(beat_cols, sus[0], _onset(ctx, sus[0]), ctx.lo_ns,
                             ctx.step_ns, _judged_end(ctx))
     top = sus[0]
     # a rank whose scheduler counters cannot judge its CPU yet (one beat since the onset): a
     # starved CPU and slower work look alike until they can
-    cpu_open = not by_steps and cpu.unjudged(ctx.w.get("beats"), top, _onset(ctx, top))
+    cpu_open = not by_steps and cpu.unjudged(beat_cols, top, _onset(ctx, top))
     # a rank starved of CPU over the whole span since the onset (`cpu.refine`) is a sustained
     # slowdown, however spiky the stage it showed in
     spiky = top.how == "sparse" or "intermittent" in top.summary
