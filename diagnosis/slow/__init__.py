@@ -108,9 +108,9 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     # else on the beats'
     sus[0], by_steps = cpu.refine_steps(ctx, pcie.refine(ctx, sus[0]))
     beat_cols = ctx.w.get("beats")
-    if not by_steps and not beat_cols and beats is not None:
-        beat_cols = beats() or {}
     if not by_steps:
+        if not beat_cols and beats is not None:
+            beat_cols = beats() or {}
         sus[0] = cpu.refine(beat_cols, sus[0], _onset(ctx, sus[0]), ctx.lo_ns,
                             ctx.step_ns, _judged_end(ctx))
     top = sus[0]
