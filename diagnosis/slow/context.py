@@ -695,7 +695,6 @@ def crowding(ctx: Ctx, x: int, row: int, rise: float) -> bool | None:
     return float(np.mean(after)) - float(np.median(before)) >= CROWD_SHARE * rise
 
 
-
 def reach_start(stages: Columns, extra_steps: int, config: SlowConfig | None = None
                 ) -> int | None:
     """The earliest start among the stage records of the last `recent + baseline +

@@ -361,7 +361,7 @@ def test_an_intermittent_excess_needs_many_more_spikes_than_its_peers() -> None:
     m[[-5, -2], b] += 180e6  # two: too few, and with them a's five are within 3×2 + 2
     assert not context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True).flag[[a, b]].any()
     m[[-5, -2], b] -= 180e6
-    m[-7, a] -= 180e6  # four of four on one of four ranks: by chance 1 time in 64 × 4
+    m[-7, a] -= 180e6  # four of four on one of four ranks: by chance 1 time in 64 (4 × ¼⁴)
     assert not context.judge(_ctx(w, 40, step_ns=1e9), m, 1.05, sparse=True).flag[a]
 
 
