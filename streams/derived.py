@@ -473,6 +473,8 @@ class DerivedJob:
     recent_step: int | None = None
     #: the job's declared communicators (ids, kind codes), once its topology arrived
     topology: tuple[list[str], list[int]] | None = None
+    #: ranks with a row from stage records so far (sorted): never previewed from a collective
+    staged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: after failed ticks: monotonic time of the next try
     retry_at: float = 0.0
 
@@ -677,10 +679,14 @@ class DerivedRunner:
         grad = (ops["kind"] == KIND_CODES["dp"]) & (ops["grad_op"] > 0)
         of = OpFrame(ops["rank"], ops["kind"], grad, ops["op_seq"], ops["step"], ops["bytes"],
                      ops["start_ns"], ops["end_ns"])
-        return await asyncio.to_thread(
+        state = self.job_state(job)
+        rows = await asyncio.to_thread(
             iteration_rows, stages, of, ws, we, max_step_ns=self.cfg.max_step_ns,
             grad_collectives_per_step=self.cfg.grad_collectives_per_step, preview=preview,
-            report=report, prior=prior)
+            report=report, prior=prior, staged=state.staged if preview else None)
+        if len(stages["rank"]):
+            state.staged = np.union1d(state.staged, stages["rank"].astype(np.int64))
+        return rows
 
     async def _comm_kinds(self, job: str) -> tuple[list[str], list[int]]:
         state = self.job_state(job)

@@ -28,11 +28,12 @@ Previews (`preview=True`, streams/derived.py): rows computed from a frame that m
 some steps began, published before their window closes. Only rows whose bounds are known exactly
 are kept: a stage record's row, and an inferred row whose start is the rank's previous gradient
 collective (not the estimated first step of a rank); inferred rows of a rank that has stage
-records in the frame are dropped too, so a step is never previewed from the other source than the
-one its window will use. A step missing from a preview comes with its window's rows. A preview
-frame may start at the earliest of the ranks' last known step ends (`prior`, from earlier
-previews and windows) instead of reaching back a step before: a rank's next step starts at its
-known end, so the collective that ended it need not be read again.
+records in the frame, or is known from earlier rows to publish them (`staged`), are dropped too,
+so a step is never previewed from the other source than the one its window will use, even while
+the stages topic is read behind the ops topic. A step missing from a preview comes with its
+window's rows. A preview frame may start at the earliest of the ranks' last known step ends
+(`prior`, from earlier previews and windows) instead of reaching back a step before: a rank's
+next step starts at its known end, so the collective that ended it need not be read again.
 
 Determinism: the rows depend only on the records, not on their arrival order, so recomputing a
 window after late records arrive yields the complete rows (streams/derived.py replaces them).
@@ -182,14 +183,18 @@ def _dp_steps(ops: OpFrame, per_step: int, max_step_ns: int, prior: Bounds | Non
 def iteration_rows(stages: Mapping[str, np.ndarray], ops: OpFrame, ws: int, we: int, *,
                    max_step_ns: int, grad_collectives_per_step: int = 1,
                    preview: bool = False, report: dict[str, int] | None = None,
-                   prior: Bounds | None = None) -> dict[str, np.ndarray]:
+                   prior: Bounds | None = None, staged: np.ndarray | None = None
+                   ) -> dict[str, np.ndarray]:
     """Iteration columns (the `iterations` contract, without job_id) for steps ending in
     [ws, we); `preview` keeps only exactly known rows. See the module docstring. `report`, when
     given, gets "estimated": how many of the rows have a start estimated (a rank's first step
     in the frame) — 0 means the frame reached back far enough for every row. `prior`: per
     rank, the step and end of its last step known before the frame (previews, module
     docstring): the next step of that rank starts there, exactly, though the gradient
-    collective that ended the known step is not in the frame."""
+    collective that ended the known step is not in the frame. `staged` (previews): ranks known
+    to publish stage records, from earlier previews and windows — none of their steps is
+    previewed from its gradient collective, though the frame holds none of their stage records
+    yet (the stages topic may be read behind the ops topic)."""
     s_rank = stages["rank"].astype(np.int64)
     s_step = stages["step"].astype(np.int64)
     durations = np.stack([stages[n].astype(np.int64) for n in STAGE_NAMES]) if len(s_rank) \
@@ -203,7 +208,8 @@ def iteration_rows(stages: Mapping[str, np.ndarray], ops: OpFrame, ws: int, we: 
     d_key = d_rank * (1 << 32) + d_step
     d_keep = ~np.isin(d_key, s_key)
     if preview:
-        d_keep &= d_exact & ~np.isin(d_rank, s_rank)
+        with_stages = s_rank if staged is None else np.r_[s_rank, staged.astype(np.int64)]
+        d_keep &= d_exact & ~np.isin(d_rank, with_stages)
     if report is not None:
         d_in = d_keep & (d_t1 >= ws) & (d_t1 < we)
         report["estimated"] = int((d_in & ~d_exact).sum())

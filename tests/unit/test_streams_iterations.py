@@ -161,6 +161,12 @@ def test_previews_keep_only_rows_known_exactly(sim_tables: dict[str, dict[str, n
     st = {k: v[stages["t_start"] >= lo] for k, v in stages.items()}
     both = iteration_rows(st, frame(part), lo, hi, max_step_ns=60 * SEC, preview=True)
     assert set(both["source"]) == {"stages"}  # never the other source for a rank with stages
+    # a frame whose stage records are not stored yet (the stages topic read behind the ops
+    # topic): the ranks known to publish them get no row from their collectives either
+    staged = np.unique(stages["rank"]).astype(np.int64)
+    behind = iteration_rows(no_stages(), frame(part), lo, hi, max_step_ns=60 * SEC,
+                            preview=True, staged=staged[1:])
+    assert len(behind["rank"]) and set(behind["rank"].tolist()) == {int(staged[0])}
 
 
 def test_rows_without_any_op_in_them_get_zero_communication() -> None:
