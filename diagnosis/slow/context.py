@@ -267,6 +267,38 @@ def _spread(x: Array) -> float:
     return max(float(_mad_sigma(x)), float(q90 - q50) / 1.2816)
 
 
+def prefix_spreads(x: Array) -> Array:
+    """`out[i]` = `_spread(x[:i])` for i in 1..n (out[0] nan), for every prefix of a 1-D series
+    at once: the prefixes as the rows of one NaN-padded matrix, sorted once; the percentiles
+    as np.percentile's default (linear) method computes them, value for value. The change
+    test measures the noise of every baseline it tries; one `_spread` per baseline was most
+    of a slowdown analysis's CPU (~0.5 ms each, dozens per unit in a fault)."""
+    x = np.asarray(x)
+    n = x.size
+    out = np.full(n + 1, np.nan)
+    if n == 0:
+        return out
+    rows = np.where(np.arange(n)[None, :] < np.arange(1, n + 1)[:, None], x[None, :], np.nan)
+    with np.errstate(all="ignore"):
+        mad = 1.4826 * nan_median(np.abs(rows - nan_median(rows, axis=1)[:, None]), axis=1)
+    ordered = np.sort(rows, axis=1)
+    count = np.arange(1, n + 1)
+    q = []
+    for frac in (0.5, 0.9):
+        at = (count - 1) * frac  # np.percentile's virtual index (method "linear")
+        lo = np.floor(at)
+        top = at >= count - 1
+        lo_i = np.where(top, count - 1, lo).astype(np.intp)
+        hi_i = np.where(top, count - 1, lo + 1).astype(np.intp)
+        gamma = at - np.where(top, -1, lo)
+        a = ordered[np.arange(n), lo_i]
+        b = ordered[np.arange(n), np.minimum(hi_i, n - 1)]
+        diff = b - a
+        q.append(np.where(gamma >= 0.5, b - diff * (1 - gamma), a + diff * gamma))
+    out[1:] = np.maximum(mad, (q[1] - q[0]) / 1.2816)
+    return out
+
+
 def _nanmedian(x: Array, axis: int = 0) -> Array:
     return nan_median(x, axis=axis)
 
@@ -556,47 +588,60 @@ def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
     check). Every split of the series into a baseline of at least `min_baseline` steps (the
     MAD of fewer says little of their noise: four steps at a job's start passed for a baseline)
     and its newest L ≥ `onset_steps` steps is tried: the split counts when at least 80 % of
-    the newest steps lie above the baseline's median + 2σ (σ: 1.4826 × the baseline's MAD,
-    the unit's own noise) and their median rose by `z_change` σ and by the materiality floor;
+    the newest steps lie above the baseline's median + 2σ (σ: the baseline's `_spread`, the
+    unit's own noise) and their median rose by `z_change` σ and by the materiality floor;
     of those, the one whose rise is largest in standard errors of the two medians is the
-    onset. With `ref` None, `d` is the unit's own
-    quantity (`m`): its baseline is its reference, the excess its rise over it."""
+    onset. All splits are judged at once, as arrays over the run lengths, and the baselines'
+    spreads come from one `prefix_spreads` (the tests compare it with the one-split-at-a-time
+    definition). With `ref` None, `d` is the unit's own quantity (`m`): its baseline is its
+    reference, the excess its rise over it."""
     cfg = ctx.cfg
     k = cfg.onset_steps
     ok = ~np.isnan(d)
     dd, mm = d[ok], m[ok]
     rr = None if ref is None else ref[ok]
     n = dd.size
-    best: tuple[float, int, float] | None = None
     # the medians of every baseline and every newest run, one sorted insertion per step
-    head, tail = _running_medians(dd), _running_medians(dd[::-1])
+    head, tail = np.array(_running_medians(dd)), np.array(_running_medians(dd[::-1]))
     ref_head = None if rr is None or np.isnan(rr).any() else _running_medians(rr)
-    for length in range(k, n - max(k, cfg.min_baseline) + 1):
-        before, after = dd[:-length], dd[-length:]
-        mb = head[n - length]
-        base = mb if rr is None else ref_head[n - length] if ref_head is not None \
-            else float(np.median(rr[:-length]))
-        # σ is at least 1 % of the reference and 0.1 % of the step: a quantity that is ~0 on
-        # every peer (a stage made only of waiting) has no noise to measure a rise against
-        least = max(0.01 * base, 1e-3 * ctx.step_ns, 1.0)
-        # both tests only get harder as σ grows: a split that fails them with σ at its floor
-        # is passed over without measuring the baseline's spread (most splits, most units)
-        if np.mean(after > mb + 2 * least) < 0.8:
-            continue
-        rise = tail[length] - mb
-        if rise < floor or rise < cfg.z_change * least:
-            continue
-        sd = max(_spread(before), least)
-        if np.mean(after > mb + 2 * sd) < 0.8 or rise < cfg.z_change * sd:
-            continue
-        t = rise / (sd * np.sqrt(1.0 / length + 1.0 / before.size))
-        if best is None or t > best[0]:
-            # the onset: the first of the newest steps above the baseline's band
-            first = int(np.argmax(after > mb + 2 * sd))
-            best = (t, length - first, rise / sd)
-    if best is None:
+    # every split at once: `lengths` the newest runs, `mb` their baselines' medians
+    lengths = np.arange(k, n - max(k, cfg.min_baseline) + 1)
+    if not lengths.size:
         return None
-    _, run, zx = best
+    mb = head[n - lengths]
+    if rr is None:
+        base = mb
+    elif ref_head is not None:
+        base = np.array(ref_head)[n - lengths]
+    else:
+        base = np.array([float(np.median(rr[:-length])) for length in lengths.tolist()])
+    # σ is at least 1 % of the reference and 0.1 % of the step: a quantity that is ~0 on
+    # every peer (a stage made only of waiting) has no noise to measure a rise against
+    least = np.maximum(np.maximum(0.01 * base, 1e-3 * ctx.step_ns), 1.0)
+    newest = np.arange(n)[None, :] >= (n - lengths)[:, None]  # row: the run's steps
+
+    def above(band: Array) -> Array:
+        """Per split: whether ≥ 80 % of its newest steps lie above `band` (compared in the
+        series' own float type, as with a Python float)."""
+        over = dd[None, :] > band.astype(dd.dtype, copy=False)[:, None]
+        return np.asarray((over & newest).sum(axis=1) / lengths >= 0.8)
+
+    rise = tail[lengths] - mb
+    # both tests only get harder as σ grows: a split that fails them with σ at its floor is
+    # passed over without measuring the baseline's spread (most splits, most units)
+    cand = above(mb + 2 * least) & (rise >= floor) & (rise >= cfg.z_change * least)
+    if not cand.any():
+        return None
+    sd = np.maximum(prefix_spreads(dd)[n - lengths], least)
+    cand &= above(mb + 2 * sd) & (rise >= cfg.z_change * sd)
+    if not cand.any():
+        return None
+    t = np.where(cand, rise / (sd * np.sqrt(1.0 / lengths + 1.0 / (n - lengths))), -np.inf)
+    i = int(np.argmax(t))  # the largest rise in standard errors; the shortest run of equals
+    length = int(lengths[i])
+    # the onset: the first of the newest steps above the baseline's band
+    first = int(np.argmax(dd[-length:] > float(mb[i] + 2 * sd[i])))
+    run, zx = length - first, float(rise[i] / sd[i])
     steps_since = d.size - int(np.flatnonzero(ok)[n - run])  # judged steps, gaps included
     with np.errstate(all="ignore"):
         if rr is None:

@@ -68,6 +68,59 @@ def test_persistence_matches_the_per_column_definition(seed: int) -> None:
     np.testing.assert_allclose(got, want)
 
 
+def _split_of_one_series(cfg: context.SlowConfig, step_ns: float, d: np.ndarray,
+                         floor: float) -> tuple[float, int, float] | None:
+    """The change test's split as its definition reads, one split at a time (own_change's
+    docstring): (rise in standard errors, steps of the newest run from its onset, rise in σ)
+    of the best split of a unit's own series (no reference), or None."""
+    n, best = d.size, None
+    for length in range(cfg.onset_steps, n - max(cfg.onset_steps, cfg.min_baseline) + 1):
+        before, after = d[:-length], d[-length:]
+        mb = float(np.median(before))
+        least = max(0.01 * mb, 1e-3 * step_ns, 1.0)
+        sd = max(context._spread(before), least)
+        rise = float(np.median(after)) - mb
+        if np.mean(after > mb + 2 * sd) < 0.8 or rise < floor or rise < cfg.z_change * sd:
+            continue
+        t = rise / (sd * np.sqrt(1.0 / length + 1.0 / before.size))
+        if best is None or t > best[0]:
+            best = (t, length - int(np.argmax(after > mb + 2 * sd)), rise / sd)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_the_change_tests_splits_match_their_one_by_one_definition(seed: int) -> None:
+    """own_change tries every split at once (every baseline's noise from `prefix_spreads`):
+    its onset and strength are those of the one-split-at-a-time definition."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 60))
+    cfg = context.SlowConfig(onset_steps=int(rng.choice([2, 4])),
+                             min_baseline=int(rng.choice([4, 8])))
+    base, noise = 1e7, float(rng.choice([0.01, 0.05, 0.2])) * 1e7
+    d = base + np.round(rng.standard_normal(n) * 4) / 4 * noise  # ties too
+    d[int(rng.integers(1, n)):] += float(rng.choice([0, 2, 6])) * noise
+    ctx = type("C", (), {"cfg": cfg, "step_ns": 1e8})()
+    got = context.own_change(ctx, d, d, None, 0.0, 0.0)
+    want = _split_of_one_series(cfg, 1e8, d, 0.0)
+    assert (got is None) == (want is None)
+    if got is not None and want is not None:
+        assert got[2] == pytest.approx(want[2], rel=1e-12)
+        assert got[3] == want[1]  # the onset: steps since, none missing
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_every_prefixs_spread_at_once_is_each_prefixs_spread(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 70))
+    x = [rng.standard_normal(n) * 3 + 100, rng.integers(0, 4, n) * 1e6,
+         (rng.pareto(1.5, n) * 1e5).astype(np.float32)][seed % 3]
+    got = context.prefix_spreads(x)
+    assert np.isnan(got[0])
+    assert got[1:].tolist() == [context._spread(x[:i]) for i in range(1, n + 1)]
+
+
 def test_a_slower_kernel_class_names_the_kernel() -> None:
     w, now = window("kernel_slow rank=9 kernel=attn factor=3 at=1s")
     c = slow.analyze(w, now)
