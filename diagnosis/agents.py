@@ -91,6 +91,7 @@ from ingest.topics import Topics
 from ingest.units import SECOND
 from streams.db import ClickHouseError, Database
 from streams.ownership import Ownership
+from streams.timers import every
 from streams.windows import WatermarkParams
 
 log = logging.getLogger(__name__)
@@ -267,7 +268,7 @@ class DiagnosisAgents:
         app.agent(self.t_progress, name="rankwatch.diagnosis.progress")(self._on_progress)
         app.agent(self.t_iterations, name="rankwatch.diagnosis.iterations")(self._on_iterations)
         app.agent(self.t_triggers, name="rankwatch.diagnosis.root_cause")(self._on_triggers)
-        app.timer(tick_s)(self._tick)
+        every(app, tick_s, self._tick, "rankwatch.diagnosis.tick")
         #: stored beats and stage batches waiting for the trigger (`on_stored`); full:
         #: dropped, counted per kind
         self._stored: asyncio.Queue[tuple[str, RecordBatch]] = asyncio.Queue(
@@ -598,8 +599,8 @@ class DiagnosisAgents:
             await self._release_waiting(now)
             self.analyst.jobs |= set(self.watches)
             self.analyst.jobs = {j for j in self.analyst.jobs if self.ownership.owns(j)}
-            if self.lock.locked():
-                return
+            if self.lock.locked() or not self.analyst.busy():
+                return  # (an idle worker's tick does not hop to a thread for nothing)
             async with self.lock:
                 diags = await asyncio.to_thread(self.analyst.tick, now)
             await self._publish(diags)

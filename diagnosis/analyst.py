@@ -522,6 +522,10 @@ class Analyst:
             self.read_to.pop((t.job_id, cls), None)
         return [out] if out is not None else []
 
+    def busy(self) -> bool:
+        """Whether `tick` has anything to do: a job to watch, or a trigger pending."""
+        return bool(self.jobs or self.pending or self.pending_slow)
+
     def tick(self, now_ns: int) -> list[Diagnosis]:
         out: list[Diagnosis] = []
         for job in sorted(self.pending):

@@ -33,6 +33,7 @@ from streams.ownership import Ownership
 from streams.progress import ProgressParams
 from streams.raw_sink import TimeBounds
 from streams.sql_endpoint import start_sql_endpoint, stop_sql_endpoint
+from streams.timers import every
 from streams.windows import WatermarkParams
 from streams.writer import ClickHouseWriter, IngestMetric
 
@@ -190,7 +191,7 @@ def build(settings: Settings, db: Database, derived: DerivedConfig | None = None
     sapp.app.task(serve_pages)
     sapp.app.timer(METRICS_INTERVAL_S)(store_metrics)
     sapp.app.timer(TRIM_INTERVAL_S)(trim_memory)
-    sapp.app.timer(derived.tick_s)(derive)
+    every(sapp.app, derived.tick_s, derive, "rankwatch.derived.tick")
     sapp.app.on_before_shutdown.connect(close_sql)  # type: ignore[arg-type]
     return sapp
 
