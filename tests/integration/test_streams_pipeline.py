@@ -94,9 +94,10 @@ def test_simulated_job_gets_iterations_progress_and_kernel_summaries(
     publish(p, [b for b in batches if b[1] != "kernels"])
     got_n = wait_for(p, "SELECT count() FROM iterations FINAL WHERE job_id = 'sim-a'", len(want))
     assert got_n == len(want)
-    # a row previewed from a rank's collective before any of its stage records was stored (the
-    # stages topic read behind the ops topic at the job's start) is replaced when its window
-    # closes: wait for the windows, then every row is the stage records' step
+    # a window that closed before a rank's stage records were read (the stages topic read
+    # behind the ops topic; a source silent for 2 s is not waited for) stores that rank's
+    # steps from its gradient collectives; the late stage records mark the window late, and
+    # its recomputation replaces them: wait for that, then every row is the stage records' step
     query = ("SELECT rank, step, source, toUnixTimestamp64Nano(t_start), "
              "toUnixTimestamp64Nano(t_end), step_ns, dp_comm_ns > 0, ops > 0 "
              "FROM iterations FINAL WHERE job_id = 'sim-a'")
