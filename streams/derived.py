@@ -1,7 +1,7 @@
 """The derived runner: closes event-time windows of every job and writes progress, iterations and
 kernel summaries, computed from the durable raw tables (docs/architecture.md, "Derived streams").
 
-Flow per tick (a Faust timer, every `tick_s`):
+Flow per tick (every `tick_s`, a task of the app: `streams.timers.every`):
 1. The raw sinks' store (`ObservingStore`) reports the event-time range of every batch (and the
    stretches its records cover: `streams.windows.event_segments`) *after*
    it is stored; `streams.windows.Windows` turns that into per-job watermarks and due windows.
@@ -29,7 +29,7 @@ explicit values and clock readings.
 Restart: the checkpoint says which windows are closed; every raw row is durable before it is
 observed, so the windows after the checkpoint are computed from complete raw data. The checkpoints
 are loaded (`restore_windows`, once) before the first batch is observed — by whichever comes
-first, a raw sink's write or the runner's first tick: Faust starts the agents and the timers
+first, a raw sink's write or the runner's first tick: Faust starts the agents and the tasks
 together. A batch observed on a state not restored yet would open its job's windows at that
 batch, and its late mark would store that state as the job's checkpoint, newer than the previous
 worker's: the windows between the two would never be closed. A window that was written but not
