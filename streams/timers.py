@@ -19,9 +19,9 @@ from typing import Any
 
 def every(app: Any, interval_s: float, fn: Callable[[], Awaitable[None]],
           name: str | None = None) -> None:
-    """Run `fn` every `interval_s` seconds (a grid: a late call does not shift the later ones,
-    a call longer than the interval is followed at once by the next) as a task of Faust app
-    `app`."""
+    """Run `fn` every `interval_s` seconds as a task of Faust app `app`: on a grid, so a wake
+    that comes late does not shift the later ones; a call longer than the interval is followed
+    at once by the next, and the grid starts again from there."""
     if interval_s <= 0:
         raise ValueError(f"interval_s={interval_s} must be > 0")
 
