@@ -76,6 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--evidence", action="store_true",
                    help="--real --rescore: for each slowdown case, when its evidence was "
                         "complete (records stored as made), beside its live latency")
+    p.add_argument("--host-nice", type=int, default=None, metavar="N",
+                   help="--real: nice of the training host's processes (ranks, agent, hogs), "
+                        "the stack standing for machines of its own; 0: one priority "
+                        "(default 10)")
     p.add_argument("--workdir", default="",
                    help="--real: keep the cases' logs, truth and the stack's data here "
                         "(default: a temporary directory, removed)")
@@ -111,6 +115,10 @@ def run_real(args: argparse.Namespace) -> int:
         return 2
     if args.rescore:
         return rescore_real(args, say)
+    nice = harness.HOST_NICE if args.host_nice is None else args.host_nice
+    if not 0 <= nice <= 19:
+        print(f"rankwatch eval: --host-nice {nice}: give 0 to 19", file=sys.stderr)
+        return 2
     # a SIGTERM (timeout, a scheduler) unwinds like Ctrl-C: the training jobs, agents, CPU hogs
     # and the private stack are stopped by the harness's `finally` blocks, not orphaned
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -118,14 +126,16 @@ def run_real(args: argparse.Namespace) -> int:
         workdir = Path(args.workdir) if args.workdir else None
         if workdir is not None:
             workdir.mkdir(parents=True, exist_ok=True)
-        results, summary = harness.run_catalog(cases, say, home=workdir)
+        results, summary = harness.run_catalog(cases, say, home=workdir, host_nice=nice)
     except RuntimeError as e:
         print(f"rankwatch eval: {e}", file=sys.stderr)
         return 1
     doc = harness.report(results, summary)
     doc["wall_s"] = round(time.time() - t0, 1)
+    doc["host_nice"] = nice
     doc["command"] = "rankwatch eval --real" + (" --quick" if args.quick else "") + (
-        f" --cases {args.cases}" if args.cases else "")
+        f" --cases {args.cases}" if args.cases else "") + (
+        f" --host-nice {nice}" if nice != harness.HOST_NICE else "")
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
     if args.json:
         print(json.dumps(doc, default=str))

@@ -279,3 +279,21 @@ def test_an_overhead_case_pauses_the_stacks_worker_and_store_until_resumed(
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("host_nice", [0, 7])
+def test_the_training_host_runs_at_its_own_priority(tmp_path: Path, host_nice: int) -> None:
+    """The ranks, their agent and the hogs start `host_nice` below the harness (the stack's
+    priority); 0 keeps one priority for everything."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.real.harness import Runner
+
+    runner = Runner(tmp_path, lambda m: None, host_nice=host_nice)
+    p = runner.host_process([sys.executable, "-c", "import os; print(os.nice(0))"],
+                            stdout=subprocess.PIPE)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0
+    assert int(out) == min(19, os.nice(0) + host_nice)
