@@ -40,8 +40,8 @@ contended cases and of the hog fault — starts under `nice -n HOST_NICE` (`--ho
 the stack (broker, store, worker) at the harness's own priority. In a deployment the stack runs
 on machines of its own, while here an 8-rank job alone keeps both cores busy: at equal
 priority the worker waits for a core behind the ranks, and the time to a diagnosis measures
-that wait more than the diagnosis (the first trigger of an 8-rank pipeline case reached the
-analyst 1.7 s after the records it was about). The ranks still contend with one another and
+that wait more than the diagnosis (the first trigger of an 8-rank pipeline case was analysed
+1.7 s after the moment it read up to). The ranks still contend with one another and
 with their agent and hogs exactly as before — the noise the rules are judged against is the
 same — and a stack with nothing to do costs the ranks nothing. `--host-nice 0` runs
 everything at one priority.
