@@ -126,7 +126,7 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost() -> No
     assert b.on_trigger(t, now) == []
     b.analysis_ms.clear()
     job = w.topo.job_id
-    b.pending_slow[job] = (t, now, now)  # its last try cost 0.5 s: the next in 2 s (25 %)
+    b.pending_slow[job] = (t, now, now)  # its last try cost 0.5 s: the next in 1 s (50 %)
 
     def run(fn: object, w_: Window, n: int) -> tuple[None, float]:
         clock[0] += 0.5  # the try (its read and analysis) is 0.5 s of the worker's work
@@ -134,7 +134,7 @@ def test_a_performance_trigger_analysed_too_early_is_retried_at_its_cost() -> No
 
     b._run = run  # type: ignore[method-assign, assignment]
     b.tick(now + S)
-    assert b.pending_slow[job][2] == now + S + 2 * S
+    assert b.pending_slow[job][2] == now + S + S
     b.tick(now + 7 * S)
     assert job not in b.pending_slow  # expired
 
@@ -432,7 +432,7 @@ def test_pending_triggers_are_tried_again_at_their_cost_and_a_hang_within_a_seco
     a = Analyst(lambda *_a, **_k: None, AnalystConfig(retry_s=0.25, pending_share=0.05))
     assert a._retry_gap(2.0) == S // 4  # 2 ms / 5 % = 40 ms: the floor
     assert a._retry_gap(100.0) == 2 * S  # 100 ms / 5 %
-    assert Analyst(lambda *_a, **_k: None)._retry_gap(100.0) == int(0.4 * S)  # at 25 %
+    assert Analyst(lambda *_a, **_k: None)._retry_gap(200.0) == int(0.4 * S)  # at 50 %
     assert a._retry_gap(100.0, hang=True) == int(HANG_RETRY_S * S)
     assert a._retry_gap(2.0, hang=True) == S // 4
 
