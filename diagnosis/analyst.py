@@ -46,7 +46,7 @@ finished job would drift to "process died".
   calls rather than 90 s of every kind) runs again at the advancing slow clock
   (`_slow_clock`), each try no sooner than the last one's cost (read and analysis) over
   `pending_share` after it, and at least `retry_s` (a small job every quarter second; a large
-  one's tries may take five times a sweep's `sweep_share` of the clock, as a fault is
+  one's tries may take ten times a sweep's `sweep_share` of the clock, as a fault is
   suspected, for those few seconds): a slowdown is named once its evidence is stored, not at
   the next sweep. Where the caller reports stored stage records (`stored`: the worker's raw
   sink), a try is timed to them: made only once new ones are stored, then as soon as
