@@ -150,7 +150,7 @@ class AnalystConfig:
     #: a pending trigger's tries take at most this share of the wall clock (`_retry_gap`):
     #: more than a sweep's, as a fault is suspected — but only for `slow_pending_s`. Half a
     #: core of the stack's machine while a job is suspect: the next try comes sooner after
-    #: the evidence is stored (docs/performance.md, "Slowdown latency")
+    #: the evidence is stored (docs/performance.md, "Half a core for a suspect job's tries")
     pending_share: float = 0.5
     #: the shortest gap between two tries of a pending performance trigger of a job whose
     #: stored stage records are reported (`stored`): tried as new ones are stored, not on
