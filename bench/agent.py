@@ -1,7 +1,7 @@
 """`rankwatch bench agent`: what the host agent costs the host, idle and busy, and its latency.
 
 The agent (`ingest.agent.agent.Agent.run`, its real loop and defaults: 50 ms poll, 1 s beats,
-0.25 s linger, 0.05 s for stage records and beats) runs in a child process publishing to an
+0.25 s linger, 0.05 s for stage records, calls and beats) runs in a child process publishing to an
 in-memory publisher (no Kafka: the client's own cost is not the agent's); this process owns the
 rings, so their producer is alive.
 Phases, `--seconds` each, the agent's CPU time (user + system, /proc/<pid>/stat) measured over

@@ -75,8 +75,10 @@ class AgentConfig:
     idle_poll_s: float = 0.25  # ... and the loop looks this often (beats stay on time)
     linger_s: float = 0.25
     #: ... and the kinds a diagnosis waits on: a step's stage record (the step trigger needs two
-    #: slow steps, the analysis four, each delayed by the wait) and the beats (a hang's
-    #: silence); a few small batches a second per job
+    #: slow steps, the analysis four, each delayed by the wait), the calls (a hang is analysed
+    #: once the calls the beats announce are stored; a slowdown reads the newest steps' calls
+    #: beside their stage records) and the beats (a hang's silence); a few small batches a
+    #: second per job
     latency_linger_s: float = 0.05
     max_rows: int = 65_536
     beat_s: float = 1.0
@@ -110,7 +112,7 @@ class Counters:
 
 #: kind in the ring -> (contract kind, columns builder)
 #: Kinds published after `AgentConfig.latency_linger_s` rather than `linger_s`.
-LATENCY_KINDS = ("stages", "beats")
+LATENCY_KINDS = ("stages", "ops", "beats")
 
 _SIMPLE: dict[str, tuple[str, Callable[..., decode.Cols]]] = {
     "kernel": ("kernels", decode.kernel_columns),

@@ -411,10 +411,11 @@ def test_stats_file_written_only_when_they_change(tmp_path: Path, prefix: str) -
     assert orjson.loads(path.read_text())["read"] == 1
 
 
-def test_stage_records_and_beats_linger_less_than_the_bulk_kinds(
+def test_stage_records_calls_and_beats_linger_less_than_the_bulk_kinds(
         tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's stage record and a beat wait `latency_linger_s` in the outbox, the bulk kinds
-    `linger_s`: the step trigger and a hang's silence wait on the first two."""
+    """A step's stage record, a call and a beat wait `latency_linger_s` in the outbox, the
+    bulk kinds `linger_s`: the triggers, a slowdown's analysis and a hang's silence wait on
+    the first three."""
     pub = FakePublisher()
     agent = Agent(AgentConfig(tmp_path, prefix=prefix, linger_s=0.25, latency_linger_s=0.05),
                   pub)
@@ -426,14 +427,16 @@ def test_stage_records_and_beats_linger_less_than_the_bulk_kinds(
 
     monkeypatch.setattr("ingest.agent.outbox.time.monotonic", lambda: clock[0])
     monkeypatch.setattr(agent.out, "_flush_one", flush_one)
-    for kind in ("stages", "beats", "ops", "kernels"):
+    for kind in ("stages", "beats", "ops", "kernels", "flows"):
         agent.out.append("j", kind, {"rank": np.array([0])})
     clock[0] += 0.04
     agent.out.flush()
     assert sent == []
     clock[0] += 0.02
     agent.out.flush()
-    assert sorted(sent) == ["beats", "stages"]
+    assert sorted(sent) == ["beats", "ops", "stages"]
     clock[0] += 0.2
     agent.out.flush()
-    assert sorted(sent) == ["beats", "kernels", "ops", "stages"] and agent.out.buffers == {}
+    assert sorted(sent) == ["beats", "flows", "kernels", "ops", "stages"]
+    assert agent.out.buffers == {}
+
