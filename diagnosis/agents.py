@@ -516,6 +516,7 @@ class DiagnosisAgents:
         for the progress feed's windows (heartbeat.beat_progress_trigger), and stage records
         go to the step-time trigger as they are stored, without waiting for the iteration
         previews of the derived runner's next tick (module docstring)."""
+        self.analyst.seen(batch.job_id, kind)
         if kind in ("stages", "ops"):
             try:  # how far the job's stage records and calls are stored (`Analyst.stored`)
                 self.on_stored_ends(batch.job_id, kind, *newest_per_rank(kind, batch.cols))
@@ -534,6 +535,7 @@ class DiagnosisAgents:
     def on_stored_ends(self, job: str, kind: str, ranks: np.ndarray, ends: np.ndarray) -> None:
         """Records of `kind` of an owned job are stored up to `ends[i]` for rank `ranks[i]`,
         by this worker (`on_stored`) or another one (its report: streams/reports.py)."""
+        self.analyst.seen(job, kind)
         if kind not in ("stages", "ops"):
             return
         self.analyst.stored(job, kind, ranks, ends)

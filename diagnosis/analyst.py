@@ -209,6 +209,20 @@ class Analyst:
     #: (job, "stages" | "ops") -> rank -> the newest moment of its records of that kind
     #: reported stored (`stored`): up to where a slowdown analysis may read (`_slow_clock`)
     stored_to: dict[tuple[str, str], dict[int, int]] = field(default_factory=dict)
+    #: job -> the raw kinds reported stored for it (`seen`), and the `SWEEP_KINDS` a sweep's
+    #: read found none of while none had been reported: the sweeps and tries stop reading
+    #: those (`_sweep_window`) until a batch of them is (a job traced without kernel events
+    #: or chunk counters — every CPU job, a GPU job without the NCCL plugin — paid a query a
+    #: kind and try for nothing: ~15 of a try's ~80 ms on an idle 2-core machine)
+    kinds_seen: dict[str, set[str]] = field(default_factory=dict)
+    kinds_absent: dict[str, set[str]] = field(default_factory=dict)
+
+    def seen(self, job_id: str, kind: str) -> None:
+        """A batch of the job's `kind` records is stored, by this worker or another one."""
+        kinds = self.kinds_seen.setdefault(job_id, set())
+        if kind not in kinds:
+            kinds.add(kind)
+            self.kinds_absent.pop(job_id, None)
 
     def stored(self, job_id: str, kind: str, ranks: np.ndarray, ends: np.ndarray) -> None:
         """A batch of the job's `kind` records is stored (the worker's raw sink), `ends[i]`
@@ -272,10 +286,17 @@ class Analyst:
         config = self._sweep_config(stages, since_ns)
         start = at_ns - int(self.config.window_s * SECOND)
         lo = slow.reach_start(stages.tables["stages"], SWEEP_MARGIN_STEPS, config)
-        rest = self.read(job_id, max(start, lo if lo is not None else start), at_ns,
-                         [k for k in SWEEP_KINDS if k != "stages"])
+        absent = self.kinds_absent.get(job_id, set())
+        kinds = [k for k in SWEEP_KINDS if k != "stages" and k not in absent]
+        rest = self.read(job_id, max(start, lo if lo is not None else start), at_ns, kinds)
         if rest is None:
             return None, config
+        seen = self.kinds_seen.get(job_id, set())
+        if "kernels" in seen:  # the job's kernel summaries are made from its kernel events
+            seen = seen | {"kernel_summaries"}
+        none = {k for k in kinds if not rest.get(k) and k not in seen}
+        if none:
+            self.kinds_absent[job_id] = absent | none
         # the window's start stays the 90 s one: the operator SQL of a diagnosis starts there
         return Window(rest.topo, {**rest.tables, "stages": stages.tables["stages"]},
                       stages.start_ns, rest.now_ns), config
@@ -366,7 +387,7 @@ class Analyst:
         # the try's cost is its own work (`spent`), not its wall time: a try that waits for
         # a core the training processes hold, or for the database thread behind an insert,
         # costs the worker nothing, and paced by its wall time the evidence waited for the next
-        t0 = self.spent()
+        t0, w0 = self.spent(), time.perf_counter()
         at = self._slow_clock(job, now_ns)
         tried = self._slow_try(job, at)
         if tried is None:  # no stage records: the trigger's own analysis, over every kind
@@ -377,8 +398,9 @@ class Analyst:
             c, w, ms = tried
         cost = (self.spent() - t0) * 1e3  # the read included: most of a try
         log.debug("slowdown try %s at %d (%.0f ms behind), %s stage batches stored: %s "
-                  "(cost %.0f ms, analysis %.0f ms)", job, at, (now_ns - at) / 1e6, stored,
-                  None if c is None else (c.kind, c.ranks[:8], c.stage), cost, ms)
+                  "(cost %.0f ms, analysis %.0f ms, wall %.0f ms)", job, at, (now_ns - at) / 1e6,
+                  stored, None if c is None else (c.kind, c.ranks[:8], c.stage), cost, ms,
+                  (time.perf_counter() - w0) * 1e3)
         if c is None or w is None:
             floor = None if stored is None else self.config.evidence_retry_s
             self.pending_slow[job] = (t, since, now_ns + self._retry_gap(cost, floor_s=floor))

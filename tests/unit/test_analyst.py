@@ -256,6 +256,46 @@ def test_a_job_without_stage_records_is_swept_from_ops_alone() -> None:
     assert asked == [("beats",), ("stages",), ("ops", "beats")]  # first the look for exits
 
 
+def test_a_sweep_stops_reading_the_kinds_a_job_has_none_of_until_some_are_stored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind a sweep's read found none of, and none reported stored, is not read again (a CPU
+    job has no kernel events or chunk counters); a batch of any new kind reported stored has
+    every kind read again, and a kind reported stored is never left out."""
+    asked: list[tuple[str, ...]] = []
+    step = np.repeat(np.arange(30), 2)
+    stages = {"rank": np.tile(np.arange(2), 30), "step": step, "t_start": step * S // 10,
+              "model_fwd_loss": np.full(60, S // 20)}
+
+    def read(job_id: str, start_ns: int, now_ns: int, kinds: Collection[str] | None = None
+             ) -> Window:
+        ks = tuple(kinds or ())
+        if ks != ("stages",):
+            asked.append(ks)
+        return Window(topo, {"stages": stages} if "stages" in ks else {})
+
+    from ingest.sim.config import JobConfig
+    from ingest.sim.simulation import Simulation
+
+    topo = Simulation(JobConfig(job_id="j", tp=2, pp=1, dp=1), []).topology()
+    monkeypatch.setattr("diagnosis.analyst.slow.analyze", lambda *_a, **_k: None)
+    a = Analyst(read, AnalystConfig())
+    a.seen("j", "ops")  # reported stored: read every time, whatever a read finds
+    every = ("ops", "chunks", "kernels", "kernel_summaries")
+    a._slow_try("j", 4 * S)
+    a._slow_try("j", 4 * S)
+    assert asked == [every, ("ops",)]
+    a.seen("j", "kernels")  # kernel events stored: they, and their summaries, are read again
+    a._slow_try("j", 4 * S)
+    a._slow_try("j", 4 * S)
+    assert asked[2:] == [every, ("ops", "kernels", "kernel_summaries")]
+    a.seen("j", "kernels")  # a kind seen before is no news
+    a._slow_try("j", 4 * S)
+    assert asked[4] == ("ops", "kernels", "kernel_summaries")
+    a.seen("j", "chunks")
+    a._slow_try("j", 4 * S)
+    assert asked[5] == every
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [
     "nic_bw rank=7 factor=0.2 at=40s", "gpu_slow rank=9 factor=1.5 at=40s",
