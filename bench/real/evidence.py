@@ -9,8 +9,14 @@ own time) and runs the slowdown analysis every `EVERY_MS` from the onset: the fi
 names the fault's ranks is when a diagnosis could have been made with a record path and a
 trigger that cost nothing. It goes on to the horizon and says for how long, in how many bursts,
 the analysis named them: a fault named only in short bursts is caught live by luck.
-`rankwatch eval --real --rescore RUN --workdir DIR --evidence` prints it beside each slowdown
-case's live latency.
+
+`stored_ready` splits the rest: it runs the same analysis on the run's own store as it stood
+at each moment — only the rows inserted by then (`ingest_ts`, kept by ClickHouse's
+`additional_table_filters`, so the engine does the cut), read up to that moment — from when the
+evidence was complete. Its first naming moment less `evidence_ready`'s is what the record path
+cost (tracer, agent, broker, worker, insert); the live latency less it is what the triggers and
+the tries cost. `rankwatch eval --real --rescore RUN --workdir DIR --evidence` prints both
+beside each slowdown case's live latency.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from diagnosis import slow
+from diagnosis.agents import WINDOW_COLUMNS, read_topology, read_window
 from diagnosis.conclusion import Conclusion
 from diagnosis.evaluate import TIME_COL, window_of
 from diagnosis.slow.context import stage_total
@@ -70,6 +77,20 @@ class _AsMade:
             end[end > self.at] = 0
             out["t_end"] = end
         return out
+
+
+class _StoredBy:
+    """A store read as it stood at `by_ns`: every query `read_window` makes keeps only the rows
+    inserted by then (a ClickHouse setting on each raw table read, applied by the engine)."""
+
+    def __init__(self, db: Any) -> None:
+        self.db, self.by_ns = db, 0
+
+    def query_coded(self, sql: str, parameters: Any = None) -> Any:
+        cut = f"ingest_ts <= fromUnixTimestamp64Nano({int(self.by_ns)})"
+        filters = ", ".join(f"'{t}': '{cut}'" for t in WINDOW_COLUMNS)
+        return self.db.query_coded(f"{sql} SETTINGS additional_table_filters = {{{filters}}}",
+                                   parameters)
 
 
 def load(cap: Path) -> tuple[Any, dict[str, dict[str, np.ndarray]]]:
@@ -123,3 +144,28 @@ def evidence_ready(cap: Path, onset_ns: int, ranks: Collection[int],
     if first is None:
         return None
     return replace(first, visible_ms=seen * every_ms, bursts=bursts)
+
+
+def stored_ready(db: Any, job_id: str, onset_ns: int, ranks: Collection[int],
+                 step_ends_ms: Sequence[float] = (), from_s: float = 0.0,
+                 horizon_s: float = HORIZON_S, every_ms: int = EVERY_MS) -> Ready | None:
+    """The first moment after `onset_ns + from_s` (every `every_ms`, up to `horizon_s` after
+    the onset) at which the slowdown analysis over `db`'s rows of `job_id` inserted by then
+    (`_StoredBy`), read up to then, names a culprit among `ranks`; None when it never does or
+    the job has no topology in `db` (module docstring). `from_s`: where to start, e.g. when
+    the evidence was complete — a row is stored after it is made."""
+    topo = read_topology(db, job_id)
+    if topo is None:
+        return None
+    view, want = _StoredBy(db), set(ranks)
+    at = onset_ns + int(from_s * SECOND)
+    while at < onset_ns + int(horizon_s * SECOND):
+        at += every_ms * MILLISECOND
+        view.by_ns = at
+        c = slow.analyze(read_window(view, topo, at - 90 * SECOND, at), at)  # type: ignore[arg-type]
+        if c is not None and want & set(c.ranks):
+            ms = (at - onset_ns) / 1e6
+            done = int(np.searchsorted(np.asarray(step_ends_ms, dtype=np.float64), ms,
+                                       side="right"))
+            return Ready(round(ms / 1e3, 2), done, c)
+    return None

@@ -177,13 +177,27 @@ def rescore_real(args: argparse.Namespace, say: Any) -> int:
 
 def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
                   say: Any) -> int:
-    """`rankwatch eval --real --rescore REPORT --workdir DIR --evidence` (bench/real/evidence)."""
+    """`rankwatch eval --real --rescore REPORT --workdir DIR --evidence` (bench/real/evidence):
+    per slowdown case, when its evidence was complete (records stored as made), when the run's
+    own store named it (rows as they were inserted: the record path's cost), and its live
+    latency."""
     from bench.real import harness
-    from bench.real.evidence import evidence_ready
+    from bench.real.evidence import evidence_ready, stored_ready
+    from streams.db import Database
 
     rows: list[dict[str, Any]] = []
     cases = [c for c in doc.get("cases") or []
              if (c.get("truth") or {}).get("kind") == "slowdown" and c.get("traced")]
+    db: Database | None = None
+    store = workdir / "stack" / "clickhouse"
+    if cases and store.is_dir():
+        try:
+            db = Database(f"chdb://{store}", Settings().clickhouse_database, create=False)
+        except Exception as e:  # another process holds it, or it is damaged
+            say(f"the run's store at {store} cannot be opened ({type(e).__name__}: {e}); "
+                "the 'as stored' column is left out")
+    elif cases:
+        say(f"no store at {store}: the 'as stored' column is left out")
     for i, c in enumerate(cases, 1):
         cap = workdir / "cases" / str(c.get("job")) / harness.CAPTURE
         if not cap.exists():
@@ -197,14 +211,27 @@ def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
         except (OSError, ValueError, KeyError) as e:  # a damaged capture or report
             say(f"[{i}/{len(cases)}] {c['case']}: cannot replay {cap}: {e}")
             continue
+        stored = None
+        if db is not None and ready is not None:
+            try:
+                stored = stored_ready(db, str(c.get("job")), int(t["onset_ns"]),
+                                      t.get("ranks") or [], c.get("step_ends_ms") or [],
+                                      from_s=ready.after_s)
+            except Exception as e:  # a store without this job's tables, or damaged
+                say(f"[{i}/{len(cases)}] {c['case']}: cannot read the run's store: "
+                    f"{type(e).__name__}: {e}")
         rows.append({"case": c["case"], "live_s": c.get("latency_s"),
                      "live_steps": c.get("latency_steps"),
                      "evidence_s": ready.after_s if ready else None,
                      "evidence_steps": ready.steps if ready else None,
+                     "stored_s": stored.after_s if stored else None,
+                     "stored_steps": stored.steps if stored else None,
                      "evidence_named": None if ready is None else
                      f"{list(ready.conclusion.ranks)} {ready.conclusion.stage}",
                      "visible_ms": ready.visible_ms if ready else 0,
                      "bursts": ready.bursts if ready else 0})
+    if db is not None:
+        db.close()
     if not rows:
         print("rankwatch eval: no slowdown case with a capture to replay", file=sys.stderr)
         return 1
@@ -212,13 +239,15 @@ def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
         print(json.dumps({"evidence": rows}, default=str))
         return 0
     print(f"  {'case':<22} {'live: s (steps)':>18} {'evidence complete: s (steps)':>30} "
-          f"{'seen: ms (bursts)':>18}  named")
+          f"{'as stored: s (steps)':>22} {'seen: ms (bursts)':>18}  named")
     for r in rows:
         live = "-" if r["live_s"] is None else f"{r['live_s']} ({r['live_steps']})"
         ev = "never" if r["evidence_s"] is None else \
             f"{r['evidence_s']} ({r['evidence_steps']})"
+        st = "-" if r["stored_s"] is None else f"{r['stored_s']} ({r['stored_steps']})"
         seen = f"{r['visible_ms']} ({r['bursts']})"
-        print(f"  {r['case']:<22} {live:>18} {ev:>30} {seen:>18}  {r['evidence_named'] or ''}")
+        print(f"  {r['case']:<22} {live:>18} {ev:>30} {st:>22} {seen:>18}  "
+              f"{r['evidence_named'] or ''}")
     return 0
 
 
