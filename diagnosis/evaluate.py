@@ -442,6 +442,7 @@ def run_batches(batches: Any, epoch: int, config: AnalystConfig | None = None
                 topo[0] = b.topologies[0]
             continue
         store.add(kind, b.cols)
+        analyst.seen(b.job_id, kind)  # as the worker's raw sink tells it (Analyst.seen)
         fresh.setdefault(kind, []).append(b.cols)
     process(current)
     for extra in (1.0, 2.0, 5.0, 9.0):  # let open incidents resolve after the job ends
