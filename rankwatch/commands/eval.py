@@ -211,12 +211,13 @@ def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
         except (OSError, ValueError, KeyError) as e:  # a damaged capture or report
             say(f"[{i}/{len(cases)}] {c['case']}: cannot replay {cap}: {e}")
             continue
-        stored = None
+        stored, read = None, False
         if db is not None and ready is not None:
             try:
                 stored = stored_ready(db, str(c.get("job")), int(t["onset_ns"]),
                                       t.get("ranks") or [], c.get("step_ends_ms") or [],
                                       from_s=ready.after_s)
+                read = True
             except Exception as e:  # a store without this job's tables, or damaged
                 say(f"[{i}/{len(cases)}] {c['case']}: cannot read the run's store: "
                     f"{type(e).__name__}: {e}")
@@ -226,6 +227,8 @@ def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
                      "evidence_steps": ready.steps if ready else None,
                      "stored_s": stored.after_s if stored else None,
                      "stored_steps": stored.steps if stored else None,
+                     # the store was searched (a None above: it never named the culprit)
+                     "stored_read": read,
                      "evidence_named": None if ready is None else
                      f"{list(ready.conclusion.ranks)} {ready.conclusion.stage}",
                      "visible_ms": ready.visible_ms if ready else 0,
@@ -244,7 +247,8 @@ def evidence_real(doc: dict[str, Any], workdir: Path, args: argparse.Namespace,
         live = "-" if r["live_s"] is None else f"{r['live_s']} ({r['live_steps']})"
         ev = "never" if r["evidence_s"] is None else \
             f"{r['evidence_s']} ({r['evidence_steps']})"
-        st = "-" if r["stored_s"] is None else f"{r['stored_s']} ({r['stored_steps']})"
+        st = f"{r['stored_s']} ({r['stored_steps']})" if r["stored_s"] is not None else \
+            "never" if r["stored_read"] else "-"
         seen = f"{r['visible_ms']} ({r['bursts']})"
         print(f"  {r['case']:<22} {live:>18} {ev:>30} {st:>22} {seen:>18}  "
               f"{r['evidence_named'] or ''}")
