@@ -303,6 +303,34 @@ def test_a_short_change_the_scheduler_made_is_held_whatever_the_peers() -> None:
     assert v.flag[3] and int(v.since[3]) == 30  # crowded, but it held twice the onset
 
 
+def test_a_short_change_must_explain_the_jobs_rise_it_is_gated_on() -> None:
+    """A rank slower by e a step makes its job wait about e. A rank whose own time rose for 6
+    steps while the job's step time rose three times as much coincides with something else
+    (a burst lengthening every rank's collectives): the job's rise is no evidence for it, and
+    its change must hold twice onset_steps; the same rank's change counts after onset_steps
+    when the job rose by about its excess, and counts once it has held long enough."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(11)
+    m = _noisy(rng, 40, world)
+    m[-6:, 3] += 30e6  # +30 ms a step for 6 steps
+    wait = 2e6 + 2e5 * rng.standard_normal((40, world))  # not crowded
+    ww = _with_waits(w, 40, wait)
+    job = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    burst = job.copy()
+    burst[-6:] += 100e6  # the job rose 100 ms: 3.3 × the rank's excess
+    assert not context.judge(_ctx(ww, 40, burst), m, 1.05).flag[3]
+    felt = job.copy()
+    felt[-6:] += 30e6  # the job rose by the rank's excess
+    v = context.judge(_ctx(ww, 40, felt), m, 1.05)
+    assert v.flag[3] and v.how[3] == "change" and int(v.since[3]) == 34
+    m_long, burst_long = _noisy(rng, 40, world), job.copy()
+    m_long[-10:, 3] += 30e6
+    burst_long[-10:] += 100e6  # held 10 steps, twice the onset and more
+    v = context.judge(_ctx(ww, 40, burst_long), m_long, 1.05)
+    assert v.flag[3] and int(v.since[3]) == 30
+
+
 def test_a_change_inside_the_noise_of_its_own_series_is_not_evidence() -> None:
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     rng = np.random.default_rng(4)
