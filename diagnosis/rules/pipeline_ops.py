@@ -74,7 +74,8 @@ def pp_plan(pp: int, microbatches: int, stage: int) -> list[tuple[str, Pass, int
 
 def pp_call_microbatch(pp: int, microbatches: int, stage: Array, seq: Array, is_send: Array,
                        forward: Array) -> tuple[Array, Array]:
-    """(microbatch, consistent) of PP calls (`stage`: the calling rank's, in 0..pp−1),
+    """(microbatch, consistent) of PP calls (`stage`: the calling rank's; one outside 0..pp−1
+    is not consistent),
     vectorized: a call's place in its stage's plan is its op_seq modulo the plan's length
     (op_seq counts from 0 at a step boundary, see the module docstring); `consistent` where
     the plan's op (Send or Recv) and pass (F: data flows to the next stage, `forward`) match
@@ -91,8 +92,10 @@ def pp_call_microbatch(pp: int, microbatches: int, stage: Array, seq: Array, is_
         for i, (op, kind, m) in enumerate(plan):
             j = s * width + i
             plan_send[j], plan_fwd[j], plan_mb[j] = op == "Send", kind == "F", m
-    at = stage * width + seq % length[stage]  # stage in 0..pp-1
-    ok = (plan_send[at] == is_send) & (plan_fwd[at] == forward)
+    known = (stage >= 0) & (stage < pp)  # a stage the plan has (else: not consistent)
+    st = np.where(known, stage, 0)
+    at = st * width + seq % length[st]
+    ok = known & (plan_send[at] == is_send) & (plan_fwd[at] == forward)
     return plan_mb[at], np.asarray(ok)
 
 

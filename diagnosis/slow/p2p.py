@@ -73,7 +73,10 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     up = (ctx.stage_of[dst] > ctx.stage_of[src]).astype(np.int64)
     link = 2 * src + up
     topo = ctx.w.topo
-    mb, ok = pp_call_microbatch(topo.pp, topo.microbatches, ctx.stage_of[rank],
+    # the stages the peers are grouped by: the topology's, or those the p2p pattern shows
+    # for a job that declares no pipeline (`peer_stages`)
+    pp = max(topo.pp, int(ctx.stage_of.max()) + 1)
+    mb, ok = pp_call_microbatch(pp, topo.microbatches, ctx.stage_of[rank],
                                 ints(ops, "op_seq")[rows], send, up == 1)
     if ok.sum() < 0.9 * ok.size:  # not a 1F1B plan: pairs unknown
         return []

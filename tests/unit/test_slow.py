@@ -1024,3 +1024,26 @@ def test_beats_are_read_only_for_a_culprit_the_steps_cannot_judge() -> None:
     calls.clear()
     assert slow.analyze(without(quiet, "sched_wait_ns"), qnow, beats=beats) is None
     assert calls == []
+
+
+def test_an_undeclared_pipelines_calls_are_planned_on_the_stages_they_show() -> None:
+    """A job that declares no pipeline (pp 1: no RANKWATCH_PP) but whose ranks send to one
+    another is compared by the stages its p2p pattern shows (`peer_stages`); the link
+    analysis plans each call on those stages too — on the topology's single stage it indexed
+    past the plan and the whole slowdown analysis raised, on every try of such a job until its
+    agent published the inferred shape. A call on a stage the plan lacks is no 1F1B call."""
+    from diagnosis.rules.pipeline_ops import pp_call_microbatch
+
+    cfg = JobConfig(job_id="u", tp=1, pp=2, dp=2, microbatches=2, steps=30,
+                    declared_shape=False, ranks_per_host=1)  # a NIC carries each hop
+    d = collect(Simulation(cfg, ["gpu_slow rank=3 factor=1.8 at=3s"]).batches())
+    topo = d.pop("jobs")["topology"][0]
+    assert topo.pp == 1
+    now = int(max(d["beats"]["ts"].max(), d["ops"]["t_enqueue"].max()))
+    w = Window(topo, d, 0, now)
+    assert int(slow.peer_stages(w).max()) == 1  # two stages, from the p2p pattern
+    c = slow.analyze(w, now)  # raised IndexError
+    assert c is not None and c.ranks == (3,)
+    _, ok = pp_call_microbatch(1, 1, np.array([0, 1, -1]), np.array([0, 0, 0]),
+                               np.array([True, True, True]), np.array([True, True, True]))
+    assert not ok[1:].any()
