@@ -336,8 +336,10 @@ class DiagnosisAgents:
         stopped between the two has its version announced by that worker: `_restore`)."""
         for d in diags:
             log.info("diagnosis %s", d.summary)
+            # ahead of the raw inserts waiting for the database thread: the announcement
+            # waits on it, and a user's tooling on the announcement
             await self.db.acommand("INSERT INTO diagnoses FORMAT JSONEachRow\n"
-                                   + diagnosis_row(d).decode())
+                                   + diagnosis_row(d).decode(), urgent=True)
             await self._announce(d)
             self.published.append(d)
 

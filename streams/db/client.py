@@ -236,6 +236,12 @@ class Database:
         return await loop.run_in_executor(
             self._executor, functools.partial(self._guarded, fn, *args, **kwargs))
 
+    async def _acall_first(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`_acall`, ahead of the calls waiting for the database thread (`urgent`)."""
+        self._check_open()
+        return await asyncio.wrap_future(self._executor.submit_first(
+            True, functools.partial(self._guarded, fn, *args, **kwargs)))
+
     def _guarded(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self._thread = threading.get_ident()
         try:
@@ -374,7 +380,13 @@ class Database:
     #: The name streams.store uses.
     ainsert_columns = ainsert
 
-    async def acommand(self, sql: str, parameters: Mapping[str, Any] | None = None) -> Any:
+    async def acommand(self, sql: str, parameters: Mapping[str, Any] | None = None, *,
+                       urgent: bool = False) -> Any:
+        """`command` from the event loop; `urgent`: ahead of the calls waiting for the
+        database thread (a diagnosis's version, stored before it is announced, waited behind
+        the ingest's inserts)."""
+        if urgent:
+            return await self._acall_first(self._command, sql, parameters)
         return await self._acall(self._command, sql, parameters)
 
     async def aexecute_sql(self, sql: str, fmt: str = "TabSeparated", *,

@@ -264,6 +264,40 @@ def test_urgent_calls_go_ahead_of_the_queued_ones(clickhouse_db: Database) -> No
     assert clickhouse_db.query("SELECT 1").result_rows == [(1,)]  # the thread still serves
 
 
+def test_an_urgent_command_goes_ahead_of_the_queued_inserts(clickhouse_db: Database) -> None:
+    """`acommand(..., urgent=True)` (a diagnosis's version, stored before it is announced)
+    runs before the calls the event loop queued for the database thread ahead of it (the
+    raw sinks' inserts); without it, it waited behind every one of them."""
+    started = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(10)
+
+    holder = threading.Thread(target=clickhouse_db._call, args=(hold,))
+    holder.start()
+    assert started.wait(10)
+    done: list[str] = []
+
+    async def run() -> None:
+        async def one(name: str, urgent: bool) -> None:
+            await clickhouse_db.acommand(f"SELECT '{name}'", urgent=urgent)
+            done.append(name)
+
+        tasks = [asyncio.create_task(one(f"insert-{i}", False)) for i in range(3)]
+        tasks.append(asyncio.create_task(one("diagnosis", True)))
+        queue = clickhouse_db._executor
+        while len(queue._normal) + len(queue._urgent) < 4:
+            await asyncio.sleep(0.005)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    asyncio.run(run())
+    holder.join(10)
+    assert done == ["diagnosis", "insert-0", "insert-1", "insert-2"]
+
+
 def test_query_parameters_and_empty_results(clickhouse_db: Database) -> None:
     asyncio.run(ClickHouseWriter(clickhouse_db).write("ops", [ops_batch("job-p", 14)], "t"))
     got = clickhouse_db.query_columns(
