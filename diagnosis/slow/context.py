@@ -391,23 +391,26 @@ def excursion(x: Array, length: int) -> float:
 def judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None = None, *,
           ref: Array | None = None, floor: float | None = None, sparse: bool = False,
           confirmable: Array | None = None, job_gate: bool = True,
-          changes_only: bool = False) -> Verdict:
+          changes_only: bool = False, min_baseline: int | None = None) -> Verdict:
     """The verdict for every unit (column) of `m` (module docstring). `groups`: the peer set of
     each unit (default: the PP stage of each rank); `confirmable`: bool per unit, the units an
     open incident's ranks own (default: units are ranks, those in `ctx.confirm`);
     `job_gate=False` for links (module docstring, "absorbed"); `changes_only`: only a change
     the job's step time shows (and `confirm`), no persistent or absorbed verdict — for a
     quantity whose difference between peers is the environment's as often as a fault's (a
-    rank's CPU wait on shared cores: `diagnosis.slow.cpu`)."""
+    rank's CPU wait on shared cores: `diagnosis.slow.cpu`); `min_baseline`: the steps a unit's
+    change needs before it, for a quantity whose noise a shorter stretch does not show
+    (default: the config's)."""
     with warnings.catch_warnings():  # all-nan columns (a unit without rows) are expected
         warnings.simplefilter("ignore", RuntimeWarning)
         return _judge(ctx, m, ratio_min, groups, ref, floor, sparse, confirmable, job_gate,
-                      changes_only)
+                      changes_only, min_baseline)
 
 
 def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Array | None,
            floor: float | None, sparse: bool, confirmable: Array | None,
-           job_gate: bool, changes_only: bool = False) -> Verdict:
+           job_gate: bool, changes_only: bool = False,
+           min_baseline: int | None = None) -> Verdict:
     cfg = ctx.cfg
     n, u = m.shape
     groups = ctx.stage_of if groups is None else groups
@@ -494,8 +497,9 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             tail = (_nanmedian(np.where(newest, series, np.nan), axis=0) > base0 + floor) \
                 & (newest.sum(axis=0) >= k)
     for x in np.flatnonzero(~flag & present & tail).tolist():
-        res = (own_change(ctx, m[:, x], m[:, x], None, floor, ratio_min) if few[x] else
-               own_change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min))
+        res = (own_change(ctx, m[:, x], m[:, x], None, floor, ratio_min, min_baseline)
+               if few[x] else
+               own_change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min, min_baseline))
         if res is None:
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
@@ -612,7 +616,8 @@ def spread_by_chance(count: int, total: int, units: int) -> float:
 
 
 def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
-            ratio_min: float) -> tuple[float, float, float, int] | None:
+               ratio_min: float, min_baseline: int | None = None
+               ) -> tuple[float, float, float, int] | None:
     """(excess, ratio, z, steps since the onset) of a unit whose excess series `d` rose beyond
     its own noise over its newest steps; else None (the job's step time is the caller's to
     check). Every split of the series into a baseline of at least `min_baseline` steps (the
@@ -635,7 +640,8 @@ def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
     head, tail = np.array(_running_medians(dd)), np.array(_running_medians(dd[::-1]))
     ref_head = None if rr is None or np.isnan(rr).any() else _running_medians(rr)
     # every split at once: `lengths` the newest runs, `mb` their baselines' medians
-    lengths = np.arange(k, n - max(k, cfg.min_baseline) + 1)
+    least_base = cfg.min_baseline if min_baseline is None else min_baseline
+    lengths = np.arange(k, n - max(k, least_base) + 1)
     if not lengths.size:
         return None
     mb = head[n - lengths]

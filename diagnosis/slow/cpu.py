@@ -58,6 +58,13 @@ job, not the rank's pipeline stage: waiting is the host's doing, not the stage's
 every phase a little (on a real 4-rank job beside a pinned hog: forward +2–3 ms, backward
 +3–5, optimizer +2–3, data +2–4 a step, each inside that phase's noise, while its wait rose
 1.5 → 10 ms a step above its peers' on nearly every step): no phase names it, the wait does.
+Its change needs twice the baseline of other quantities (`BASELINE_FACTOR` ×
+`min_baseline`: 16 steps): the scheduler's crowding is sticky for seconds, so a short stretch
+of steps sees one placement of the ranks on the cores and its spread says little of the wait's
+noise. A fault-free 4-rank pipeline job's rank 2 waited 1–6 ms a step less than the other
+ranks over steps 1–8 (a spread of 1.5 ms) and 2–7 ms more over steps 9–13, as the scheduler
+moved the ranks' threads in the job's second second: a change of 6.9σ over an 8-step baseline,
+named `host cpu` at 0.88 1.7 s into the job.
 Only a change counts (`changes_only`): no persistent-outlier verdict and no "absorbed" one —
 on shared cores the scheduler crowds one rank more than the others for seconds (a contended
 control's rank waited 4–6 ms a step over its peers' for 20 steps), a difference of the
@@ -96,6 +103,9 @@ from diagnosis.conclusion import Suspicion
 from diagnosis.slow.context import Ctx, judge, step_waits
 
 RULE = "rankwatch.cpu_starved"
+#: a change of a rank's CPU wait needs this many times the baseline steps of other quantities
+#: (`suspects`; module docstring)
+BASELINE_FACTOR = 2
 MIN_SHARE = 0.2
 EXPLAIN = 0.5
 MARGIN = 0.05
@@ -291,7 +301,7 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     # to peers spinning in the collective), and that must not turn its cause into its CPU
     mine = np.isin(np.arange(world), list(ctx.confirm)) & (ctx.confirm_stage == "host cpu")
     v = judge(ctx, wait, ctx.cfg.min_ratio, np.zeros(world, np.int64), changes_only=True,
-              confirmable=mine)
+              confirmable=mine, min_baseline=BASELINE_FACTOR * ctx.cfg.min_baseline)
     out = []
     for x in np.flatnonzero(v.flag).tolist():
         out.append(Suspicion(
