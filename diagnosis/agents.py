@@ -77,6 +77,7 @@ from faust.types import StreamT
 from diagnosis.analyst import Analyst, AnalystConfig, newest_per_rank
 from diagnosis.columns import Columns, coded_column, ints
 from diagnosis.model import Diagnosis, TriggerRecord
+from diagnosis.stage_rows import StageRows
 from diagnosis.triggers.base import Trigger
 from diagnosis.triggers.watch import JobWatch, steps_from_stages
 from diagnosis.window import (
@@ -131,6 +132,15 @@ WAITING_JOBS = 64
 WAITING_BYTES = 256 << 20
 #: how often the timer looks for the waiting jobs' topologies
 RELEASE_EVERY_NS = SECOND
+#: How long a job's topology read by the analyst (`_read`) serves its next reads, s: a
+#: slowdown try reads the job twice or three times within milliseconds and comes again a
+#: tenth of a second later, each read looked the topology up in the `jobs` table (~4 ms of
+#: a ~40 ms try on an idle machine); a topology published again (a communicator created
+#: after the first step) is read at most this long after it is stored.
+TOPOLOGY_TTL_S = 1.0
+#: the end of the query that anchors a job's stage copy (`DiagnosisAgents._stages`): every
+#: row stored, whatever its time (DateTime64(9)'s last moment)
+STORED_END_NS = 2**63 - 1
 #: how far back a takeover looks for incidents still open
 OPEN_WITHIN_NS = 86_400 * SECOND
 #: The newest version of every incident of the last day whose newest version is not resolved.
@@ -248,6 +258,10 @@ class DiagnosisAgents:
         self.watches: dict[str, JobWatch] = {}
         self.watermark: dict[str, int] = {}  # per job: newest progress window_end (event time)
         self.topos: dict[str, JobTopology] = {}
+        #: per job: when `_read` last looked its topology up (time.monotonic())
+        self.topo_read: dict[str, float] = {}
+        #: the owned jobs' stage records as stored, for the analyst's reads (`_read`)
+        self.stage_rows = StageRows()
         busy = getattr(db, "busy_s", None)
         self.analyst = Analyst(self._read, config or AnalystConfig(),
                                event_clock=self._event_time,
@@ -301,15 +315,46 @@ class DiagnosisAgents:
         """The job's window, on its newest topology: a job publishes its topology again when
         its communicators change (a group created after the first step), and an analysis on
         the first one would not know the newer groups' members (one indexed lookup per read).
-        Its queries go ahead of the inserts waiting for the database thread (`Database.urgent`):
-        a diagnosis waits on them."""
+        The topology looked up serves the reads of the next `TOPOLOGY_TTL_S`; the stage records
+        come from the copy the stored batches keep (`_stages`). Its queries go ahead of the
+        inserts waiting for the database thread (`Database.urgent`): a diagnosis waits on
+        them."""
         urgent = getattr(self.db, "urgent", None)
         with contextlib.nullcontext() if urgent is None else urgent():
-            topo = read_topology(self.db, job_id) or self.topos.get(job_id)
-            if topo is None:
-                return None
-            self.topos[job_id] = topo
-            return read_window(self.db, topo, start_ns, now_ns, kinds)
+            topo, now = self.topos.get(job_id), time.monotonic()
+            if topo is None or now - self.topo_read.get(job_id, -TOPOLOGY_TTL_S) \
+                    >= TOPOLOGY_TTL_S:
+                topo = read_topology(self.db, job_id) or topo
+                if topo is None:
+                    return None
+                self.topos[job_id], self.topo_read[job_id] = topo, now
+            if kinds is not None and "stages" not in kinds:
+                return read_window(self.db, topo, start_ns, now_ns, kinds)
+            stages = self._stages(topo, start_ns, now_ns)
+            rest = [k for k in (WINDOW_COLUMNS if kinds is None else kinds) if k != "stages"]
+            w = read_window(self.db, topo, start_ns, now_ns, rest)
+            return w if not stages else Window(topo, {**w.tables, "stages": stages},
+                                               start_ns, now_ns)
+
+    def _stages(self, topo: JobTopology, start_ns: int, now_ns: int) -> Columns:
+        """The job's stage records in [start_ns, now_ns], from the stored batches' copy
+        (diagnosis/stage_rows.py); the first read of a job, or one the copy cannot serve,
+        queries every stage record stored from `start_ns` on and anchors the copy there."""
+        job = topo.job_id
+        got = self.stage_rows.read(job, start_ns, now_ns)
+        if got is not None:
+            return got
+        self.stage_rows.begin(job, start_ns)
+        w = read_window(self.db, topo, start_ns, STORED_END_NS, ("stages",))
+        st = w.get("stages")
+        self.stage_rows.anchor(job, start_ns, st)
+        got = self.stage_rows.read(job, start_ns, now_ns)
+        if got is not None:
+            return got
+        if not st:  # dropped while the query ran: its rows, cut to the read
+            return {}
+        keep = ints(st, "t_start") <= now_ns
+        return {k: np.asarray(v)[keep] for k, v in st.items()} if keep.any() else {}
 
     async def _watch(self, job_id: str) -> JobWatch | None:
         w = self.watches.get(job_id)
@@ -401,11 +446,14 @@ class DiagnosisAgents:
         gone = set(jobs)
         a = self.analyst
         # a pending trigger too: retried here, it would open the new owner's incident twice
-        for per_job in (self.watches, self.topos, self.watermark, a.last_check, a.last_sweep,
+        for per_job in (self.watches, self.topos, self.topo_read, self.watermark, a.last_check,
+                        a.last_sweep,
                         a.swept_at, a.resolved_hangs, a.exits_judged, a.exit_checks, a.pending,
                         a.pending_slow, a.stages_stored, a.slow_tried_at):
             for job in [j for j in per_job if j in gone]:
                 del per_job[job]
+        for job in gone:
+            self.stage_rows.drop(job)
         for job in [j for j in self._waiting if j in gone]:
             self._waiting_bytes -= sum(_nbytes(b) for _, b in self._waiting.pop(job))
         a.jobs -= gone
@@ -519,9 +567,11 @@ class DiagnosisAgents:
         go to the step-time trigger as they are stored, without waiting for the iteration
         previews of the derived runner's next tick (module docstring)."""
         self.analyst.seen(batch.job_id, kind)
+        if kind == "stages":
+            self.stage_rows.add(batch.job_id, batch.cols)
         if kind in ("stages", "ops"):
             try:  # how far the job's stage records and calls are stored (`Analyst.stored`)
-                self.on_stored_ends(batch.job_id, kind, *newest_per_rank(kind, batch.cols))
+                self._stored_ends(batch.job_id, kind, *newest_per_rank(kind, batch.cols))
             except (KeyError, ValueError, TypeError):  # stored, but not this bookkeeping's
                 log.warning("stored %s batch of %s: no rank/time columns", kind, batch.job_id)
         if kind not in ("beats", "stages"):
@@ -535,8 +585,17 @@ class DiagnosisAgents:
                 self.stages_dropped += 1
 
     def on_stored_ends(self, job: str, kind: str, ranks: np.ndarray, ends: np.ndarray) -> None:
+        """Records of `kind` of an owned job are stored up to `ends[i]` for rank `ranks[i]` by
+        another worker (its report: streams/reports.py). Stage records stored elsewhere (the
+        job's previous owner, in a rebalance) are not in the copy of this worker's stored
+        batches: the next read queries them."""
+        if kind == "stages":
+            self.stage_rows.drop(job)
+        self._stored_ends(job, kind, ranks, ends)
+
+    def _stored_ends(self, job: str, kind: str, ranks: np.ndarray, ends: np.ndarray) -> None:
         """Records of `kind` of an owned job are stored up to `ends[i]` for rank `ranks[i]`,
-        by this worker (`on_stored`) or another one (its report: streams/reports.py)."""
+        by this worker (`on_stored`) or another one (`on_stored_ends`)."""
         self.analyst.seen(job, kind)
         if kind not in ("stages", "ops"):
             return

@@ -8,6 +8,7 @@ arriving dictionary-encoded and their factorization (`columns.codes`) already kn
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -165,8 +166,10 @@ def test_window_beats_carry_the_ranks_position(clickhouse_db: Database) -> None:
 def test_the_agents_read_a_jobs_newest_topology(clickhouse_db: Database) -> None:
     """A job publishes its topology again when a communicator is created after the first
     step: the root-cause read uses the newest, not the one seen first (a desync on a group
-    created later had no members to wait for)."""
-    from diagnosis.agents import DiagnosisAgents
+    created later had no members to wait for) — from `TOPOLOGY_TTL_S` after the last look-up
+    on, the reads before then (a slowdown try's two or three) sharing one look-up."""
+    from diagnosis.agents import TOPOLOGY_TTL_S, DiagnosisAgents
+    from diagnosis.stage_rows import StageRows
     from ingest.records import Communicator, JobTopology
 
     first = JobTopology(job_id="late-group", ts=1_000, world_size=2, dp=2, hosts=["h", "h"],
@@ -177,9 +180,82 @@ def test_the_agents_read_a_jobs_newest_topology(clickhouse_db: Database) -> None
     writer = ClickHouseWriter(clickhouse_db)
     asyncio.run(writer.write_topologies([first], "topo:late:1"))
     agents = DiagnosisAgents.__new__(DiagnosisAgents)  # only its read path: no app, no topics
-    agents.db, agents.topos = clickhouse_db, {}
+    agents.db, agents.topos, agents.topo_read = clickhouse_db, {}, {}
+    agents.stage_rows = StageRows()
     w = agents._read("late-group", 0, 10_000)
     assert w is not None and [c.comm_id for c in w.topo.communicators] == ["world"]
     asyncio.run(writer.write_topologies([later], "topo:late:2"))
+    w = agents._read("late-group", 0, 10_000)  # looked up just now: not again
+    assert w is not None and [c.comm_id for c in w.topo.communicators] == ["world"]
+    agents.topo_read["late-group"] -= TOPOLOGY_TTL_S  # the look-up is as old as its TTL
     w = agents._read("late-group", 0, 10_000)
     assert w is not None and [c.comm_id for c in w.topo.communicators] == ["world", "pg1"]
+
+
+def test_the_agents_stage_reads_from_the_stored_batches_equal_the_tables(
+        clickhouse_db: Database) -> None:
+    """The analyst's stage reads come from the copy the stored batches keep
+    (diagnosis/stage_rows.py) after one query: whatever the window, they return the rows the
+    stages query returns; stage records another worker reports stored (a rebalance) are
+    queried again."""
+    from diagnosis.agents import DiagnosisAgents
+    from diagnosis.analyst import Analyst
+    from diagnosis.stage_rows import StageRows
+
+    cfg = JobConfig(job_id="win-stage-copy", tp=1, pp=2, dp=2, microbatches=2, steps=12)
+    sim = Simulation(cfg, [])
+    stage_batches = [decode_batch(d) for _, k, d in sim.batches() if k == "stages"]
+    assert len(stage_batches) >= 4
+    writer = ClickHouseWriter(clickhouse_db)
+    asyncio.run(writer.write_topologies([sim.topology()], "topo:copy"))
+    topo = read_topology(clickhouse_db, "win-stage-copy")
+    assert topo is not None
+    agents = DiagnosisAgents.__new__(DiagnosisAgents)  # its read path and stored listener
+    agents.db, agents.topos, agents.topo_read = clickhouse_db, {}, {}
+    agents.stage_rows = StageRows()
+    agents.analyst = Analyst(agents._read)
+    agents._stored = asyncio.Queue(maxsize=1 << 10)  # for the step trigger: not read here
+
+    def store(i: int, b: Any, listen: bool = True) -> None:
+        asyncio.run(writer.write("stages", [b], dedup_token("rw.stages", 0, i, i)))
+        if listen:
+            agents.on_stored("stages", b)
+
+    def key(t: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
+        names = sorted(t)
+        return sorted(zip(*(np.asarray(t[k]).tolist() for k in names), strict=True))
+
+    first = min(int(np.min(b.cols["t_start"])) for b in stage_batches)
+
+    def check() -> None:
+        # the analyst's reads start 90 s before the moment they read to: from the job's
+        # first step on here (its steps span less than the copy keeps before a read's start)
+        t = np.concatenate([np.asarray(b.cols["t_start"]) for b in stage_batches[:stored]])
+        mid = int(np.median(t))
+        for lo, hi in ((first, 2**62), (mid, 2**62), (first, int(t.max())), (mid, mid + 1)):
+            got = agents._read("win-stage-copy", lo, hi, ("stages",))
+            want = read_window(clickhouse_db, topo, lo, hi, ("stages",))
+            assert got is not None
+            assert key(got.get("stages")) == key(want.get("stages")), (lo, hi)
+            every = agents._read("win-stage-copy", lo, hi)
+            assert every is not None and key(every.get("stages")) == key(want.get("stages"))
+
+    stored = 0
+    for i in range(2):
+        store(i, stage_batches[i])
+        stored += 1
+    check()  # anchors the copy
+    queries = agents.stage_rows.anchors
+    for i in range(2, len(stage_batches) - 1):
+        store(i, stage_batches[i])
+        stored += 1
+        check()
+    assert agents.stage_rows.anchors == queries  # served from memory since
+    # a batch another worker stored, and reported: queried again
+    store(len(stage_batches) - 1, stage_batches[-1], listen=False)
+    stored += 1
+    b = stage_batches[-1]
+    agents.on_stored_ends("win-stage-copy", "stages", np.asarray(b.cols["rank"]),
+                          np.asarray(b.cols["t_start"]))
+    check()
+    assert agents.stage_rows.anchors == queries + 1
