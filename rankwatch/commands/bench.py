@@ -26,6 +26,7 @@ BENCHES = {
     "scale": "bench.scale",
     "storm": "bench.storm",
     "decode": "bench.decode",
+    "tries": "bench.tries",
 }
 
 
