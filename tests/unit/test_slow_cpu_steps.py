@@ -22,15 +22,15 @@ TOP = Suspicion((1,), "bwd pp=0", "gpu_compute", 10e6, ("rankwatch.excess.model_
 
 
 def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: float = 0.01,
-        counter: bool = True, seed: int = 0, steps: int = STEPS, onset: int = ONSET) -> Ctx:
-    """4 DDP ranks, `steps` (50) steps of 50 ms; rank r's thread waits share[r] = (before step
+        counter: bool = True, seed: int = 0, n_steps: int = STEPS, onset: int = ONSET) -> Ctx:
+    """4 DDP ranks, `n_steps` (50) steps of 50 ms; rank r's thread waits share[r] = (before step
     `onset` (30), from it) of each step (default 3 %), with Gaussian per-step scatter `noise`;
     rank 1's step is `extra_ms` longer from step `onset` (its backward)."""
     rng = np.random.default_rng(seed)
     rows = []
     for r in range(4):
         b, a = share.get(r, (0.03, 0.03))
-        for s in range(steps):
+        for s in range(n_steps):
             back = 30 * MS + (int(extra_ms * MS) if r == 1 and s >= onset else 0)
             total = 20 * MS + back
             sh = max((a if s >= onset else b) + rng.normal(0, noise), 0.0)
@@ -43,7 +43,7 @@ def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: fl
     topo = JobTopology(job_id="j", ts=0, world_size=4, dp=4, hosts=["h"] * 4,
                        communicators=[Communicator(comm_id="world", kind="dp",
                                                    members=[0, 1, 2, 3])])
-    w = Window(topo, {"stages": stages}, 0, steps * 60 * MS)
+    w = Window(topo, {"stages": stages}, 0, n_steps * 60 * MS)
     cfg = SlowConfig()
     steps, step_ns, job = judged_steps(w, cfg)
     return Ctx(w, cfg, steps, step_ns, peer_stages(w), 0, job)
@@ -114,8 +114,8 @@ def test_a_wait_change_needs_twice_the_baseline_of_other_quantities() -> None:
     pipeline job's rank waited less than the others over steps 1-8 and more over 9-13, and
     was named at 6.9σ). The same rise after 9 steps is no verdict, after 16 it is one."""
     assert cpu.BASELINE_FACTOR * SlowConfig().min_baseline == 16
-    assert not cpu.suspects(ctx({1: (0.03, 0.3)}, steps=9 + 12, onset=9))
-    got = cpu.suspects(ctx({1: (0.03, 0.3)}, steps=16 + 12, onset=16))
+    assert not cpu.suspects(ctx({1: (0.03, 0.3)}, n_steps=9 + 12, onset=9))
+    got = cpu.suspects(ctx({1: (0.03, 0.3)}, n_steps=16 + 12, onset=16))
     assert [(s.ranks, s.stage, s.onset_step) for s in got] == [((1,), "host cpu", 16)]
 
 
