@@ -58,13 +58,17 @@ job, not the rank's pipeline stage: waiting is the host's doing, not the stage's
 every phase a little (on a real 4-rank job beside a pinned hog: forward +2–3 ms, backward
 +3–5, optimizer +2–3, data +2–4 a step, each inside that phase's noise, while its wait rose
 1.5 → 10 ms a step above its peers' on nearly every step): no phase names it, the wait does.
-Its change needs twice the baseline of other quantities (`BASELINE_FACTOR` ×
-`min_baseline`: 16 steps): the scheduler's crowding is sticky for seconds, so a short stretch
-of steps sees one placement of the ranks on the cores and its spread says little of the wait's
-noise. A fault-free 4-rank pipeline job's rank 2 waited 1–6 ms a step less than the other
-ranks over steps 1–8 (a spread of 1.5 ms) and 2–7 ms more over steps 9–13, as the scheduler
-moved the ranks' threads in the job's second second: a change of 6.9σ over an 8-step baseline,
-named `host cpu` at 0.88 1.7 s into the job.
+While the judged steps reach back to the job's first steps (`from_job_start`), its change
+needs twice the baseline of other quantities (`BASELINE_FACTOR` × `min_baseline`: 16 steps):
+as a job starts, the scheduler places its ranks' threads on the cores and moves them within
+the first seconds, and each placement is sticky, so the first steps show one placement and
+their spread says little of the wait's noise. A fault-free 4-rank pipeline job's rank 2
+waited 1–6 ms a step less than the other ranks over steps 1–8 (a spread of 1.5 ms) and 2–7 ms
+more over steps 9–13, as the scheduler moved the ranks' threads in the job's second second: a
+change of 6.9σ over an 8-step baseline, named `host cpu` at 0.88 1.7 s into the job. Once the
+job's start lies before the judged steps, the usual 8 suffice: asking 16 everywhere cost the
+CPU hog of the real catalog its verdict — its onset had 13 judged steps before it (27 more of
+the job before those), and as the judged steps slid on with the job no split left 16.
 Only a change counts (`changes_only`): no persistent-outlier verdict and no "absorbed" one —
 on shared cores the scheduler crowds one rank more than the others for seconds (a contended
 control's rank waited 4–6 ms a step over its peers' for 20 steps), a difference of the
@@ -100,12 +104,15 @@ import numpy as np
 
 from diagnosis.columns import Columns, ints
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow.context import Ctx, judge, step_waits
+from diagnosis.slow.context import Ctx, full_steps, judge, step_waits
 
 RULE = "rankwatch.cpu_starved"
 #: a change of a rank's CPU wait needs this many times the baseline steps of other quantities
 #: (`suspects`; module docstring)
 BASELINE_FACTOR = 2
+#: a window whose first stage record starts more than this many median steps after its start
+#: holds the job's start (`from_job_start`)
+START_STEPS = 2
 MIN_SHARE = 0.2
 EXPLAIN = 0.5
 MARGIN = 0.05
@@ -281,6 +288,23 @@ def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
     return bool(hit.size) and bool(np.isnan(after[int(hit[0])]))
 
 
+def from_job_start(ctx: Ctx) -> bool:
+    """Whether the judged steps reach back to the job's first stored step (module docstring):
+    the first judged step is the window's first full step, and the window's first stage record
+    starts more than `START_STEPS` of the job's median steps after the window's own start — the
+    job began inside the window. A job older than the window has records from the window's
+    start on (its first, cut step among them). True too after a gap in a job's records inside
+    the window: the stricter baseline, where it cannot be told."""
+    st = ctx.w.get("stages")
+    if not st or not ctx.steps.size:
+        return False
+    step = ints(st, "step")
+    first_full = full_steps(step)
+    if not first_full.size or int(first_full[0]) != int(ctx.steps[0]):
+        return False
+    return int(ints(st, "t_start").min()) - ctx.w.start_ns > START_STEPS * ctx.step_ns
+
+
 def suspects(ctx: Ctx) -> list[Suspicion]:
     """Ranks whose steps' CPU wait changed while the job slowed (module docstring): "host
     cpu", host_software, the extra wait per step as the excess they explain."""
@@ -300,8 +324,9 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     # named for something else often waits more since (a rank whose sends leave late wakes
     # to peers spinning in the collective), and that must not turn its cause into its CPU
     mine = np.isin(np.arange(world), list(ctx.confirm)) & (ctx.confirm_stage == "host cpu")
+    factor = BASELINE_FACTOR if from_job_start(ctx) else 1
     v = judge(ctx, wait, ctx.cfg.min_ratio, np.zeros(world, np.int64), changes_only=True,
-              confirmable=mine, min_baseline=BASELINE_FACTOR * ctx.cfg.min_baseline)
+              confirmable=mine, min_baseline=factor * ctx.cfg.min_baseline)
     out = []
     for x in np.flatnonzero(v.flag).tolist():
         out.append(Suspicion(

@@ -22,10 +22,13 @@ TOP = Suspicion((1,), "bwd pp=0", "gpu_compute", 10e6, ("rankwatch.excess.model_
 
 
 def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: float = 0.01,
-        counter: bool = True, seed: int = 0, n_steps: int = STEPS, onset: int = ONSET) -> Ctx:
-    """4 DDP ranks, `n_steps` (50) steps of 50 ms; rank r's thread waits share[r] = (before step
-    `onset` (30), from it) of each step (default 3 %), with Gaussian per-step scatter `noise`;
-    rank 1's step is `extra_ms` longer from step `onset` (its backward)."""
+        counter: bool = True, seed: int = 0, n_steps: int = STEPS, onset: int = ONSET,
+        window_from_ns: int = 0) -> Ctx:
+    """4 DDP ranks, `n_steps` (50) steps of 50 ms, 60 ms apart from 0; rank r's thread waits
+    share[r] = (before step `onset` (30), from it) of each step (default 3 %), with Gaussian
+    per-step scatter `noise`; rank 1's step is `extra_ms` longer from step `onset` (its
+    backward). The window starts at `window_from_ns`: 0, a job older than the window (its
+    first record at the window's start); seconds before 0, a job that began inside it."""
     rng = np.random.default_rng(seed)
     rows = []
     for r in range(4):
@@ -43,7 +46,7 @@ def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: fl
     topo = JobTopology(job_id="j", ts=0, world_size=4, dp=4, hosts=["h"] * 4,
                        communicators=[Communicator(comm_id="world", kind="dp",
                                                    members=[0, 1, 2, 3])])
-    w = Window(topo, {"stages": stages}, 0, n_steps * 60 * MS)
+    w = Window(topo, {"stages": stages}, window_from_ns, n_steps * 60 * MS)
     cfg = SlowConfig()
     steps, step_ns, job = judged_steps(w, cfg)
     return Ctx(w, cfg, steps, step_ns, peer_stages(w), 0, job)
@@ -108,15 +111,35 @@ def test_a_rank_whose_wait_rose_while_the_job_slowed_is_a_suspect() -> None:
     assert 12e6 < got[0].score < 20e6  # ~0.27 of a 60 ms step more than its peers
 
 
-def test_a_wait_change_needs_twice_the_baseline_of_other_quantities() -> None:
-    """The scheduler's crowding is sticky for seconds: a rank's wait over a job's first few
-    steps shows one placement of the ranks on the cores, not the wait's noise (a fault-free
-    pipeline job's rank waited less than the others over steps 1-8 and more over 9-13, and
-    was named at 6.9σ). The same rise after 9 steps is no verdict, after 16 it is one."""
+def test_a_wait_change_near_the_jobs_start_needs_twice_the_baseline() -> None:
+    """As a job starts the scheduler places its ranks' threads and moves them within seconds:
+    its first steps show one placement, not the wait's noise (a fault-free pipeline job's rank
+    waited less than the others over steps 1-8 and more over 9-13, and was named at 6.9σ).
+    While the judged steps reach back to the job's first one, the same rise after 9 steps is
+    no verdict, after 16 it is one."""
     assert cpu.BASELINE_FACTOR * SlowConfig().min_baseline == 16
-    assert not cpu.suspects(ctx({1: (0.03, 0.3)}, n_steps=9 + 12, onset=9))
-    got = cpu.suspects(ctx({1: (0.03, 0.3)}, n_steps=16 + 12, onset=16))
+    started = -5_000 * MS  # the window opened 5 s before the job's first step
+    young = ctx({1: (0.03, 0.3)}, n_steps=9 + 12, onset=9, window_from_ns=started)
+    assert cpu.from_job_start(young)
+    assert not cpu.suspects(young)
+    got = cpu.suspects(ctx({1: (0.03, 0.3)}, n_steps=16 + 12, onset=16, window_from_ns=started))
     assert [(s.ranks, s.stage, s.onset_step) for s in got] == [((1,), "host cpu", 16)]
+
+
+def test_a_wait_change_of_a_job_older_than_its_judged_steps_needs_the_usual_baseline() -> None:
+    """Once the job's start lies before the judged steps, 8 steps of baseline suffice: the CPU
+    hog of the real catalog had 13 judged steps before its onset and was never named while 16
+    were asked. A window that opens at the job's first record (or mid-step, 30 ms before it)
+    holds a job older than itself; so does one whose first judged step is not its first full
+    step."""
+    for start in (0, -30 * MS):
+        old = ctx({1: (0.03, 0.3)}, n_steps=9 + 12, onset=9, window_from_ns=start)
+        assert not cpu.from_job_start(old)
+        got = cpu.suspects(old)
+        assert [(s.ranks, s.stage, s.onset_step) for s in got] == [((1,), "host cpu", 9)]
+    # 80 steps, the newest 50 judged: the job's start is 30 steps before them
+    c = ctx({1: (0.03, 0.3)}, n_steps=80, onset=60, window_from_ns=-5_000 * MS)
+    assert c.steps[0] == 30 and not cpu.from_job_start(c)
 
 
 def test_a_wait_the_job_does_not_feel_or_that_never_changed_is_no_suspect() -> None:
