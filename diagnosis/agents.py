@@ -110,7 +110,7 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
                            "sched_wait_ns")),
     "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
     "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq", "step", "stage", "stage_ts",
-                     "sched_run_ns", "sched_wait_ns", "exited")),
+                     "sched_run_ns", "sched_wait_ns", "exited", "exit_status")),
     "kernel_summaries": ("window_start", ("rank", "stream", "kernel", "cluster", "count",
                                           "p50_ns", "p99_ns", "window_start")),
 }

@@ -39,6 +39,8 @@ by their own counters, the halt point ranks that did not complete a node their p
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 
 from diagnosis.columns import Columns, codes, col, distinct, ints
@@ -49,6 +51,7 @@ from diagnosis.rules.halt_point import halt_point, hung_step
 from diagnosis.rules.mycroft_flow import FlowConfig, slow_flows
 from diagnosis.rules.mycroft_hang import HangConfig, analyze_hang
 from diagnosis.window import Window
+from ingest.records import exit_code, exit_signal
 from ingest.units import MILLISECOND, SECOND
 
 
@@ -281,6 +284,9 @@ def process_exit(w: Window, now_ns: int) -> Conclusion | None:
     seen = w.last_seen(end_ns)
     gone_at = int(bts[last])
     where = f"in {stage} of step {step}" if stage else f"in step {step}" if step >= 0 else ""
+    status = int(_statuses(beats, w.grid.world, now_ns)[x]) if 0 <= x < w.grid.world else -1
+    if how_ended(status):
+        where = f"{where} ({how_ended(status)})" if where else f"({how_ended(status)})"
     waited = top.evidence.get("waited_in")
     what = (f"{waited['op']} #{waited['op_seq']} of {waited['comm_id']}"
             if isinstance(waited, dict) else "their calls")
@@ -290,7 +296,8 @@ def process_exit(w: Window, now_ns: int) -> Conclusion | None:
                 onset_ns=int(min(seen[x], t_wait)) if seen[x] > 0 else t_wait,
                 evidence={"exited": sorted(exited)[:32], "waiters": waiters[:32],
                           "waited_in": waited, "last_position": {"step": step, "stage": stage},
-                          "seen_gone_ns": gone_at, "wait_began_ns": t_wait})
+                          "seen_gone_ns": gone_at, "wait_began_ns": t_wait,
+                          "exit_status": status})
     return Conclusion(
         "hang", ranks, "process", "host_software", 0.85, onset_ns=f.onset_ns,
         stages=("process",), labels=("process_exit",), findings=(f, *min_op[:2]),
@@ -308,6 +315,11 @@ ALONE_MIN_NS = 20 * MILLISECOND
 #: ... and this many times the spread of the others' ends (torchrun stops them one by one:
 #: over 9-31 ms in five live runs of a 4-rank job, the killed rank 28-102 ms before them)
 ALONE_K = 2.0
+#: the signals a launcher or an operator stops a job's ranks with (torchrun: SIGTERM, SIGKILL
+#: only after its grace, so never first; Ctrl-C; a lost session)
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+#: a rank whose process the kernel says went down on its own account (`went_down`)
+DOWN_CONFIDENCE = 0.85
 #: the confidence of a culprit named by the order of the ends alone (no waits-for edge)
 ALONE_CONFIDENCE = 0.75
 
@@ -330,6 +342,15 @@ def ended_alone(w: Window, now_ns: int) -> Conclusion | None:
     from outside: the order of its ends is its teardown's, and the hang `analyze`'s to name.
     Confidence `ALONE_CONFIDENCE`: the order of the ends says who ended first, not that it
     was a fault.
+
+    Where the agent read how each process ended (`Beat.exit_status`, the kernel's account
+    while the process was a zombie), a first end that went down on its own account — killed by
+    a signal no launcher stops ranks with first (SIGKILL, SIGSEGV, SIGABRT…) or exited with an
+    error — while no other rank ended that way is a fault's: it needs only the `ALONE_MIN_NS`
+    gap, not `ALONE_K` × the others' spread, and says `DOWN_CONFIDENCE` (label `went_down`).
+    The spread of three other ends is a poor yardstick: a launcher stopping them one by one
+    over 33 ms left a killed rank's 49 ms lead unnamed in a live run. A job killed from outside
+    as a whole (every rank SIGKILL) or whose ranks all failed alike is not singled out by it.
     """
     beats = w.get("beats")
     world = w.grid.world
@@ -358,19 +379,28 @@ def ended_alone(w: Window, now_ns: int) -> Conclusion | None:
     step = int(step_of[x])
     if not stage or step < 0 or (np.delete(step_of, x) < step).any():
         return None  # between stages (a normal end), or a peer behind it (it did not lead)
+    status = _statuses(beats, world, now_ns)
+    how = how_ended(int(status[x]))
+    down = went_down(int(status[x])) and not (np.delete(status, x) == status[x]).any()
+    labels = ("process_exit", "ended_alone", *(("went_down",) if down else ()))
     f = Finding(rule="rankwatch.process_exit", culprit_ranks=(x,), stage="process",
                 component="host_software", score=1.0, kind="hang",
-                labels=("process_exit", "ended_alone"), onset_ns=end,
+                labels=labels, onset_ns=end,
                 evidence={"ended_ns": end, "others_ended_after_ns": gap,
                           "others_spread_ns": spread,
-                          "last_position": {"step": step, "stage": stage}})
+                          "last_position": {"step": step, "stage": stage},
+                          "exit_status": int(status[x]),
+                          "others_exit_status": sorted({int(v) for v in np.delete(status, x)})})
+    others = sorted({how_ended(int(v)) or "unknown" for v in np.delete(status, x)})
+    said = f" ({how}; the others: {', '.join(others)})" if how else ""
     return Conclusion(
-        "hang", (x,), "process", "host_software", ALONE_CONFIDENCE, onset_ns=f.onset_ns,
-        stages=("process",), labels=("process_exit", "ended_alone"), findings=(f,),
-        summaries=((f.rule, f"rank {x}: its process ended in {stage} of step {step}, alone, "
-                            f"{gap / 1e6:.0f} ms before every other rank's (which ended within "
-                            f"{spread / 1e6:.0f} ms of each other, stopped together); no call "
-                            "was in flight: the process ending first took the job down"),))
+        "hang", (x,), "process", "host_software",
+        DOWN_CONFIDENCE if down else ALONE_CONFIDENCE, onset_ns=f.onset_ns,
+        stages=("process",), labels=labels, findings=(f,),
+        summaries=((f.rule, f"rank {x}: its process ended in {stage} of step {step}{said}, "
+                            f"alone, {gap / 1e6:.0f} ms before every other rank's (which ended "
+                            f"within {spread / 1e6:.0f} ms of each other, stopped together); no "
+                            "call was in flight: the process ending first took the job down"),))
 
 
 def _first_alone(beats: Columns | None, world: int, now_ns: int
@@ -388,9 +418,50 @@ def _first_alone(beats: Columns | None, world: int, now_ns: int
     order = np.argsort(ends, kind="stable")
     x, rest = int(order[0]), ends[order[1:]]
     gap, spread = int(rest.min() - ends[x]), int(rest.max() - rest.min())
-    if gap < max(ALONE_MIN_NS, ALONE_K * spread):
+    # the kernel's account, where the agent read it: the first to end went down on its own
+    # (killed by a signal no launcher stops ranks with first, crashed, exited with an error)
+    # and no other rank ended that way — the others were stopped. Its gap need only be one
+    # the agent's passes cannot make; the order of the ends alone must stand out of their
+    # spread (three other ends give that spread little to go on)
+    status = _statuses(beats, world, now_ns)
+    own = went_down(int(status[x])) and not (np.delete(status, x) == status[x]).any()
+    if gap < (ALONE_MIN_NS if own else max(ALONE_MIN_NS, ALONE_K * spread)):
         return None
     return x, int(ends[x]), gap, spread
+
+
+def went_down(status: int) -> bool:
+    """Whether a process of exit status `status` (`Beat.exit_status`) ended on its own account:
+    a signal other than the `STOP_SIGNALS` (SIGKILL from the OOM killer or an operator, SIGSEGV,
+    SIGABRT, SIGBUS…) or a non-zero exit code. Unknown (-1), a stop signal or exit 0: no."""
+    sig, code = exit_signal(status), exit_code(status)
+    return (sig > 0 and sig not in STOP_SIGNALS) or code > 0
+
+
+def how_ended(status: int) -> str:
+    """`status` in words: "killed by SIGKILL", "exited with code 1", "" when unknown."""
+    sig, code = exit_signal(status), exit_code(status)
+    if sig > 0:
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exited with code {code}" if code >= 0 else ""
+
+
+def _statuses(beats: Columns, world: int, now_ns: int) -> np.ndarray:
+    """int64 [world]: each rank's exit status on its earliest exit row by `now_ns` (-1 unknown:
+    no such row, no `exit_status` column, not read by the agent)."""
+    out = np.full(world, -1, dtype=np.int64)
+    if "exit_status" not in beats:
+        return out
+    rank, ts = ints(beats, "rank"), ints(beats, "ts")
+    ex = np.flatnonzero((ints(beats, "exited", 0) == 1) & (ts <= now_ns) & (rank >= 0)
+                        & (rank < world))
+    ex = ex[np.lexsort((ts[ex], rank[ex]))]
+    ranks, first = np.unique(rank[ex], return_index=True)  # per rank, its earliest row
+    out[ranks] = ints(beats, "exit_status", -1)[ex[first]]
+    return out
 
 
 def _ends(beats: Columns | None, world: int, now_ns: int) -> np.ndarray:

@@ -164,7 +164,10 @@ class Beat(Record):
     live producer (killed, crashed or finished). That row is the rank's last beat: `ts` is when
     the agent saw the process ended (to a few ms where it watches the process's pidfd, else the
     beat's time), the position the last one the process published. A job whose ranks end is
-    analysed as of that moment (diagnosis.hang_rca.process_exit).
+    analysed as of that moment (diagnosis.hang_rca.process_exit). `exit_status`, on that row:
+    how the process ended, in waitpid's form (signal in the low 7 bits, exit code in the next
+    8), as the kernel kept it until the launcher reaped the process; -1 unknown (reaped first,
+    no pidfd, not an exit row).
     """
 
     rank: Rank
@@ -181,6 +184,19 @@ class Beat(Record):
     sched_run_ns: Annotated[int, Field(ge=-1)] = -1
     sched_wait_ns: Annotated[int, Field(ge=-1)] = -1
     exited: Annotated[int, Field(ge=0, lt=2)] = 0
+    exit_status: Annotated[int, Field(ge=-1, lt=1 << 16)] = -1
+
+
+def exit_signal(status: int) -> int:
+    """The signal that ended a process of exit status `status` (`Beat.exit_status`, waitpid's
+    form): 0 when it exited, -1 when unknown."""
+    return -1 if status < 0 else status & 0x7F
+
+
+def exit_code(status: int) -> int:
+    """The code a process of exit status `status` exited with; -1 when unknown or a signal
+    ended it."""
+    return -1 if status < 0 or status & 0x7F else (status >> 8) & 0xFF
 
 
 class Communicator(BaseModel):

@@ -265,7 +265,8 @@ class Agent:
     # -- beats and topology --------------------------------------------------------------------
 
     def beat(self, now_ns: int) -> None:
-        by_job: dict[str, list[tuple[int, str, int, int, int, str, int, int, int, int, int]]] = {}
+        by_job: dict[str, list[tuple[int, str, int, int, int, str, int, int, int, int, int,
+                                     int]]] = {}
         for r in list(self.rings.values()):
             st = r.reader.stat()
             py_rank = r.source == "py" and r.rank >= 0  # the NCCL plugin beats itself
@@ -279,7 +280,7 @@ class Agent:
                     step, stage, stage_ts = decode.position(*st.position)
                     by_job.setdefault(r.job, []).append(
                         (r.rank, "", -1, st.drops, step, stage, stage_ts, -1, -1, 1,
-                         ended or now_ns))
+                         ended or now_ns, self.exits.status_of(st.producer_pid)))
                 self._retire(r)
                 continue
             if not py_rank:
@@ -292,15 +293,16 @@ class Agent:
             seqs = r.join.last_seq
             if not seqs:
                 rows.append((r.rank, "", -1, st.drops, step, stage, stage_ts, run, wait, 0,
-                             now_ns))
+                             now_ns, -1))
                 continue
             hashes = np.array(list(seqs), dtype=np.int64)
             for comm, seq in zip(r.names.lookup(hashes).tolist(), seqs.values(), strict=True):
                 rows.append((r.rank, comm, seq, st.drops, step, stage, stage_ts, run, wait, 0,
-                             now_ns))
+                             now_ns, -1))
         for job, rows in by_job.items():
             if rows:
-                rk, c, sq, d, step_, stage_, sts, run_, wait_, ex, ts = zip(*rows, strict=True)
+                rk, c, sq, d, step_, stage_, sts, run_, wait_, ex, ts, how = zip(*rows,
+                                                                                strict=True)
                 self._append(job, "beats", {
                     "rank": np.array(rk, np.int64), "ts": np.array(ts, np.int64),
                     "comm_id": np.array(c, object), "last_op_seq": np.array(sq, np.int64),
@@ -308,7 +310,7 @@ class Agent:
                     "stage": np.array(stage_, object), "stage_ts": np.array(sts, np.int64),
                     "sched_run_ns": np.array(run_, np.int64),
                     "sched_wait_ns": np.array(wait_, np.int64),
-                    "exited": np.array(ex, np.int64)})
+                    "exited": np.array(ex, np.int64), "exit_status": np.array(how, np.int64)})
         self._topologies(now_ns)
 
     def _topologies(self, now_ns: int) -> None:

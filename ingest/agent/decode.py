@@ -225,6 +225,7 @@ def beat_columns(recs: Any, rank: int, names: Names) -> Cols:
     out["sched_run_ns"] = np.full(n, -1, np.int64)
     out["sched_wait_ns"] = np.full(n, -1, np.int64)
     out["exited"] = np.zeros(n, np.int64)
+    out["exit_status"] = np.full(n, -1, np.int64)
     return out
 
 

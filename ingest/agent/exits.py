@@ -9,6 +9,13 @@ ended, a few milliseconds after it did. That order is the evidence `hang_rca.pro
 names a rank by when no call was in flight (a rank killed while its peers were still
 computing, which the launcher then stopped: the one that ended alone, first).
 
+How it ended comes from the kernel too: woken by the pidfd, the loop reads the process's exit
+status from `/proc/<pid>/stat` (field 52, in waitpid's form) while it is a zombie — until its
+launcher reaps it, which under a fast launcher is milliseconds, so a status is known when the
+loop got there first and -1 otherwise. A rank killed by a signal its launcher does not stop
+ranks with (SIGKILL from the OOM killer or an operator, SIGSEGV, SIGABRT) or that exited with an
+error, while the others were stopped, is the one that went down (`hang_rca.ended_alone`).
+
 A pidfd is opened only for a producer its ring reports alive (pid and start time checked by
 the ring: a reused pid is not watched). Without pidfds (an older kernel, another pid
 namespace) nothing is watched and the exit row keeps the beat's time.
@@ -35,6 +42,7 @@ class ExitWatch:
         self._fds: dict[int, int] = {}  # pidfd -> pid
         self._pids: set[int] = set()
         self._ended: dict[int, int] = {}  # pid -> wall clock ns it was seen ended
+        self._status: dict[int, int] = {}  # pid -> its exit status (waitpid form), if read
         self.available = hasattr(os, "pidfd_open")
 
     def watch(self, pid: int) -> None:
@@ -65,6 +73,7 @@ class ExitWatch:
         old = now - int(KEEP_S * 1e9)
         for gone in [p for p, t in self._ended.items() if t < old]:
             del self._ended[gone]
+            self._status.pop(gone, None)
         for fd, _ in ready:
             pid = self._fds.pop(fd, None)
             self._poll.unregister(fd)
@@ -73,6 +82,7 @@ class ExitWatch:
             if pid is not None:
                 self._pids.discard(pid)
                 self._ended[pid] = now
+                self._status[pid] = exit_status(pid)
         return len(ready)
 
     def ended_at(self, pid: int, made_ns: int = 0) -> int | None:
@@ -82,6 +92,11 @@ class ExitWatch:
         end = self._ended.get(pid)
         return end if end is not None and end >= made_ns else None
 
+    def status_of(self, pid: int) -> int:
+        """The exit status of `pid`'s process seen ended (waitpid's form: `exit_signal`,
+        `exit_code`), -1 when unknown (reaped before it was read, not watched)."""
+        return self._status.get(pid, -1) if pid in self._ended else -1
+
     def close(self) -> None:
         for fd in list(self._fds):
             self._poll.unregister(fd)
@@ -89,3 +104,25 @@ class ExitWatch:
                 os.close(fd)
         self._fds.clear()
         self._pids.clear()
+
+
+def exit_status(pid: int, proc: str = "/proc") -> int:
+    """The exit status of the ended process `pid` from `<proc>/<pid>/stat`'s field 52 (Linux ≥
+    3.5; waitpid's form), while it is a zombie; -1 when it cannot be read — reaped already, a
+    process still running (its field is 0 then: not an exit), another pid namespace, a
+    malformed line."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            line = f.read(4096)
+    except OSError:
+        return -1
+    close = line.rfind(b")")  # the command name may hold spaces and parentheses
+    fields = line[close + 2:].split() if close >= 0 else []
+    if len(fields) < 50 or fields[0] != b"Z":  # fields[0] is field 3 (state), [49] field 52
+        return -1
+    try:
+        status = int(fields[49])
+    except ValueError:
+        return -1
+    return status if 0 <= status < 1 << 16 else -1
+

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
-from ingest.agent.exits import ExitWatch
+from ingest.agent.exits import ExitWatch, exit_status
+from ingest.records import exit_code, exit_signal
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd here")
 
@@ -55,3 +57,46 @@ def test_without_processes_check_sleeps_and_a_gone_pid_is_not_watched() -> None:
     os.waitpid(pid, 0)
     x.watch(pid)  # reaped already: nothing to open
     assert x.check(0.0) == 0 and x.ended_at(pid) is None
+
+
+def test_how_a_process_ended_is_read_while_it_is_a_zombie() -> None:
+    """Killed by SIGKILL, or exiting with code 3: the watcher reads the kernel's exit status
+    at the end it sees, before the parent (this test) reaps the process; a process reaped
+    first, a running one, a malformed stat line and a pid never watched give -1."""
+    import signal
+
+    x = ExitWatch()
+    killed, _ = _child()
+    x.watch(killed)
+    os.kill(killed, signal.SIGKILL)
+    assert x.check(10.0) == 1
+    os.waitpid(killed, 0)
+    st = x.status_of(killed)
+    assert exit_signal(st) == signal.SIGKILL and exit_code(st) == -1
+    r, w = os.pipe()
+    code = os.fork()
+    if code == 0:
+        os.close(w)
+        os.read(r, 1)
+        os._exit(3)
+    os.close(r)
+    x.watch(code)
+    os.write(w, b"x")
+    assert x.check(10.0) == 1
+    os.waitpid(code, 0)
+    assert exit_signal(x.status_of(code)) == 0 and exit_code(x.status_of(code)) == 3
+    assert x.status_of(12345678) == -1
+    assert exit_status(os.getpid()) == -1  # running: not an exit
+    assert exit_status(killed) == -1  # reaped: gone
+    x.close()
+
+
+def test_a_stat_line_is_parsed_after_the_last_parenthesis(tmp_path: Path) -> None:
+    """The command name may hold spaces and parentheses; field 52 is the status."""
+    rest = ["Z"] + ["0"] * 48 + [str(9)]
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "stat").write_text("7 (a (b) c) " + " ".join(rest) + " 0\n")
+    assert exit_status(7, str(tmp_path)) == 9
+    (tmp_path / "7" / "stat").write_text("7 (x) Z 1 2\n")
+    assert exit_status(7, str(tmp_path)) == -1
+    assert exit_status(8, str(tmp_path)) == -1

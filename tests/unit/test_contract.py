@@ -345,8 +345,10 @@ def test_beat_stage_names_are_the_tracers_stages() -> None:
     assert Beat(rank=0, ts=1).model_dump() | {} == {
         "rank": 0, "ts": 1, "comm_id": "", "last_op_seq": -1, "dropped": 0, "step": -1,
         "stage": "", "stage_ts": 0, "sched_run_ns": -1,
-        "sched_wait_ns": -1, "exited": 0}  # an old producer's beat stays valid
+        "sched_wait_ns": -1, "exited": 0, "exit_status": -1}  # an old producer's beat stays valid
     with pytest.raises(ValueError):
         Beat.model_validate({"rank": 0, "ts": 1, "exited": 2})
+    with pytest.raises(ValueError):
+        Beat.model_validate({"rank": 0, "ts": 1, "exited": 1, "exit_status": 1 << 16})
     with pytest.raises(ValueError):
         Beat.model_validate({"rank": 0, "ts": 1, "stage": "backward"})

@@ -5,6 +5,7 @@ the end came after, not a job without the agents' exit beats."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -106,10 +107,12 @@ def test_a_hang_that_the_end_came_after_is_left_to_the_hang_analysis() -> None:
 
 
 def killed_before_the_collective(ends_ms: dict[int, float], stage_of: dict[int, str] | None = None,
-                                 step_of: dict[int, int] | None = None) -> Window:
+                                 step_of: dict[int, int] | None = None,
+                                 status: dict[int, int] | None = None) -> Window:
     """Rank 2 killed in the forward of step 40, its peers stopped in their backward before the
     all-reduce it never reached: no call in flight; each rank's exit row at `ends_ms` after
-    step 40's start (when its process was seen ended)."""
+    step 40's start (when its process was seen ended), with its exit status `status` (waitpid's
+    form; no `exit_status` column without it, as from an agent before it)."""
     o = all_reduces({r: 39 for r in range(4)}, set())
     stage_of = {2: "model.fwd_loss"} | (stage_of or {})
     step_of = step_of or {}
@@ -117,7 +120,54 @@ def killed_before_the_collective(ends_ms: dict[int, float], stage_of: dict[int, 
     b = beats([(r, 39 * STEP, 39, "optim.step", 0) for r in range(4)]
               + [(r, t0 + int(ends_ms[r] * MS), step_of.get(r, 40),
                   stage_of.get(r, "model.backward"), 1) for r in range(4)])
+    if status is not None:
+        b["exit_status"] = np.array([-1] * 4 + [status.get(r, -1) for r in range(4)])
     return Window(ddp4(), {"ops": o, "beats": b}, 0, t0 + 2 * S)
+
+
+KILL, TERM, SEGV = int(signal.SIGKILL), int(signal.SIGTERM), int(signal.SIGSEGV)
+
+
+def test_a_first_end_the_kernel_says_went_down_needs_no_gap_beyond_the_agents() -> None:
+    """A live fast-stop run: rank 2 ended 49 ms before the others, which ended over 33 ms —
+    short of twice their spread, so the order alone names no one. Where the agent read how
+    each process ended, rank 2 killed by SIGKILL (or crashed, or exited with an error) while
+    the others were stopped by SIGTERM, or are unknown, is named with the kernel's account.
+    Every rank ended alike (a job killed as a whole, or all failing), a stop signal, or a gap
+    the agent's passes could make (10 ms): the order must stand out as before."""
+    ends = {0: 55.0, 1: 82.0, 2: 6.0, 3: 70.0}
+    w = killed_before_the_collective(ends)
+    assert hang_rca.process_exit(w, w.now_ns) is None
+    for mine, others in ((KILL, TERM), (KILL, -1), (SEGV, TERM), (1 << 8, TERM)):
+        w = killed_before_the_collective(ends, status={0: others, 1: others, 2: mine, 3: others})
+        c = hang_rca.process_exit(w, w.now_ns)
+        assert c is not None and c.ranks == (2,) and c.confidence == hang_rca.DOWN_CONFIDENCE
+        assert "went_down" in c.labels and c.findings[0].evidence["exit_status"] == mine
+        assert hang_rca.how_ended(mine) in c.summaries[0][1]
+    w = killed_before_the_collective(ends, status={0: TERM, 1: TERM, 2: KILL, 3: TERM})
+    c = hang_rca.process_exit(w, w.now_ns)
+    assert c is not None and "killed by SIGKILL; the others: killed by SIGTERM" in c.summaries[0][1]
+    for st in ({r: KILL for r in range(4)}, {r: 1 << 8 for r in range(4)},
+               {0: TERM, 1: TERM, 2: TERM, 3: TERM}, {0: TERM, 1: KILL, 2: KILL, 3: TERM}):
+        w = killed_before_the_collective(ends, status=st)
+        assert hang_rca.process_exit(w, w.now_ns) is None, st
+    close = killed_before_the_collective({0: 16.0, 1: 20.0, 2: 6.0, 3: 18.0},
+                                         status={0: TERM, 1: TERM, 2: KILL, 3: TERM})
+    assert hang_rca.process_exit(close, close.now_ns) is None  # 10 ms < ALONE_MIN_NS
+    # with the order alone standing out, the status only raises the confidence
+    clear = killed_before_the_collective({0: 31.0, 1: 30.6, 2: 3.0, 3: 31.2},
+                                         status={0: TERM, 1: TERM, 2: KILL, 3: TERM})
+    c = hang_rca.process_exit(clear, clear.now_ns)
+    assert c is not None and c.ranks == (2,) and c.confidence == hang_rca.DOWN_CONFIDENCE
+
+
+def test_exit_statuses_in_words() -> None:
+    assert hang_rca.went_down(KILL) and hang_rca.went_down(SEGV) and hang_rca.went_down(1 << 8)
+    assert not any(hang_rca.went_down(s) for s in (-1, 0, TERM, int(signal.SIGINT)))
+    assert hang_rca.how_ended(KILL) == "killed by SIGKILL"
+    assert hang_rca.how_ended(3 << 8) == "exited with code 3"
+    assert hang_rca.how_ended(0) == "exited with code 0" and hang_rca.how_ended(-1) == ""
+    assert hang_rca.how_ended(100) == "killed by signal 100"
 
 
 def test_a_rank_that_ended_alone_and_first_inside_a_step_is_named() -> None:
