@@ -381,7 +381,7 @@ def ended_alone(w: Window, now_ns: int) -> Conclusion | None:
         return None  # between stages (a normal end), or a peer behind it (it did not lead)
     status = _statuses(beats, world, now_ns)
     how = how_ended(int(status[x]))
-    down = went_down(int(status[x])) and not (np.delete(status, x) == status[x]).any()
+    down = _down_alone(status, x)
     labels = ("process_exit", "ended_alone", *(("went_down",) if down else ()))
     f = Finding(rule="rankwatch.process_exit", culprit_ranks=(x,), stage="process",
                 component="host_software", score=1.0, kind="hang",
@@ -423,8 +423,7 @@ def _first_alone(beats: Columns | None, world: int, now_ns: int
     # and no other rank ended that way — the others were stopped. Its gap need only be one
     # the agent's passes cannot make; the order of the ends alone must stand out of their
     # spread (three other ends give that spread little to go on)
-    status = _statuses(beats, world, now_ns)
-    own = went_down(int(status[x])) and not (np.delete(status, x) == status[x]).any()
+    own = _down_alone(_statuses(beats, world, now_ns), x)
     if gap < (ALONE_MIN_NS if own else max(ALONE_MIN_NS, ALONE_K * spread)):
         return None
     return x, int(ends[x]), gap, spread
@@ -436,6 +435,12 @@ def went_down(status: int) -> bool:
     SIGABRT, SIGBUS…) or a non-zero exit code. Unknown (-1), a stop signal or exit 0: no."""
     sig, code = exit_signal(status), exit_code(status)
     return (sig > 0 and sig not in STOP_SIGNALS) or code > 0
+
+
+def _down_alone(status: np.ndarray, x: int) -> bool:
+    """Whether rank `x`'s process went down on its own account (`went_down`) and no other
+    rank's ended the same way (`status`: per rank, `_statuses`)."""
+    return went_down(int(status[x])) and not (np.delete(status, x) == status[x]).any()
 
 
 def how_ended(status: int) -> str:

@@ -16,14 +16,14 @@ from ingest.records import exit_code, exit_signal
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd here")
 
 
-def _child() -> tuple[int, int]:
-    """A child that exits when its pipe is written; (pid, write end)."""
+def _child(code: int = 0) -> tuple[int, int]:
+    """A child that exits with `code` when its pipe is written; (pid, write end)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(w)
         os.read(r, 1)
-        os._exit(0)
+        os._exit(code)
     os.close(r)
     return pid, w
 
@@ -73,13 +73,7 @@ def test_how_a_process_ended_is_read_while_it_is_a_zombie() -> None:
     os.waitpid(killed, 0)
     st = x.status_of(killed)
     assert exit_signal(st) == signal.SIGKILL and exit_code(st) == -1
-    r, w = os.pipe()
-    code = os.fork()
-    if code == 0:
-        os.close(w)
-        os.read(r, 1)
-        os._exit(3)
-    os.close(r)
+    code, w = _child(3)
     x.watch(code)
     os.write(w, b"x")
     assert x.check(10.0) == 1
