@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from confluent_kafka import Consumer
 
 from diagnosis.model import Diagnosis
@@ -101,10 +102,50 @@ class Kill:
 
 
 @dataclass
+class Scaling:
+    """One workload at one worker count over its repeats, against one worker's."""
+    workload: str
+    workers: int
+    repeats: int
+    #: median records per worker CPU-second, gross and net of idle
+    median: float
+    median_net: float
+    #: those medians over one worker's (1.0: per-record cost flat in the workers)
+    ratio: float
+    ratio_net: float
+
+
+@dataclass
 class Report:
     runs: list[Run] = field(default_factory=list)
     kills: list[Kill] = field(default_factory=list)
+    scaling: list[Scaling] = field(default_factory=list)
     cores: int = field(default_factory=lambda: os.cpu_count() or 0)
+
+
+def scaling(runs: list[Run]) -> list[Scaling]:
+    """Per workload and worker count, the median of its repeats and its ratio to one worker's
+    median (none without a one-worker run of that workload). Medians, because on a few shared
+    cores one run's CPU cost moves by ±15 %: repeat the counts interleaved (`--workers
+    1,3,1,3,1,3`) so that the machine's drift falls on both sides."""
+    out = []
+    loads = dict.fromkeys(r.workload for r in runs)
+    for load in loads:
+        by_n: dict[int, list[Run]] = {}
+        for r in runs:
+            if r.workload == load:
+                by_n.setdefault(r.workers, []).append(r)
+        if 1 not in by_n:
+            continue
+        one = float(np.median([r.records_per_worker_cpu_s for r in by_n[1]]))
+        one_net = float(np.median([r.records_per_net_worker_cpu_s for r in by_n[1]]))
+        for n, rs in sorted(by_n.items()):
+            med = float(np.median([r.records_per_worker_cpu_s for r in rs]))
+            net = float(np.median([r.records_per_net_worker_cpu_s for r in rs]))
+            out.append(Scaling(load, n, len(rs), round(med), round(net),
+                               round(med / one, 3) if one else 0.0,
+                               round(net / one_net, 3) if one_net else 0.0))
+    return out
 
 
 def cpu_s(pid: int | None) -> float:
@@ -261,8 +302,9 @@ def kill_owner(settings: Settings, n: int, split: list[set[int]], progress: Any)
 
 
 def one_count(n: int, broker: Broker, base: Path, args: argparse.Namespace,
-              progress: Any) -> tuple[list[Run], Kill | None]:
-    home = base / f"w{n}"
+              progress: Any, turn: int = 0) -> tuple[list[Run], Kill | None]:
+    """One stack of `n` workers, its own home and topics; `turn` tells repeated counts apart."""
+    home = base / f"w{turn}-{n}"
     settings = Settings.load(env={}, home=home, kafka_bootstrap=broker.bootstrap,
                              kafka_port=broker.settings.kafka_port,
                              topic_prefix=f"s{n}{uuid.uuid4().hex[:8]}",
@@ -277,11 +319,11 @@ def one_count(n: int, broker: Broker, base: Path, args: argparse.Namespace,
         stack.start_workers(settings, n, lambda m: None, 180)
         split = wait_split(settings, n)
         progress(f"{n} worker(s): partitions {split}")
-        big = JobConfig(job_id=f"big-{n}", tp=8, pp=4, dp=32, steps=args.big_steps, seed=3,
+        big = JobConfig(job_id=f"big-{n}-{turn}", tp=8, pp=4, dp=32, steps=args.big_steps, seed=3,
                         uploaders=args.uploaders)
         runs.append(measure(settings, n, "1 job x 1,024 ranks", [big], progress))
-        small = [JobConfig(job_id=f"small-{n}-{i}", tp=2, pp=2, dp=2, steps=args.small_steps,
-                           seed=i) for i in range(args.small_jobs)]
+        small = [JobConfig(job_id=f"small-{n}-{turn}-{i}", tp=2, pp=2, dp=2,
+                           steps=args.small_steps, seed=i) for i in range(args.small_jobs)]
         runs.append(measure(settings, n, f"{args.small_jobs} jobs x 8 ranks", small, progress))
         if n >= 2 and not args.no_kill:
             kill = kill_owner(settings, n, split, progress)
@@ -293,7 +335,9 @@ def one_count(n: int, broker: Broker, base: Path, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rankwatch bench scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", default="1,2,3", help="worker counts, comma-separated")
+    ap.add_argument("--workers", default="1,2,3",
+                    help="worker counts, comma-separated; repeat them interleaved (1,3,1,3) "
+                    "for medians")
     ap.add_argument("--big-steps", type=int, default=3)
     ap.add_argument("--uploaders", type=int, default=16,
                     help="producers the big job's 128 hosts publish as (ingest/keys.py)")
@@ -320,13 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         broker = Broker(bs, ensure_jars(bs, progress))
         broker.start(timeout=120, progress=progress)
         try:
-            for n in counts:
-                runs, kill = one_count(n, broker, base, args, progress)
+            for turn, n in enumerate(counts):
+                runs, kill = one_count(n, broker, base, args, progress, turn)
                 report.runs += runs
                 if kill is not None:
                     report.kills.append(kill)
         finally:
             broker.stop()
+    report.scaling = scaling(report.runs)
     if args.json:
         print(json.dumps(asdict(report), indent=2))
     else:
@@ -338,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.wall_s:>8}{r.records_per_worker_cpu_s:>18,.0f}"
                   f"{r.records_per_net_worker_cpu_s:>13,.0f}"
                   f"{r.store_cpu_s_per_m_records:>15}  {r.worker_cpu_s}")
+        if report.scaling:
+            print(f"\n{'workers':>7}  {'workload':<22}{'repeats':>8}{'median':>10}"
+                  f"{'/ 1 worker':>12}{'net median':>12}{'/ 1 worker':>12}")
+            for g in report.scaling:
+                print(f"{g.workers:>7}  {g.workload:<22}{g.repeats:>8}{g.median:>10,.0f}"
+                      f"{g.ratio:>12}{g.median_net:>12,.0f}{g.ratio_net:>12}")
         for k in report.kills:
             print(f"{k.workers} workers, owner killed mid-incident: next diagnosis after "
                   f"{k.kill_to_diagnosis_s} s (session timeout {k.session_timeout_s:.0f} s); "

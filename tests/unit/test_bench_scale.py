@@ -1,0 +1,25 @@
+"""`rankwatch bench scale`'s summary: medians of interleaved repeats against one worker's."""
+
+from bench.scale import Run, scaling
+
+
+def run(n: int, load: str, gross: float, net: float) -> Run:
+    return Run(n, load, 1000, 1000, 1.0, [1.0] * n, 0.5, gross, 0.5, 0.01, net)
+
+
+def test_medians_of_repeats_over_one_workers_median() -> None:
+    runs = [run(1, "big", 100, 110), run(3, "big", 80, 100), run(1, "big", 120, 130),
+            run(3, "big", 95, 120), run(1, "big", 90, 90), run(3, "big", 200, 200)]
+    got = {(g.workload, g.workers): g for g in scaling(runs)}
+    one, three = got["big", 1], got["big", 3]
+    assert (one.repeats, one.median, one.ratio) == (3, 100, 1.0)
+    # the 200 outlier moves the median no more than one place
+    assert (three.repeats, three.median, three.median_net) == (3, 95, 120)
+    assert three.ratio == 0.95
+    assert three.ratio_net == round(120 / 110, 3)
+
+
+def test_workloads_apart_and_none_without_one_worker() -> None:
+    runs = [run(1, "big", 100, 100), run(2, "big", 50, 50), run(3, "small", 10, 10)]
+    got = scaling(runs)
+    assert [(g.workload, g.workers, g.ratio) for g in got] == [("big", 1, 1.0), ("big", 2, 0.5)]
