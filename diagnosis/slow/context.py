@@ -28,12 +28,15 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     rank crowded off its core for a few hundred milliseconds doubles a phase too), as must a
     change of a rank beside fewer than `min_peers` peers — unless the rank's own steps' CPU
     wait did not rise with it (`crowding` False: the scheduler did not crowd it, so the hold has
-    nothing to guard against and `onset_steps` suffice) — and, whatever its peers, a change of
-    a rank whose steps' CPU wait rose by at least half its rise (`crowding`: the scheduler's
-    doing, over in a few hundred milliseconds as often as not), or of a rank whose excess is
+    nothing to guard against and `onset_steps` suffice; a step held is a step whose value is
+    known) — and, whatever its peers, a short change of a rank whose excess is
     less than half the job's rise over the same steps (`EXPLAINS`: a rank slower by e makes
     the job wait about e; a job that rose far more rose for something else, and its rise is
-    no evidence for this rank); and
+    no evidence for this rank). A change of a rank whose steps' CPU wait rose by at least
+    half its rise (`crowding`: the scheduler's doing) is CPU starvation and is held to what
+    `diagnosis.slow.cpu` asks of a change of the wait: `CPU_HOLD` onsets, and while the judged
+    steps reach back to the job's start (`from_job_start`) `BASELINE_FACTOR` × `min_baseline`
+    steps before it; and
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
@@ -65,7 +68,7 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   callbacks, a sender's link that was always 5x its like links' (a simulated job) became the
   incident's stage.
 - `changes_only` (a rank's CPU wait, `diagnosis.slow.cpu`): a change the job's step time shows,
-  held 2 × `onset_steps`, and `confirm`; no outlier, few_peers or absorbed verdict.
+  held `CPU_HOLD` × `onset_steps`, and `confirm`; no outlier, few_peers or absorbed verdict.
 The strength of the evidence (`z`) feeds the conclusion's confidence.
 """
 
@@ -310,6 +313,38 @@ def _nanmedian(x: Array, axis: int = 0) -> Array:
 #: (`crowding`; `slow.cpu.EXPLAIN` judges a starved suspect by the same share)
 CROWD_SHARE = 0.5
 
+#: while the judged steps reach back to the job's start (`from_job_start`), a change the
+#: scheduler made (a rank's CPU wait, or a quantity `crowding` puts down to it) needs this many
+#: times `min_baseline` steps before it (diagnosis.slow.cpu, module docstring)
+BASELINE_FACTOR = 2
+#: a window whose first stage record starts more than this many median steps after its start
+#: holds the job's start (`from_job_start`)
+START_STEPS = 2
+
+
+def from_job_start(ctx: Ctx) -> bool:
+    """Whether the judged steps reach back to the job's first stored step (diagnosis.slow.cpu,
+    module docstring: the scheduler places a job's threads in its first seconds): the first
+    judged step is the window's first full step, and the window's first stage record
+    starts more than `START_STEPS` of the job's median steps after the window's own start — the
+    job began inside the window. A job older than the window has records from the window's
+    start on (its first, cut step among them). True too after a gap in a job's records inside
+    the window: the stricter baseline, where it cannot be told."""
+    st = ctx.w.get("stages")
+    if not st or not ctx.steps.size:
+        return False
+    step = ints(st, "step")
+    first_full = full_steps(step)
+    if not first_full.size or int(first_full[0]) != int(ctx.steps[0]):
+        return False
+    return int(ints(st, "t_start").min()) - ctx.w.start_ns > START_STEPS * ctx.step_ns
+
+
+#: a change the scheduler may have made — a rank's CPU wait, or a quantity `crowding` puts down
+#: to it — must hold this many `onset_steps`: on shared cores the scheduler crowds one rank off
+#: its core for up to 8 steps of ~50 ms and then lets go (`_judge`)
+CPU_HOLD = 3
+
 #: a link's own rise is common to the job's links when the median rise of the others over the
 #: same steps reaches this share of it (a machine-wide stall lengthens every transfer)
 COMMON = 0.5
@@ -511,30 +546,43 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # then, a change of its own time as real as a fault's and over in half a second (a
         # real pipeline stage's forward 14 → 29-45 ms for 6 steps in a contended control; a
         # healthy gloo link's transfers 2.3 → 6 ms/step for 4)
-        # so must a change of a quantity judged on changes only (a rank's CPU wait): bursty
-        # where cores are shared, a rank crowded off its core for 4-5 steps, near a contended
-        # control's end, waited 10-75 ms a step more than its peers
+        # and a change of a quantity judged on changes only (a rank's CPU wait) must hold
+        # `CPU_HOLD` onsets: bursty where cores are shared, a rank crowded off its core for
+        # 4-5 steps, near a contended control's end, waited 10-75 ms a step more than its
+        # peers; a contended TP control's rank, beside an unpinned busy process, 13-46 ms a
+        # step more on 7 of 8 steps and then no more, named at 0.95 with 2 onsets
         # — unless the rank's own CPU counters rule the crowding out (`crowding` False: its steps
         # did not wait more for a CPU while its time rose): the hold guards against the
         # scheduler, and a rank the scheduler did not crowd needs no more steps than any
         # other change. A quantity of ranks only; a link's transfer runs in the transport's
         # threads, whose waiting the counter (the training thread's) does not see
-        short = res[3] < 2 * k
+        # A step held is a step seen: the newest judged steps whose value is not known yet (a
+        # rank's own time, until its calls of a later step are stored) do not count
+        seen = int(np.sum(~np.isnan((m if few[x] else d)[n - res[3]:, x])))
+        short = seen < 2 * k
+        scheduled = seen < CPU_HOLD * k  # too short for a change the scheduler may have made
         crowded = None
-        if short and ranked and not changes_only:
+        if ranked and not changes_only:
             with np.errstate(all="ignore"):
                 crowded = crowding(ctx, x, n - res[3], float(
                     np.nanmean(d[n - res[3]:, x]) - _nanmedian(d[:n - res[3], x])))
         cleared = crowded is False
-        if (peers[x] < cfg.min_peers or changes_only) and short and not cleared:
+        if (changes_only and scheduled) or (peers[x] < cfg.min_peers and short and not cleared):
             continue
         # and whatever the peers, a change the rank's own counters show the scheduler made
-        # (its steps waited for a CPU for at least half its rise) holds twice the onset too:
-        # on shared cores the scheduler crowds one rank for a few hundred ms, a change as
-        # real as a fault's and over before the next try (a healthy 4-rank DDP control's
-        # rank 3: forward 13 → 17-28 ms with its wait 4 → 8-54 ms for 4 steps, the job's
-        # step time up with it, named `host cpu` at 0.79 and resolved 5 s later)
-        if crowded:
+        # (its steps waited for a CPU for at least half its rise) is CPU starvation, held to
+        # what `diagnosis.slow.cpu` asks of a change of the wait itself: `CPU_HOLD` onsets (on
+        # shared cores the scheduler crowds one rank for a few hundred ms: a healthy 4-rank
+        # DDP control's rank 3, forward 13 → 17-28 ms with its wait 4 → 8-54 ms for 4 steps,
+        # named `host cpu` at 0.79 and resolved 5 s later) and, while the judged steps reach
+        # back to the job's start, `BASELINE_FACTOR` × `min_baseline` steps before it (a
+        # healthy 2-stage pipeline's rank 2 in the job's second second: own forward 14 →
+        # 19-23 ms for 6 steps after 14 from the job's first, its wait 3 → 11 ms a step
+        # against its peers' unchanged, named 0.95 and resolved 5 s later)
+        if crowded and (scheduled or (
+                int(np.sum(~np.isnan((m if few[x] else d)[:n - res[3], x])))
+                < BASELINE_FACTOR * (min_baseline or cfg.min_baseline)
+                and from_job_start(ctx))):
             continue
         # and a short change must explain the job's rise it is gated on: a rank whose own
         # work is slower by e a step makes the job wait about e (in a pipeline too: the

@@ -50,11 +50,15 @@ records without the counter (an older tracer: -1) leave the judgement to the bea
 
 A suspect of its own (`suspects`): a rank whose steps' CPU wait *changed* — judged like every
 other quantity (`context.judge`: its excess over the job's ranks' reference rose over its
-newest 2 × `onset_steps` or more steps by `z_change` robust σ of that excess before, 80 % of
-those steps above the baseline's band, while the job's median step time rose beyond its own
-excursions) — is named "host cpu" from its counters alone. The peers are every rank of the
-job, not the rank's pipeline stage: waiting is the host's doing, not the stage's work, and a
-2-rank stage is no peer set. A starved rank loses its time in
+newest `context.CPU_HOLD` × `onset_steps` (12) or more steps by `z_change` robust σ of that
+excess before, 80 % of those steps above the baseline's band, while the job's median step time
+rose beyond its own excursions) — is named "host cpu" from its counters alone. Twelve, not
+the 8 other changes of a rank beside few peers hold: a contended TP control's rank, beside a
+busy process that no core was kept for, waited 13-46 ms a step more than its peers on 7 of 8
+steps and then no more (named 0.95 with 8); the real catalog's pinned hog was named 2-3 steps
+later in replays of two runs (18 → 20 and 22 → 25 steps after its onset). The peers are
+every rank of the job, not the rank's pipeline stage: waiting is the host's doing, not the
+stage's work, and a 2-rank stage is no peer set. A starved rank loses its time in
 every phase a little (on a real 4-rank job beside a pinned hog: forward +2–3 ms, backward
 +3–5, optimizer +2–3, data +2–4 a step, each inside that phase's noise, while its wait rose
 1.5 → 10 ms a step above its peers' on nearly every step): no phase names it, the wait does.
@@ -104,15 +108,9 @@ import numpy as np
 
 from diagnosis.columns import Columns, ints
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow.context import Ctx, full_steps, judge, step_waits
+from diagnosis.slow.context import BASELINE_FACTOR, Ctx, from_job_start, judge, step_waits
 
 RULE = "rankwatch.cpu_starved"
-#: a change of a rank's CPU wait needs this many times the baseline steps of other quantities
-#: (`suspects`; module docstring)
-BASELINE_FACTOR = 2
-#: a window whose first stage record starts more than this many median steps after its start
-#: holds the job's start (`from_job_start`)
-START_STEPS = 2
 MIN_SHARE = 0.2
 EXPLAIN = 0.5
 MARGIN = 0.05
@@ -286,23 +284,6 @@ def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
     ranks, _, after = wait_shares(beats, since_ns)
     hit = np.flatnonzero(ranks == top.ranks[0])
     return bool(hit.size) and bool(np.isnan(after[int(hit[0])]))
-
-
-def from_job_start(ctx: Ctx) -> bool:
-    """Whether the judged steps reach back to the job's first stored step (module docstring):
-    the first judged step is the window's first full step, and the window's first stage record
-    starts more than `START_STEPS` of the job's median steps after the window's own start — the
-    job began inside the window. A job older than the window has records from the window's
-    start on (its first, cut step among them). True too after a gap in a job's records inside
-    the window: the stricter baseline, where it cannot be told."""
-    st = ctx.w.get("stages")
-    if not st or not ctx.steps.size:
-        return False
-    step = ints(st, "step")
-    first_full = full_steps(step)
-    if not first_full.size or int(first_full[0]) != int(ctx.steps[0]):
-        return False
-    return int(ints(st, "t_start").min()) - ctx.w.start_ns > START_STEPS * ctx.step_ns
 
 
 def suspects(ctx: Ctx) -> list[Suspicion]:

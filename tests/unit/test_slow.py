@@ -273,13 +273,32 @@ def test_a_short_change_the_scheduler_did_not_cause_needs_no_longer_hold() -> No
     assert v2.flag[3] and v2.how[3] == "change"
 
 
+def test_a_change_holds_only_over_the_steps_it_was_seen() -> None:
+    """A rank's own time is unknown for its newest steps until its calls of a later step are
+    stored. Beside too few peers its change must hold twice onset_steps: 6 steps seen and 3
+    not yet known are 6 held, not 9; with 8 seen it counts."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(13)
+    groups_of_two = np.arange(world) // 2
+    job = np.full(40, 1e9) + rng.normal(0, 5e6, 40)
+    job[-9:] += 500e6
+    m = _noisy(rng, 40, world)
+    m[-9:, 3] *= 6.0
+    m[-3:, 3] = np.nan  # not known yet
+    assert not context.judge(_ctx(w, 40, job), m, 1.05, groups_of_two).flag[3]
+    m[-3:-1, 3] = m[-4, 3]  # two more steps seen: 8 held
+    v = context.judge(_ctx(w, 40, job), m, 1.05, groups_of_two)
+    assert v.flag[3] and v.how[3] == "change"
+
+
 def test_a_short_change_the_scheduler_made_is_held_whatever_the_peers() -> None:
     """Beside many peers, with the job's step time up with it, a change of a rank whose steps
     waited for a CPU for at least half its rise — on average over the change: lost time adds
-    up, two long waits in six steps are crowding too — must hold twice onset_steps (a healthy
-    DDP control's rank crowded off its core for 4 steps was named `host cpu`); without the
-    wait's rise it counts after onset_steps, and a crowded change that holds long enough
-    counts."""
+    up, two long waits in six steps are crowding too — must hold `CPU_HOLD` onsets, as a
+    change of the CPU wait itself (a healthy DDP control's rank crowded off its core for 4
+    steps was named `host cpu`); without the wait's rise it counts after onset_steps, and a
+    crowded change that holds long enough counts."""
     w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
     world = w.grid.world
     rng = np.random.default_rng(7)
@@ -294,13 +313,51 @@ def test_a_short_change_the_scheduler_made_is_held_whatever_the_peers() -> None:
     spiky[-5, 3] += 180e6  # two long waits in the six steps: 60 ms a step on average,
     spiky[-3, 3] += 180e6  # none at the median
     assert not context.judge(_ctx(_with_waits(w, 40, spiky), 40, job), m, 1.05).flag[3]
-    m_long, job_long, spiky_long = m.copy(), job.copy(), spiky.copy()
-    m_long[-10:, 3] = m[-10:, 3] + 100e6 * (m[-10:, 3] < 150e6)  # held 10 steps
-    job_long[-10:] = job[-10:] + 100e6 * (job[-10:] < 1.05e9)
-    spiky_long[-9, 3] += 180e6
-    spiky_long[-7, 3] += 180e6
-    v = context.judge(_ctx(_with_waits(w, 40, spiky_long), 40, job_long), m_long, 1.05)
-    assert v.flag[3] and int(v.since[3]) == 30  # crowded, but it held twice the onset
+    def held(steps: int) -> context.Verdict:
+        m_long, job_long, spiky_long = m.copy(), job.copy(), spiky.copy()
+        m_long[-steps:, 3] = m[-steps:, 3] + 100e6 * (m[-steps:, 3] < 150e6)
+        job_long[-steps:] = job[-steps:] + 100e6 * (job[-steps:] < 1.05e9)
+        spiky_long[-steps + 1:-6:2, 3] += 180e6  # long waits on every other step before
+        return context.judge(_ctx(_with_waits(w, 40, spiky_long), 40, job_long), m_long, 1.05)
+
+    assert context.CPU_HOLD * context.SlowConfig().onset_steps == 12
+    assert not held(10).flag[3]  # crowded: twice the onset is not enough
+    v = held(12)
+    assert v.flag[3] and int(v.since[3]) == 28  # crowded, but it held CPU_HOLD onsets
+
+
+def test_a_crowded_change_at_the_jobs_start_needs_the_cpu_rules_baseline() -> None:
+    """A change the rank's CPU wait explains is CPU starvation, and while the judged steps
+    reach back to the job's first one it needs the baseline the CPU-wait rule asks there
+    (`BASELINE_FACTOR` × `min_baseline`: 16 steps): the scheduler places a job's threads in
+    its first seconds (a healthy pipeline's rank crowded for 6 steps after 14 from the job's
+    first, named by its forward at 0.95). The same change after 16 steps counts; so does one
+    after 14 that its wait does not explain, or in a job older than its judged steps."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(17)
+    started = -5_000_000_000  # the window opened 5 s before the job's first step
+
+    def judged(base: int, crowded: bool, window_from: int = started) -> bool:
+        n = base + 12
+        m = _noisy(rng, n, world)
+        m[base:, 3] += 100e6  # +100 ms a step, held 12 steps: CPU_HOLD onsets
+        job = np.full(n, 1e9) + rng.normal(0, 5e6, n)
+        job[base:] += 100e6
+        wait = 2e6 + 2e5 * rng.standard_normal((n, world))
+        if crowded:
+            wait[base:, 3] += 80e6  # it waited for a CPU for most of its extra time
+        ww = _with_waits(w, n, wait)
+        ww = Window(ww.topo, ww.tables, window_from, ww.now_ns)
+        ctx = _ctx(ww, n, job)
+        assert context.from_job_start(ctx) == (window_from == started)
+        return bool(context.judge(ctx, m, 1.05).flag[3])
+
+    assert context.BASELINE_FACTOR * context.SlowConfig().min_baseline == 16
+    assert not judged(14, crowded=True)
+    assert judged(16, crowded=True)
+    assert judged(14, crowded=False)
+    assert judged(14, crowded=True, window_from=0)
 
 
 def test_a_short_change_must_explain_the_jobs_rise_it_is_gated_on() -> None:
