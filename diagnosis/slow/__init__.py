@@ -106,7 +106,10 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
     sus += explained
     # a starved CPU: judged on the steps' own counters where the stage records carry them,
     # else on the beats'
-    sus[0], by_steps = cpu.refine_steps(ctx, pcie.refine(ctx, sus[0]))
+    refined, by_steps = cpu.refine_steps(ctx, pcie.refine(ctx, sus[0]))
+    if refined is None:  # starved of CPU, not yet for as long as a crowding can last
+        return None
+    sus[0] = refined
     beat_cols = ctx.w.get("beats")
     if not by_steps:
         if not beat_cols and beats is not None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow import SlowConfig, cpu, peer_stages
+from diagnosis.slow import SlowConfig, context, cpu, peer_stages
 from diagnosis.slow.context import Ctx, judged_steps
 from diagnosis.window import Window
 from ingest.records import Communicator, JobTopology
@@ -52,9 +52,15 @@ def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: fl
     return Ctx(w, cfg, steps, step_ns, peer_stages(w), 0, job)
 
 
+def _stage(s: Suspicion | None) -> str | None:
+    assert s is not None, "no verdict"
+    return s.stage
+
+
 def test_a_rank_waiting_for_a_cpu_in_its_slow_steps_is_its_hosts_cpu() -> None:
     out, judged = cpu.refine_steps(ctx({1: (0.03, 0.3)}), TOP)
-    assert judged and (out.stage, out.component) == ("host cpu", "host_software")
+    assert judged and out is not None
+    assert (out.stage, out.component) == ("host cpu", "host_software")
     assert out.rules == (*TOP.rules, cpu.RULE) and "rank 1 waited for a CPU" in out.summary
 
 
@@ -79,15 +85,40 @@ def test_a_rise_inside_the_shares_scatter_is_no_evidence() -> None:
     out, judged = cpu.refine_steps(ctx({1: (0.03, 0.13)}, noise=0.4), TOP)
     assert judged and out == TOP
     quiet, _ = cpu.refine_steps(ctx({1: (0.03, 0.13)}, noise=0.005), TOP)
-    assert quiet.stage == "host cpu"  # the same rise on quiet shares is
+    assert _stage(quiet) == "host cpu"  # the same rise on quiet shares is
 
 
 def test_the_extra_waiting_must_explain_the_excess() -> None:
     """12 % more of a 60 ms step is ~7 ms: enough for a 10 ms excess, not for a 30 ms one."""
     c = ctx({1: (0.03, 0.15)}, noise=0.005)
-    assert cpu.refine_steps(c, TOP)[0].stage == "host cpu"
+    assert _stage(cpu.refine_steps(c, TOP)[0]) == "host cpu"
     big = replace(TOP, score=30e6)
     assert cpu.refine_steps(c, big)[0] == big
+
+
+def test_a_starved_suspect_is_named_once_held_as_a_change_of_the_wait_is() -> None:
+    """A suspect its rank's CPU wait explains is that rank's starvation: named `host cpu` only
+    after `CPU_HOLD` × `onset_steps` (12) steps of it, as the wait's own change — before, no
+    verdict (None), not the suspect's own label (a contended pipeline's link whose sender the
+    scheduler crowded was named after 8). While the judged steps reach back to the job's start
+    it also needs 16 steps before its onset. A suspect whose rank is not starved is returned
+    as it is whenever; an open culprit re-checked is not held again."""
+    starved = {1: (0.03, 0.3)}
+    early = replace(TOP, onset_step=42)  # 8 judged steps since its onset
+    out, judged = cpu.refine_steps(ctx(starved), early)
+    assert judged and out is None
+    calm, _ = cpu.refine_steps(ctx({}, onset=42), early)
+    assert calm == early
+    c12 = ctx(starved, onset=38)
+    assert _stage(cpu.refine_steps(c12, replace(TOP, onset_step=38))[0]) == "host cpu"
+    again = replace(early, how="confirm")
+    assert _stage(cpu.refine_steps(ctx(starved, onset=42), again)[0]) == "host cpu"
+    started = -5_000 * MS  # the window opened 5 s before the job's first step
+    young = ctx(starved, n_steps=14 + 12, onset=14, window_from_ns=started)
+    assert context.from_job_start(young)
+    assert cpu.refine_steps(young, replace(TOP, onset_step=14))[0] is None
+    grown = ctx(starved, n_steps=16 + 12, onset=16, window_from_ns=started)
+    assert _stage(cpu.refine_steps(grown, replace(TOP, onset_step=16))[0]) == "host cpu"
 
 
 def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
@@ -95,7 +126,7 @@ def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
     c = ctx({1: (0.3, 0.3)}, noise=0.005)
     assert cpu.refine_steps(c, TOP)[0] == TOP  # always waited that much: no rise
     confirm = replace(TOP, how="confirm")
-    assert cpu.refine_steps(c, confirm)[0].stage == "host cpu"
+    assert _stage(cpu.refine_steps(c, confirm)[0]) == "host cpu"
 
 
 # -- cpu.suspects: the steps' CPU wait as a suspect of its own --------------------------------
@@ -117,10 +148,10 @@ def test_a_wait_change_near_the_jobs_start_needs_twice_the_baseline() -> None:
     waited less than the others over steps 1-8 and more over 9-13, and was named at 6.9σ).
     While the judged steps reach back to the job's first one, the same rise after 9 steps is
     no verdict, after 16 it is one."""
-    assert cpu.BASELINE_FACTOR * SlowConfig().min_baseline == 16
+    assert context.BASELINE_FACTOR * SlowConfig().min_baseline == 16
     started = -5_000 * MS  # the window opened 5 s before the job's first step
     young = ctx({1: (0.03, 0.3)}, n_steps=9 + 12, onset=9, window_from_ns=started)
-    assert cpu.from_job_start(young)
+    assert context.from_job_start(young)
     assert not cpu.suspects(young)
     got = cpu.suspects(ctx({1: (0.03, 0.3)}, n_steps=16 + 12, onset=16, window_from_ns=started))
     assert [(s.ranks, s.stage, s.onset_step) for s in got] == [((1,), "host cpu", 16)]
@@ -134,12 +165,12 @@ def test_a_wait_change_of_a_job_older_than_its_judged_steps_needs_the_usual_base
     step."""
     for start in (0, -30 * MS):
         old = ctx({1: (0.03, 0.3)}, n_steps=9 + 12, onset=9, window_from_ns=start)
-        assert not cpu.from_job_start(old)
+        assert not context.from_job_start(old)
         got = cpu.suspects(old)
         assert [(s.ranks, s.stage, s.onset_step) for s in got] == [((1,), "host cpu", 9)]
     # 80 steps, the newest 50 judged: the job's start is 30 steps before them
     c = ctx({1: (0.03, 0.3)}, n_steps=80, onset=60, window_from_ns=-5_000 * MS)
-    assert c.steps[0] == 30 and not cpu.from_job_start(c)
+    assert c.steps[0] == 30 and not context.from_job_start(c)
 
 
 def test_a_wait_the_job_does_not_feel_or_that_never_changed_is_no_suspect() -> None:
