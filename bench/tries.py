@@ -3,6 +3,7 @@ with the worker's reads (`DiagnosisAgents._read`).
 
     rankwatch bench tries [--rounds 6] [--tries 5] [--json]
     rankwatch bench tries --report RUN.json --workdir DIR [--cases a,b] [--rounds 6]
+    rankwatch bench tries --report RUN.json --workdir DIR --scan [--cases a,b]
 
 A try (`Analyst._slow_try`) reads the job's stage records over 90 s, then its calls (and the
 other kinds a sweep reads) from the judged steps on, and runs the slowdown analysis; a
@@ -22,6 +23,16 @@ must be the same, try by try. Without `--report` the tables are a simulated 4-ra
 (tp1·pp2·dp2, 120 steps, one rank's GPU 1.6× slower from 15 s on) stored into a private
 embedded ClickHouse; with `--report RUN.json --workdir DIR` (a kept `rankwatch eval --real`
 run) they are that run's own store, and the tries start at each slowdown case's onset.
+
+`--scan` asks what the rules say, not what they cost: a try every `TRY_GAP_MS` over the whole
+run of every traced case of the kept run (from 2 s into the job; a slowdown fault's from its
+onset, for 4 s), on that run's store, with the code as it is now. It prints, per control,
+the moments that named a culprit (each one an incident a live worker could have opened, had
+a try come then), and per slowdown fault the first moment that named its rank(s) right. A
+replay of the run's captures (`rankwatch eval --real --rescore`) tries at the moments its own
+timing gives; the scan tries at all of them — the stored tables are what a live try read,
+save for records stored after the moment with times before it. Exit status 1 when a control
+was named.
 """
 
 from __future__ import annotations
@@ -78,19 +89,24 @@ def _simulated(d: str, say: Any) -> tuple[Any, list[tuple[str, int]]]:
     return db, [("bench-tries", int(first) + 15 * SECOND + 8 * int(step_ns))]
 
 
-def _kept(report: Path, workdir: Path, cases: set[str] | None) -> tuple[Any, list[tuple[str, int]]]:
+def _store(workdir: Path) -> Any:
+    """The kept run's embedded ClickHouse (its worker stopped)."""
     from streams.db import Database
 
-    r = json.loads(report.read_text())
     store = workdir / "stack" / "clickhouse"
     if not store.is_dir():
         raise SystemExit(f"{store}: no store there; --workdir must be the run's --workdir")
+    return Database(f"chdb://{store}", "rankwatch", create=False)
+
+
+def _kept(report: Path, workdir: Path, cases: set[str] | None) -> tuple[Any, list[tuple[str, int]]]:
+    r = json.loads(report.read_text())
     jobs = [(c["job"], int(c["truth"]["onset_ns"])) for c in r.get("cases", [])
             if not c.get("control") and (c.get("truth") or {}).get("kind") == "slowdown"
             and (cases is None or c["case"] in cases)]
     if not jobs:
         raise SystemExit(f"{report}: no slowdown case{' of --cases' if cases else ''} in it")
-    return Database(f"chdb://{store}", "rankwatch", create=False), jobs
+    return _store(workdir), jobs
 
 
 def run(db: Any, jobs: list[tuple[str, int]], rounds: int, tries: int, say: Any
@@ -140,6 +156,52 @@ def run(db: Any, jobs: list[tuple[str, int]], rounds: int, tries: int, say: Any
             "identical": said["query"] == said["agents"]}
 
 
+def scan(db: Any, report: Path, cases: set[str] | None, say: Any) -> dict[str, Any]:
+    """`--scan` (module docstring): {"controls": {case: [[s into the job, ranks, stage,
+    confidence], …]}, "faults": {case: [s after the onset, stage, confidence] or None}}."""
+    from diagnosis.agents import read_topology, read_window
+    from diagnosis.analyst import Analyst
+    from diagnosis.window import Window
+
+    def read(job_id: str, start_ns: int, now_ns: int,
+             kinds: Collection[str] | None = None) -> Window | None:
+        topo = read_topology(db, job_id)
+        return None if topo is None else read_window(db, topo, start_ns, now_ns, kinds)
+
+    gap = TRY_GAP_MS * MILLISECOND
+    out: dict[str, Any] = {"controls": {}, "faults": {}, "tries": 0}
+    for c in json.loads(report.read_text()).get("cases", []):
+        truth, run_ = c.get("truth") or {}, c.get("run") or {}
+        if not c.get("traced") or not run_ or (cases is not None and c["case"] not in cases):
+            continue
+        analyst = Analyst(read)
+        if c.get("control"):
+            at, end, named = int(run_["start_ns"]) + 2 * SECOND, int(run_["end_ns"]), []
+            while at <= end:
+                got = analyst._slow_try(c["job"], at)
+                out["tries"] += 1
+                k = None if got is None else got[0]
+                if k is not None:
+                    named.append([round((at - int(run_["start_ns"])) / SECOND, 1),
+                                  list(k.ranks), k.stage, round(k.confidence, 2)])
+                at += gap
+            out["controls"][c["case"]] = named
+            say(f"  {c['case']}: {len(named)} moment(s) named a culprit")
+        elif truth.get("kind") == "slowdown":
+            onset = int(truth["onset_ns"])
+            at, first = onset, None
+            while at <= onset + 4 * SECOND and first is None:
+                got = analyst._slow_try(c["job"], at)
+                out["tries"] += 1
+                k = None if got is None else got[0]
+                if k is not None and sorted(k.ranks) == sorted(truth["ranks"]):
+                    first = [round((at - onset) / SECOND, 1), k.stage, round(k.confidence, 2)]
+                at += gap
+            out["faults"][c["case"]] = first
+            say(f"  {c['case']}: first named right {'never' if first is None else first}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rankwatch bench tries", description=__doc__.split("\n")[0])
     p.add_argument("--report", type=Path, help="a kept `rankwatch eval --real` run's --out")
@@ -147,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", help="with --report: comma-separated slowdown cases")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--tries", type=int, default=5, help=f"per job and round, {TRY_GAP_MS} ms apart")
+    p.add_argument("--scan", action="store_true",
+                   help="with --report: what the rules say at every moment of every case")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if min(args.rounds, args.tries) < 1:
@@ -157,6 +221,28 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         if not args.json:
             print(msg, file=sys.stderr, flush=True)
+
+    if args.scan:
+        if args.report is None:
+            p.error("--scan needs --report and --workdir (a kept `rankwatch eval --real` run)")
+        cases = set(args.cases.split(",")) if args.cases else None
+        db = _store(args.workdir)
+        try:
+            got = scan(db, args.report, cases, say)
+        finally:
+            db.close()
+        if args.json:
+            print(json.dumps(got))
+        else:
+            named = {k: v for k, v in got["controls"].items() if v}
+            print(f"{got['tries']:,} tries; controls named at some moment: {len(named)} of "
+                  f"{len(got['controls'])}" + "".join(f"\n  {k}: {v}" for k, v in named.items()))
+            print("slowdown faults, first moment named right (s after the onset, stage, "
+                  "confidence):" + "".join(f"\n  {k}: {v}" for k, v in got["faults"].items()))
+        if not got["controls"] and not got["faults"]:
+            print("no traced case of the report matched", file=sys.stderr)
+            return 1
+        return 1 if any(got["controls"].values()) else 0
 
     with tempfile.TemporaryDirectory(prefix="rankwatch-bench-tries-") as d:
         if args.report is None:
