@@ -345,6 +345,18 @@ def from_job_start(ctx: Ctx) -> bool:
 #: its core for up to 8 steps of ~50 ms and then lets go (`_judge`)
 CPU_HOLD = 3
 
+
+def starvation_held(ctx: Ctx, since: int, before: int, min_baseline: int | None = None) -> bool:
+    """Whether a rank's starvation of CPU — a change of its wait, or of a quantity its wait
+    explains — seen on `since` steps after `before` steps is held as it must be to be named:
+    `CPU_HOLD` × `onset_steps` steps, and `BASELINE_FACTOR` × `min_baseline` before them while
+    the judged steps reach back to the job's start (`from_job_start`)."""
+    cfg = ctx.cfg
+    if since < CPU_HOLD * cfg.onset_steps:
+        return False
+    least = BASELINE_FACTOR * (min_baseline or cfg.min_baseline)
+    return before >= least or not from_job_start(ctx)
+
 #: a link's own rise is common to the job's links when the median rise of the others over the
 #: same steps reaches this share of it (a machine-wide stall lengthens every transfer)
 COMMON = 0.5
@@ -558,16 +570,17 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # threads, whose waiting the counter (the training thread's) does not see
         # A step held is a step seen: the newest judged steps whose value is not known yet (a
         # rank's own time, until its calls of a later step are stored) do not count
-        seen = int(np.sum(~np.isnan((m if few[x] else d)[n - res[3]:, x])))
+        series = m[:, x] if few[x] else d[:, x]
+        seen = int(np.sum(~np.isnan(series[n - res[3]:])))
         short = seen < 2 * k
-        scheduled = seen < CPU_HOLD * k  # too short for a change the scheduler may have made
         crowded = None
         if ranked and not changes_only:
             with np.errstate(all="ignore"):
                 crowded = crowding(ctx, x, n - res[3], float(
                     np.nanmean(d[n - res[3]:, x]) - _nanmedian(d[:n - res[3], x])))
         cleared = crowded is False
-        if (changes_only and scheduled) or (peers[x] < cfg.min_peers and short and not cleared):
+        if (changes_only and seen < CPU_HOLD * k) \
+                or (peers[x] < cfg.min_peers and short and not cleared):
             continue
         # and whatever the peers, a change the rank's own counters show the scheduler made
         # (its steps waited for a CPU for at least half its rise) is CPU starvation, held to
@@ -579,10 +592,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # healthy 2-stage pipeline's rank 2 in the job's second second: own forward 14 →
         # 19-23 ms for 6 steps after 14 from the job's first, its wait 3 → 11 ms a step
         # against its peers' unchanged, named 0.95 and resolved 5 s later)
-        if crowded and (scheduled or (
-                int(np.sum(~np.isnan((m if few[x] else d)[:n - res[3], x])))
-                < BASELINE_FACTOR * (min_baseline or cfg.min_baseline)
-                and from_job_start(ctx))):
+        if crowded and not starvation_held(
+                ctx, seen, int(np.sum(~np.isnan(series[:n - res[3]]))), min_baseline):
             continue
         # and a short change must explain the job's rise it is gated on: a rank whose own
         # work is slower by e a step makes the job wait about e (in a pipeline too: the

@@ -108,7 +108,14 @@ import numpy as np
 
 from diagnosis.columns import Columns, ints
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow.context import BASELINE_FACTOR, CPU_HOLD, Ctx, from_job_start, judge, step_waits
+from diagnosis.slow.context import (
+    BASELINE_FACTOR,
+    Ctx,
+    from_job_start,
+    judge,
+    starvation_held,
+    step_waits,
+)
 
 RULE = "rankwatch.cpu_starved"
 MIN_SHARE = 0.2
@@ -221,7 +228,8 @@ def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool]:
     its ranks — starved since its onset; whether they could judge it at all: at least two
     steps with the counter since the onset on every suspect rank, and a peer with some). The
     module docstring has the test. None instead of `top` when its rank is starved but not for
-    as long as the scheduler's own crowding can last (`held`): no verdict yet."""
+    as long as the scheduler's own crowding can last (`context.starvation_held`): no verdict
+    yet."""
     got = step_waits(ctx)
     if got is None or not top.ranks or top.stage == "host cpu":
         return top, False
@@ -270,25 +278,15 @@ def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool]:
     extra = float(np.min(wait_a[mine_cols])) - max(base_wait, peer_wait)
     if extra < EXPLAIN * top.score:
         return top, True  # its extra waiting is too small a part of its excess to be the cause
-    if top.how != "confirm" and not held(ctx, na, nb):
+    # a suspect of another analysis that its rank's CPU wait explains — a link whose sender
+    # is crowded, a phase of a rank crowded off its core — is that rank's starvation, and is
+    # held as a change of the wait is: named sooner, it passed the wait's own test by (a
+    # contended pipeline's link, its sender waiting 29 % of its steps' time for a CPU against
+    # 6 % before, was named `host cpu` at 0.74 after 8 steps)
+    if top.how != "confirm" and not starvation_held(ctx, na, nb):
         return None, True
     return _starved(top, f"{mine:.0%} of its steps' time since (before: {base:.0%}, its "
                          f"peers: {peer:.0%}; {extra / 1e6:.1f} ms more a step)"), True
-
-
-def held(ctx: Ctx, since: int, before: int) -> bool:
-    """Whether a rank starved of CPU over `since` steps after `before` is held as a change of
-    its wait must be (`suspects`, `context.CPU_HOLD`): `CPU_HOLD` × `onset_steps` steps, and
-    `BASELINE_FACTOR` × `min_baseline` before them while the judged steps reach back to the
-    job's start. A suspect of another analysis that its CPU wait explains — a link whose
-    sender is crowded, a phase of a rank crowded off its core — is this starvation, and named
-    sooner it would pass the wait's own test by: a contended pipeline's link, its sender
-    waiting 29 % of its steps' time for a CPU against 6 % before, was named `host cpu` at 0.74
-    after 8 steps."""
-    cfg = ctx.cfg
-    if since < CPU_HOLD * cfg.onset_steps:
-        return False
-    return before >= BASELINE_FACTOR * cfg.min_baseline or not from_job_start(ctx)
 
 
 def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:
