@@ -324,7 +324,9 @@ def one_count(n: int, broker: Broker, base: Path, args: argparse.Namespace,
         runs.append(measure(settings, n, "1 job x 1,024 ranks", [big], progress))
         small = [JobConfig(job_id=f"small-{n}-{turn}-{i}", tp=2, pp=2, dp=2,
                            steps=args.small_steps, seed=i) for i in range(args.small_jobs)]
-        runs.append(measure(settings, n, f"{args.small_jobs} jobs x 8 ranks", small, progress))
+        if small:  # `--small-jobs 0`: the big job alone
+            runs.append(measure(settings, n, f"{args.small_jobs} jobs x 8 ranks", small,
+                                progress))
         if n >= 2 and not args.no_kill:
             kill = kill_owner(settings, n, split, progress)
     finally:
@@ -352,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--workers {args.workers!r}: expected numbers such as 1,2,3")
     if not counts or any(not 1 <= c <= PARTITIONS for c in counts):
         ap.error(f"--workers: each count from 1 to {PARTITIONS}")
+    if args.big_steps < 1 or args.small_jobs < 0 or args.small_steps < 1 or args.uploaders < 1:
+        ap.error("--big-steps, --small-steps and --uploaders take 1 or more; --small-jobs 0 "
+                 "or more")
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
