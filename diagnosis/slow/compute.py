@@ -44,7 +44,7 @@ def _classify(name: str) -> int:
     return CLASSES.index(next((v for k, v in KERNEL_CLASS if k in low), "other"))
 
 
-def _kclass(names: Array) -> Array:
+def kernel_classes(names: Array) -> Array:
     """Kernel class code per row (index into CLASSES; 0 = NCCL, excluded): the column is
     factorized once (`codes`, memoized per window column) and only its few distinct names are
     classified."""
@@ -59,7 +59,7 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     if not k or not st:
         return []
     t_all = ints(k, "t_start")
-    cls_all = _kclass(col(k, "kernel"))
+    cls_all = kernel_classes(col(k, "kernel"))
     keep = np.flatnonzero((t_all >= ctx.lo_ns) & (cls_all != 0))
     c = cls_all[keep]
     t, r = t_all[keep], col(k, "rank")[keep].astype(np.int64)

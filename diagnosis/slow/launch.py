@@ -1,5 +1,24 @@
-"""Launch delay: Σ (t_start − t_enqueue) of a rank's calls per step — the NCCL proxy or host
-thread starting its calls late (Mycroft Table 3, #7), compared with its stage peers."""
+"""Launch delay: Σ (t_start − t_enqueue) of a rank's calls per step, less the time its own
+device was still busy — the NCCL proxy or host thread starting its calls late (Mycroft Table 3,
+#7), compared with its stage peers.
+
+A call's `t_start` is when its kernel begins on the device; one enqueued behind the rank's
+compute kernels on a stream (a tensor-parallel all-reduce issued right after the matmul it
+reduces) starts when they end. That wait is the device's work, not the host's: a rank whose
+GPU got slower starts those calls later by exactly its extra compute. Counted whole, it named
+a GPU-slow rank's TP all-reduces `tp_collectives` / host_software whenever the rank's kernel
+records were read behind its calls (the simulated realistic catalog's TP × PP backward ×4; an
+end-to-end pipeline run under load). So a call's delay here is `t_start − max(t_enqueue, end
+of the rank's latest compute kernel ending at or before t_start)`: the time nothing of the
+rank's own ran before the call did. Mycroft names the same dependency (§3: a collective's
+kernels launched but left unscheduled behind other kernels on the device) and reads its late
+start (#7) off the proxy's first transmission, which the records here do not carry.
+
+Where the job has kernel records, a call is judged only once its rank's kernels are stored past
+its start (the newest calls wait for their kernels: unknown until then), and a rank without
+kernel records in such a job is not judged (its device's queue is unknown). A job without
+kernel records (CPU training) has no device queue to take out: the whole gap counts.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +26,53 @@ import numpy as np
 
 from diagnosis.columns import col, ints
 from diagnosis.conclusion import Suspicion
-from diagnosis.slow.context import Ctx, judge, matrix
+from diagnosis.slow.compute import kernel_classes
+from diagnosis.slow.context import Array, Ctx, judge, matrix
+
+
+def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array) -> Array:
+    """Per call, ns from `t_enqueue` (or the end of the rank's latest compute kernel ending at
+    or before `t_start`, when later) to `t_start`, ≥ 0; nan where the rank's kernels are not
+    stored past `t_start`. The whole gap when the job has no compute kernel records. One sort
+    of the kernels' ends and the calls' starts together, by (rank, time)."""
+    gap: Array = np.maximum(t_start - t_enqueue, 0).astype(np.float64)
+    k = ctx.w.get("kernels")
+    if not k or not rank.size:
+        return gap
+    ke = ints(k, "t_start") + ints(k, "duration")
+    # a kernel that ended before the earliest call was enqueued holds no call back
+    base = int(t_enqueue.min())
+    keep = np.flatnonzero(ke >= base)
+    keep = keep[kernel_classes(col(k, "kernel"))[keep] != 0]  # NCCL kernels: the calls
+    kr = col(k, "rank")[keep].astype(np.int64)
+    ke = ke[keep]
+    if not kr.size:
+        return np.full(rank.size, np.nan)  # no rank's kernels stored past these calls
+    # each call's latest kernel end at or before its start, on its own rank: (rank, time)
+    # in one int64 key (40 bits of ns from `base`: 18 minutes, more than a window holds)
+    span = np.int64(1) << 40
+    t_hi = int(max(int(ke.max()), int(t_start.max())))
+    if t_hi - base >= span or int(max(kr.max(), rank.max())) >= 1 << 22:
+        return np.full(rank.size, np.nan)
+    # stable: timsort merges the runs a window's kernels come in (per rank, in time)
+    kkey = np.sort((kr << 40) | (ke - base), kind="stable")
+    ckey = (rank.astype(np.int64) << 40) | np.maximum(t_start - base, 0)
+    at = np.searchsorted(kkey, ckey, side="right") - 1
+    prev = kkey[np.maximum(at, 0)]
+    same = (at >= 0) & ((prev >> 40) == (ckey >> 40))
+    busy = np.where(same, (prev & (span - 1)) + base, np.iinfo(np.int64).min)
+    out: Array = np.maximum(t_start - np.maximum(t_enqueue, busy), 0).astype(np.float64)
+    # known once the rank's kernels are stored past the call's start: each rank's newest
+    # kernel end is the last key of its run
+    kr_sorted = kkey >> 40
+    last = np.flatnonzero(np.r_[kr_sorted[1:] != kr_sorted[:-1], True])
+    newest = np.full(int(max(kr_sorted[-1], rank.max())) + 1, np.iinfo(np.int64).min, np.int64)
+    newest[kr_sorted[last]] = (kkey[last] & (span - 1)) + base
+    ok = rank >= 0
+    known = np.zeros(rank.size, dtype=bool)
+    known[ok] = newest[rank[ok]] >= t_start[ok]
+    out[~known] = np.nan
+    return out
 
 
 def suspects(ctx: Ctx) -> list[Suspicion]:
@@ -15,9 +80,9 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     if not ops:
         return []
     sel = ctx.ops_recent()
-    delay = (ints(ops, "t_start") - ints(ops, "t_enqueue"))[sel]
     rank = col(ops, "rank")[sel].astype(np.int64)
-    m = matrix(ctx, ints(ops, "step", -1)[sel], rank, np.maximum(delay, 0), aligned=True)
+    delay = device_idle_delay(ctx, rank, ints(ops, "t_enqueue")[sel], ints(ops, "t_start")[sel])
+    m = matrix(ctx, ints(ops, "step", -1)[sel], rank, delay, aligned=True)
     v = judge(ctx, m, 1.5, sparse=True)  # a proxy that sometimes starts late (Mycroft #7)
     flagged = np.flatnonzero(v.flag).tolist()
     if not flagged:
@@ -26,7 +91,7 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     out = []
     for x in flagged:
         kinds = ctx.comm_kinds(rows[rank == x])
-        late = np.maximum(delay[rank == x], 0)
+        late = np.nan_to_num(delay[rank == x])
         kk = np.unique(kinds)
         # the kind whose calls carry the most delay
         w = [float(late[kinds == q].sum()) for q in kk.tolist()]
