@@ -7,12 +7,13 @@ compute kernels on a stream (a tensor-parallel all-reduce issued right after the
 reduces) starts when they end. That wait is the device's work, not the host's: a rank whose
 GPU got slower starts those calls later by exactly its extra compute. Counted whole, it named
 a GPU-slow rank's TP all-reduces `tp_collectives` / host_software whenever the rank's kernel
-records were read behind its calls (the simulated realistic catalog's TP × PP backward ×4; an
-end-to-end pipeline run under load). So a call's delay here is `t_start − max(t_enqueue, end
-of the rank's latest compute kernel ending at or before t_start)`: the time nothing of the
-rank's own ran before the call did. Mycroft names the same dependency (§3: a collective's
-kernels launched but left unscheduled behind other kernels on the device) and reads its late
-start (#7) off the proxy's first transmission, which the records here do not carry.
+records were read behind its calls (the end-to-end slowdown test under load: rank 3 of a
+simulated TP 2 × PP 2 × DP 2 job, its GPU ×1.8). So a call's delay here is `t_start −
+max(t_enqueue, end of the rank's latest compute kernel ending at or before t_start)`: the time
+nothing of the rank's own ran before the call did. Mycroft names the same dependency (§3: a
+collective's kernels launched but left unscheduled behind other kernels on the device) and
+reads its late start (#7) off the proxy's first transmission, which the records here do not
+carry.
 
 Where the job has kernel records, a call is judged only once its rank's kernels are stored past
 its start (the newest calls wait for their kernels: unknown until then), and a rank without
@@ -49,7 +50,7 @@ def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array) -
     ke = ints(k, "t_start") + ints(k, "duration")
     # a kernel that ended before the earliest call was enqueued holds no call back
     base = int(t_enqueue.min())
-    keep = np.flatnonzero(ke >= base)
+    keep = np.flatnonzero((ke >= base) & (col(k, "rank") >= 0))
     keep = keep[kernel_classes(col(k, "kernel"))[keep] != 0]  # NCCL kernels: the calls
     kr = col(k, "rank")[keep].astype(np.int64)
     ke = ke[keep]

@@ -39,6 +39,14 @@ def test_the_devices_own_queue_is_not_a_launch_delay() -> None:
     assert got[0] == 0 and got[1] == 4 * MS and np.isnan(got[2])
 
 
+def test_a_malformed_rank_neither_crashes_nor_lends_its_kernels() -> None:
+    # a kernel of rank -1 running past the calls says nothing of rank 0's device
+    k = {"rank": np.array([-1]), "kernel": np.array(["gemm"]),
+         "t_start": np.array([0], np.int64), "duration": np.array([30 * MS], np.int64)}
+    got = delays(k, [0, -1], [1 * MS, 1 * MS], [20 * MS, 20 * MS])
+    assert np.isnan(got).all()
+
+
 def test_a_rank_without_kernels_in_a_job_with_them_is_not_judged() -> None:
     k = {"rank": np.array([0]), "kernel": np.array(["gemm"]),
          "t_start": np.array([0], np.int64), "duration": np.array([10 * MS], np.int64)}
