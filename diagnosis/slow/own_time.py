@@ -29,9 +29,17 @@ or a blocking receive stays out. Laid end to end instead, a 4x slower backward o
 stage showed as a slower forward as often as not, its backward's own time as a few ms.
 
 Used for ranks without kernel records (CPU training, no CUPTI): with kernels the device time
-itself is measured (`diagnosis.slow.compute`). A rank whose forward, backward and optimizer
-are all slower by a like ratio is starved of CPU (a co-located process; "host cpu",
-host_software), not slower at one pass.
+itself is measured (`diagnosis.slow.compute`).
+
+A rank whose forward, backward and optimizer are all slower by a like ratio — each at least
+`ALIKE_RATIO`, the largest within `ALIKE_SPREAD` of the smallest — is starved of CPU (a
+co-located process; "host cpu", host_software), not slower at one pass: a process that loses a
+share of its core loses it in every phase alike. That inference stands in for the scheduler's
+counters and is drawn only for a rank whose judged steps carry none (an older tracer): where
+they do, `cpu.refine_steps` judges the rank's CPU from them. Asking only that every ratio
+pass 1.3 named a rank of a simulated pipeline × TP job whose backward was 4× slower "host cpu"
+whenever its optimizer's ratio crossed 1.31–1.34 (forward 2.0–2.3×, backward 4.0–4.6×: one
+pass far slower than the others; its counters showed no wait), and its pass otherwise.
 """
 
 from __future__ import annotations
@@ -41,13 +49,22 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.conclusion import Suspicion
 from diagnosis.rules.base import Component
-from diagnosis.slow.context import Array, Ctx, in_steps, judge, matrix, stage_matrix
+from diagnosis.slow.context import (
+    Array,
+    Ctx,
+    in_steps,
+    judge,
+    matrix,
+    stage_matrix,
+    step_waits,
+)
 
 PASSES = (("model_fwd_loss", "fwd"), ("model_backward", "bwd"))
 #: stage columns before each pass in the step's span order
 BEFORE = {"model_fwd_loss": ("data_next_wait",),
           "model_backward": ("data_next_wait", "model_fwd_loss")}
-ALIKE_RATIO = 1.3  # fwd, bwd and optim all this much slower: CPU starvation
+ALIKE_RATIO = 1.3  # fwd, bwd and optim all this much slower: CPU starvation …
+ALIKE_SPREAD = 1.5  # … by ratios this close (largest / smallest)
 
 
 def own_times(ctx: Ctx, name: str) -> Array:
@@ -164,11 +181,15 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
         m[:, with_kernels[with_kernels < m.shape[1]]] = np.nan  # their device time is measured
         verdicts[short] = judge(ctx, m, ctx.cfg.min_ratio)
     optim = judge(ctx, stage_matrix(ctx, "optim_step"), 1.0)
+    waits = step_waits(ctx)
+    counted = (np.zeros(ctx.w.grid.world, dtype=bool) if waits is None
+               else ~np.all(np.isnan(waits[0]), axis=0))
     out = []
     for short, v in verdicts.items():
         other = verdicts["bwd" if short == "fwd" else "fwd"]
         for x in np.flatnonzero(v.flag).tolist():
-            starved = min(other.ratio[x], optim.ratio[x], v.ratio[x]) >= ALIKE_RATIO
+            starved = not (x < counted.size and counted[x]) and alike(
+                (float(v.ratio[x]), float(other.ratio[x]), float(optim.ratio[x])))
             stage = "host cpu" if starved else f"{short} pp={int(ctx.stage_of[x])}"
             comp: Component = "host_software" if starved else "gpu_compute"
             what = "forward" if short == "fwd" else "backward"
@@ -182,3 +203,13 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
                 + f" ({v.how[x]} {v.z[x]:.1f}σ)", float(v.z[x]), str(v.how[x]),
                              int(ctx.steps[v.since[x]])))
     return out
+
+
+def alike(ratios: tuple[float, ...]) -> bool:
+    """Whether a rank's phases are all slower by a like ratio (module docstring): each at least
+    `ALIKE_RATIO`, the largest within `ALIKE_SPREAD` of the smallest; a ratio not known (nan)
+    is not alike."""
+    if not all(np.isfinite(ratios)):
+        return False
+    low, high = min(ratios), max(ratios)
+    return bool(low >= ALIKE_RATIO and high <= ALIKE_SPREAD * low)

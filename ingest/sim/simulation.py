@@ -27,6 +27,7 @@ from ingest.sim.config import JobConfig
 from ingest.sim.emit import Clock, Cols, StepEmitter, anonymous_topology, comm_dictionary
 from ingest.sim.engine import PASS_F, PASS_OPT, Engine, OpGroup, StepResult, fault_onsets
 from ingest.sim.faults import Fault, FaultSet, parse_fault
+from ingest.sim.inferred import AgentShape
 from ingest.sim.progress import ChunkSnapshots, Timeline, ticks_between, wr_events
 from ingest.sim.truth import TruthRecord, truth_records
 
@@ -265,21 +266,31 @@ class Simulation:
             if unknown:
                 raise ValueError(f"unknown record kinds {sorted(unknown)}; "
                                  f"expected some of {', '.join(MODELS)}")
-        yield 0.0, "jobs", producer, encode_topology(self.topology(), producer=producer)
+        topo = self.topology()
+        yield 0.0, "jobs", producer, encode_topology(topo, producer=producer)
+        agent = None if self.cfg.declared_shape else AgentShape(
+            topo, self.ranks[self.layout.host_of[self.ranks] == self.layout.host_of[0]])
         seq = 0
         pending: dict[str, list[Cols]] = {}
         sizes: dict[str, int] = {}
         current = 0.0
         for release, kind, cols in self.records():
-            if kinds is not None and kind not in kinds:
-                continue
             if release != current:
                 for k in list(pending):
                     for who, data in self._encode(k, pending.pop(k), producer, seq, framing):
                         seq += 1
                         yield current, k, who, data
                 sizes.clear()
+                # what the agent has drained by now: a beat's shape, after this release's data
+                if agent is not None and (
+                        inferred := agent.topology(current, self.cfg.epoch_ns)) is not None:
+                    yield current, "jobs", producer, encode_topology(inferred,
+                                                                     producer=producer)
                 current = release
+            if agent is not None and kind == "ops":
+                agent.observe(cols)
+            if kinds is not None and kind not in kinds:
+                continue
             pending.setdefault(kind, []).append(cols)
             sizes[kind] = sizes.get(kind, 0) + len(cols["rank"])
             if sizes[kind] >= self.cfg.batch_rows:

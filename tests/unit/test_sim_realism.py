@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from ingest.batch import decode_batch
 from ingest.sim import realism as R
 from ingest.sim.config import JobConfig
 from ingest.sim.engine import Engine, StepResult
@@ -230,3 +231,22 @@ def test_undeclared_shape_publishes_what_a_tracer_without_the_shape_knows() -> N
     # the records name the same groups; the PP pairs (0,2), (1,3) are among them, unnamed
     assert set(np.unique(tables["ops"]["comm_id"]).tolist()) == set(comms)
     assert {tuple(c.members) for c in comms.values()} == {(0, 2), (1, 3), (0, 1), (2, 3)}
+
+
+def test_undeclared_shape_is_then_published_as_the_agent_infers_it() -> None:
+    """Like the host agent of rank 0 (ingest.agent.shape, topology.build), the simulator reads
+    the pipeline from the point-to-point calls of rank 0's host and, at the next beat after
+    them, publishes the topology with the inferred shape — the sizes and microbatches the job
+    runs, each marked "inferred"."""
+    cfg = PP2DP2.with_(steps=30, declared_shape=False)
+    sim = Simulation(cfg)
+    jobs = [(release, data) for release, kind, data in sim.batches() if kind == "jobs"]
+    assert len(jobs) == 2 and jobs[0][0] == 0.0 and jobs[1][0] >= 1.0, [j[0] for j in jobs]
+    topo = decode_batch(jobs[1][1]).topologies[0]
+    assert (topo.tp, topo.pp, topo.dp, topo.microbatches, topo.schedule) == (
+        1, 2, 2, cfg.microbatches, "1f1b")
+    assert {topo.shape_source[k] for k in ("tp", "pp", "dp", "microbatches")} == {"inferred"}
+    # the agent sees its own host's rings only: rank 0's host (ranks 0, 1: stage 0) shows the
+    # links to stage 1, not the chains' far ends — a 4-stage pipeline over hosts is not inferred
+    spread = Simulation(cfg.with_(pp=4, ranks_per_host=2))
+    assert [k for _, k, _ in spread.batches()].count("jobs") == 1
