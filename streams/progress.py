@@ -23,7 +23,9 @@ vectorized merge here, whatever the number of ranks:
 last record time — for every (rank, comm_id) ever seen in the job, so a rank that stopped still
 gets a row every window (that is what a hang trigger needs). Per job it is a handful of int64
 arrays of (ranks × communicators) entries: bounded by the job's shape, not by its run length.
-After a restart it is rebuilt from the last window stored in the `progress` table.
+It is rebuilt from the `progress` table — the rows of the latest window ending at or before
+the one to compute — whenever that window does not follow the last one folded in (a restart, a
+rebalance, a job's windows moved back): each window's rows follow from the stored rows alone.
 
 Definitions (ingest.records.Progress): `last_op_seq` counts completed calls only (a beat's
 last_op_seq is the last call *started*, so it is not mixed in); `bytes_per_s` is the bytes of the
@@ -110,7 +112,8 @@ SELECT rank, toString(comm_id) AS comm, last_op_seq, toUnixTimestamp64Nano(last_
        toUnixTimestamp64Nano(last_record_ts) AS last_ts
 FROM progress FINAL
 WHERE job_id = {job:String}
-  AND window_end = (SELECT max(window_end) FROM progress WHERE job_id = {job:String})
+  AND window_end = (SELECT max(window_end) FROM progress WHERE job_id = {job:String}
+                    AND window_end <= fromUnixTimestamp64Nano({ws:Int64}, 'UTC'))
 """
 
 
@@ -123,6 +126,8 @@ class ProgressState:
     last_op_seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_beat_ts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_record_ts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: the end of the last window folded in (None: none yet)
+    we: int | None = None
 
     def encode(self, rank: np.ndarray, comm: np.ndarray) -> np.ndarray:
         names, inverse = np.unique(comm.astype(str), return_inverse=True)
@@ -176,6 +181,7 @@ class ProgressState:
         inflight, oldest = self._running(running, n)
         rank, comm = self.decode()
         width = max(we - ws, 1)
+        self.we = we
         return {
             "window_end": np.full(n, we, np.int64), "rank": rank, "comm_id": comm,
             "last_op_seq": self.last_op_seq.copy(), "completed_ops": completed,
@@ -223,11 +229,19 @@ class ProgressFeed:
         self.db, self.p = db, params or ProgressParams()
         self.states: dict[str, ProgressState] = {}
 
-    async def _state(self, job: str) -> ProgressState:
+    async def _state(self, job: str, ws: int) -> ProgressState:
+        """The state to fold window `ws` into: the one held when it follows the last window
+        folded, else the rows stored for the latest window ending at or before `ws` (a job new
+        to this worker, a restart, a window closed again after a rebalance restored an older
+        checkpoint, or a job's windows moved back before its first stored one). A state carried
+        past `ws` would put later completions into an earlier window — a `last_op_seq` that
+        falls from one window to the next — and one behind it (windows another worker closed
+        meanwhile) earlier values into a later one: each window is a function of the stored
+        rows, whatever this worker computed before."""
         st = self.states.get(job)
-        if st is None:
+        if st is None or st.we != ws:
             st = self.states[job] = ProgressState()
-            last = await self.db.aquery_columns(LAST_SQL, {"job": job})
+            last = await self.db.aquery_columns(LAST_SQL, {"job": job, "ws": ws})
             if len(last["rank"]):
                 st.restore(last)
         return st
@@ -235,7 +249,7 @@ class ProgressFeed:
     async def compute(self, job: str, ws: int) -> dict[str, np.ndarray]:
         we = ws + self.p.window_ns
         lo = ws - self.p.op_lookback_ns
-        st = await self._state(job)
+        st = await self._state(job, ws)
         far = we - self.p.hang_horizon_ns
         ops = await self.db.aquery_columns(
             OPS_SQL, {"job": job, "ws": ws, "we": we, "lo": lo, "far": far})

@@ -571,3 +571,36 @@ def test_progress_rows_are_their_definition_over_the_raw_records(clickhouse_db: 
     assert set(got) == set(want)
     bad = [(k, got[k], want[k]) for k in sorted(want) if got[k] != want[k]]
     assert not bad, bad[:5]
+
+
+def test_a_progress_window_closed_again_is_computed_from_the_stored_rows(
+        clickhouse_db: Database) -> None:
+    """A window the feed computes again (a rebalance restored an older checkpoint) or anew
+    before its first stored one (a job's windows moved back) is what the stored rows say, not
+    what this worker's state carried past it: its `last_op_seq` is the one stored for it, and
+    no later window's completions reach an earlier one (a series that falls from one window
+    to the next)."""
+    db = clickhouse_db
+    job, t0 = "reclose", 1_700_000_300 * SEC
+    calls = [(i, t0 + i * SEC // 4, t0 + i * SEC // 4 + 1000) for i in range(40)]  # 10 s
+    by_end = _progress_of(db, job, [_dp_calls(job, calls)])
+    ends = sorted(by_end)
+    assert len(ends) >= 8 and [by_end[e][2] for e in ends] == sorted(by_end[e][2] for e in ends)
+    feed = DerivedRunner(db, _nothing, config(), clock=CLOCK).progress
+    width = config().progress.window_ns
+
+    def seq_of(rows: dict[str, np.ndarray]) -> int:
+        hit = (rows["rank"] == 0) & (rows["comm_id"] == "dp:0")
+        return int(rows["last_op_seq"][hit][0]) if hit.any() else -1  # -1: no row
+
+    async def again() -> tuple[int, int, int, int]:
+        last = await feed.compute(job, ends[-1] - width)  # the job's newest window first
+        early = await feed.compute(job, ends[2] - width)  # then an earlier one, closed again
+        nxt = await feed.compute(job, ends[3] - width)  # and on from there
+        before = await feed.compute(job, ends[0] - 2 * width)  # before the first stored one
+        return seq_of(last), seq_of(early), seq_of(nxt), seq_of(before)
+
+    last, early, nxt, before = asyncio.run(again())
+    assert last == by_end[ends[-1]][2] == 39
+    assert (early, nxt) == (by_end[ends[2]][2], by_end[ends[3]][2])
+    assert before <= by_end[ends[0]][2]
