@@ -525,7 +525,7 @@ def analyze(w: Window, now_ns: int) -> Conclusion | None:
         blamed = [p for f in alg2 if "no_counter_evidence" in f.labels
                   for p in [_p2p_stall(w, now_ns, f)] if p is not None]
     if blamed:
-        return _min_data(blamed, halt, incomplete)
+        return _min_data(blamed, halt, incomplete, grid.world)
     if incomplete:
         f = incomplete[0]
         return Conclusion("hang", f.culprit_ranks, "dp_allreduce", "nic_rdma", 0.6,
@@ -806,8 +806,19 @@ def _segment(skey: np.ndarray, rank: int, comm: int) -> tuple[int, int]:
         lo + int(np.searchsorted(sub, comm, side="right"))
 
 
+#: a hang conclusion naming more than this share of the job's ranks has not narrowed the cause
+#: down: a suspect set, not a culprit, said with at most `WIDE_CONFIDENCE`
+WIDE_SHARE = 0.5
+WIDE_CONFIDENCE = 0.5
+
+
 def _min_data(blamed: list[Finding], halt: list[Finding],
-              incomplete: list[Finding]) -> Conclusion:
+              incomplete: list[Finding], world: int) -> Conclusion:
+    """The hang named by the findings that blame ranks (chunk counters, flows, an Alg. 2
+    cycle). One that names most of the job — a deadlock cycle through every rank, the moment
+    before the one rank whose records stopped can be told dead (a simulated 64-rank job's
+    first version named all 64 at 0.85) — has not found the rank to look at: its confidence
+    is capped at `WIDE_CONFIDENCE`, labelled `culprit_not_narrowed`."""
     top = blamed[0]
     stage = normalize_stage(top.stage) or "dp_allreduce"
     ranks = top.culprit_ranks
@@ -815,6 +826,10 @@ def _min_data(blamed: list[Finding], halt: list[Finding],
     conf = 0.85 if "no_counter_evidence" not in top.labels else 0.3
     if incomplete and set(incomplete[0].culprit_ranks) & set(ranks):
         conf = min(1.0, conf + 0.1)
+    labels = top.labels
+    if len(ranks) > 1 and len(ranks) > WIDE_SHARE * world:
+        conf = min(conf, WIDE_CONFIDENCE)
+        labels = (*labels, "culprit_not_narrowed")
     summ = [(top.rule, f"all members sit in the same stalled op; chunk counters "
              f"{top.evidence.get('states')} blame rank(s) {list(ranks)}")]
     alt = [h.stage for h in halt if h.stage]
@@ -825,7 +840,7 @@ def _min_data(blamed: list[Finding], halt: list[Finding],
         stage = "dp_allreduce"
     return Conclusion("hang", ranks, stage, comp, conf, onset_ns=top.onset_ns,
                       stages=tuple(dict.fromkeys([stage, *[a for a in alt if a]]))[:3],
-                      labels=top.labels, findings=(*blamed, *halt, *incomplete),
+                      labels=labels, findings=(*blamed, *halt, *incomplete),
                       summaries=tuple(summ))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 
 from diagnosis import hang_rca
 from diagnosis.window import Window
@@ -72,3 +73,22 @@ def test_completion_gap_matches_the_sorted_definition() -> None:
             assert got is None, (trial, got)
         else:  # ties may pick another gap of the same length
             assert got is not None and got[1] - got[0] == want[1] - want[0], (trial, got, want)
+
+
+@pytest.mark.parametrize(("ranks", "world", "capped"), [
+    (tuple(range(64)), 64, True),   # a deadlock cycle through every rank
+    ((3, 4, 5), 4, True),           # most of a small job
+    ((27,), 64, False),             # one rank: narrowed
+    ((0, 1), 4, False),             # half of it: a group, still a place to look
+])
+def test_a_hang_naming_most_of_the_job_is_a_suspect_set(ranks: tuple[int, ...], world: int,
+                                                        capped: bool) -> None:
+    from diagnosis.hang_rca import WIDE_CONFIDENCE, _min_data
+    from diagnosis.rules.base import Finding
+
+    f = Finding(rule="mycroft.alg2.deadlock", culprit_ranks=ranks, stage="dp_allreduce",
+                component="host_software", score=1.0, labels=("deadlock",), kind="hang")
+    c = _min_data([f], [], [], world)
+    assert c.ranks == ranks
+    assert (c.confidence <= WIDE_CONFIDENCE) is capped
+    assert ("culprit_not_narrowed" in c.labels) is capped
