@@ -111,7 +111,7 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
          "--speed", "realtime", "--out", "kafka", "--quiet", "--json"],
         env=stack.child_env(settings), stdout=subprocess.PIPE)
     got: list[Diagnosis] = []
-    killed_at = None
+    killed_at, killed_ns = None, 0
     db = Database(stack.store_url(settings), settings.clickhouse_database, create=False)
 
     def rows(sql: str) -> list[tuple[int, ...]]:
@@ -127,7 +127,7 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
                 pid = daemons[owner].pid()
                 assert pid is not None
                 Daemon._signal(pid, signal.SIGKILL)
-                killed_at = time.monotonic()
+                killed_at, killed_ns = time.monotonic(), time.time_ns()
         out, _ = sim.communicate(timeout=30)
         want = published_rows(json.loads(out))
         # every raw row stored once: wait for the survivor to drain the job's partition
@@ -136,6 +136,11 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
             if (d := poll_diagnosis(c, job, 0.5)) is not None:
                 got.append(d)
         gaps = derived(rows, job).problems(min_windows=21)
+        if gaps and killed_at is not None:  # where the kill fell, for the reader of a failure
+            first = rows("SELECT toUnixTimestamp64Nano(min(window_end)) FROM progress "
+                         f"WHERE job_id = '{job}'")[0][0]
+            gaps.append(f"the owner was killed {(killed_ns - int(first)) / 1e9:.1f} s after "
+                        "the first window's end (wall clock; the job runs in real time)")
     finally:
         sim.kill()
         c.close()

@@ -73,6 +73,8 @@ class Derived:
     #: (rank, step) with stage records but no iteration row, for steps that began more than
     #: 10 s before the last iteration ended (the newest may still be open)
     missing_steps: int
+    #: the progress windows missing inside the span, as seconds after its first window's end
+    missing_windows: tuple[int, ...] = ()
 
     def problems(self, min_windows: int) -> list[str]:
         """Why the derived rows are incomplete; empty when they are not."""
@@ -81,7 +83,8 @@ class Derived:
             out.append(f"{self.progress_windows} progress windows, expected {min_windows}+")
         if self.progress_windows != self.progress_span:
             out.append(f"progress: {self.progress_windows} windows over a span of "
-                       f"{self.progress_span}: a gap")
+                       f"{self.progress_span}: a gap (missing {list(self.missing_windows)} s "
+                       "after the first)")
         if self.steps == 0:
             out.append("no iteration rows")
         if self.missing_steps:
@@ -103,4 +106,10 @@ def derived(query: Query, job: str) -> Derived:
     steps = query("SELECT count() FROM (SELECT DISTINCT rank, step FROM iterations "
                   f"WHERE job_id = {j})")[0][0]
     span = (int(hi) - int(lo)) // 1_000_000_000 + 1 if n else 0
-    return Derived(int(n), span, int(steps), int(missing))
+    holes: tuple[int, ...] = ()
+    if n and int(n) != span:
+        ends = {int(r[0]) for r in query(
+            "SELECT DISTINCT toUnixTimestamp64Nano(window_end) FROM progress "
+            f"WHERE job_id = {j}")}
+        holes = tuple(i for i in range(span) if int(lo) + i * 1_000_000_000 not in ends)
+    return Derived(int(n), span, int(steps), int(missing), holes)
