@@ -9,11 +9,15 @@ GPU got slower starts those calls later by exactly its extra compute. Counted wh
 a GPU-slow rank's TP all-reduces `tp_collectives` / host_software whenever the rank's kernel
 records were read behind its calls (the end-to-end slowdown test under load: rank 3 of a
 simulated TP 2 × PP 2 × DP 2 job, its GPU ×1.8). So a call's delay here is `t_start −
-max(t_enqueue, end of the rank's latest compute kernel ending at or before t_start)`: the time
-nothing of the rank's own ran before the call did. Mycroft names the same dependency (§3: a
-collective's kernels launched but left unscheduled behind other kernels on the device) and
-reads its late start (#7) off the proxy's first transmission, which the records here do not
-carry.
+max(t_enqueue, latest end of the rank's compute kernels begun at or before t_start, capped at
+t_start)`: the time nothing of the rank's own ran before the call did. A kernel still running
+when the call started (another stream's) kept the device busy up to the start: counting only
+kernels that had ended, a call that began while its rank's long matmul ran was charged the time
+since some earlier kernel's end (property test: a rank whose collectives were recorded 30 ms
+earlier, waiting longer, was named `tp_collectives` / host_software at 0.51). Mycroft names
+the same dependency (§3: a collective's kernels launched but left unscheduled behind other
+kernels on the device) and reads its late start (#7) off the proxy's first transmission, which
+the records here do not carry.
 
 Where the job has kernel records, a call is judged only once its rank's kernels are stored past
 its start (the newest calls wait for their kernels: unknown until then), and a rank without
@@ -37,45 +41,52 @@ from diagnosis.slow.context import Array, Ctx, judge, matrix
 
 
 def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array) -> Array:
-    """Per call, ns from `t_enqueue` (or the end of the rank's latest compute kernel ending at
-    or before `t_start`, when later) to `t_start`, ≥ 0; nan where the rank's kernels are not
-    stored past `t_start`. Without compute kernel records: 0 for a call started as it was
-    enqueued, else nan (module docstring). One stable sort of the kernels' (rank, end) keys,
-    one search per call."""
+    """Per call, ns from `t_enqueue` (or the latest end of the rank's compute kernels begun at
+    or before `t_start`, capped at `t_start`, when later) to `t_start`, ≥ 0; nan where the
+    rank's kernels are not stored past `t_start`. Without compute kernel records: 0 for a call
+    started as it was enqueued, else nan (module docstring). One stable sort of the kernels'
+    (rank, start) keys, one running maximum of their ends, one search per call."""
     gap: Array = np.maximum(t_start - t_enqueue, 0).astype(np.float64)
     unknown: Array = np.where(gap > 0, np.nan, 0.0)
     k = ctx.w.get("kernels")
     if not k or not rank.size:
         return unknown
-    ke = ints(k, "t_start") + ints(k, "duration")
+    ks = ints(k, "t_start")
+    ke = ks + ints(k, "duration")
     # a kernel that ended before the earliest call was enqueued holds no call back
     base = int(t_enqueue.min())
     keep = np.flatnonzero((ke >= base) & (col(k, "rank") >= 0))
     keep = keep[kernel_classes(col(k, "kernel"))[keep] != 0]  # NCCL kernels: the calls
     kr = col(k, "rank")[keep].astype(np.int64)
-    ke = ke[keep]
+    ks, ke = np.maximum(ks[keep], base), ke[keep]
     if not kr.size:
         return unknown  # no rank's compute kernels stored past these calls
-    # each call's latest kernel end at or before its start, on its own rank: (rank, time)
-    # in one int64 key (40 bits of ns from `base`: 18 minutes, more than a window holds)
+    # per call, the latest end of its rank's kernels begun at or before its start — a kernel
+    # still running when the call started kept the device busy up to it (capped there): keys
+    # (rank, start) and (rank, end) in one int64 each (40 bits of ns from `base`: 18 minutes,
+    # more than a window holds); the running maximum of the end keys in (rank, start) order
+    # is, within a rank's run, the latest end so far (a rank's keys exceed every lower rank's)
     span = np.int64(1) << 40
     t_hi = int(max(int(ke.max()), int(t_start.max())))
     if t_hi - base >= span or int(max(kr.max(), rank.max())) >= 1 << 22:
         return unknown
     # stable: timsort merges the runs a window's kernels come in (per rank, in time)
-    kkey = np.sort((kr << 40) | (ke - base), kind="stable")
+    order = np.argsort((kr << 40) | (ks - base), kind="stable")
+    skey = ((kr << 40) | (ks - base))[order]
+    ends = np.maximum.accumulate(((kr << 40) | (ke - base))[order])
     ckey = (rank.astype(np.int64) << 40) | np.maximum(t_start - base, 0)
-    at = np.searchsorted(kkey, ckey, side="right") - 1
-    prev = kkey[np.maximum(at, 0)]
+    at = np.searchsorted(skey, ckey, side="right") - 1
+    prev = ends[np.maximum(at, 0)]
     same = (at >= 0) & ((prev >> 40) == (ckey >> 40))
-    busy = np.where(same, (prev & (span - 1)) + base, np.iinfo(np.int64).min)
+    busy = np.where(same, np.minimum((prev & (span - 1)) + base, t_start),
+                    np.iinfo(np.int64).min)
     out: Array = np.maximum(t_start - np.maximum(t_enqueue, busy), 0).astype(np.float64)
     # known once the rank's kernels are stored past the call's start: each rank's newest
-    # kernel end is the last key of its run
-    kr_sorted = kkey >> 40
+    # kernel end is the last of its run's running maximum
+    kr_sorted = skey >> 40
     last = np.flatnonzero(np.r_[kr_sorted[1:] != kr_sorted[:-1], True])
     newest = np.full(int(max(kr_sorted[-1], rank.max())) + 1, np.iinfo(np.int64).min, np.int64)
-    newest[kr_sorted[last]] = (kkey[last] & (span - 1)) + base
+    newest[kr_sorted[last]] = (ends[last] & (span - 1)) + base
     ok = rank >= 0
     known = np.zeros(rank.size, dtype=bool)
     known[ok] = newest[rank[ok]] >= t_start[ok]

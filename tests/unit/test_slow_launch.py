@@ -39,6 +39,18 @@ def test_the_devices_own_queue_is_not_a_launch_delay() -> None:
     assert got[0] == 0 and got[1] == 4 * MS and np.isnan(got[2])
 
 
+def test_a_kernel_running_when_the_call_started_kept_the_device_busy() -> None:
+    # rank 0: a short kernel ends at 2 ms, a long one (another stream) runs 1-40 ms; the call,
+    # enqueued at 3 ms, started at 25 ms while the long one ran: nothing of its own idled the
+    # device, no delay (counted from the short kernel's end it was 22 ms). Its call at 50 ms,
+    # enqueued at 41, started 9 ms after the long kernel ended and the device idled: 9 ms
+    k = {"rank": np.array([0, 0, 0]), "kernel": np.array(["gemm", "gemm", "gemm"]),
+         "t_start": np.array([0, 1, 55], np.int64) * MS,
+         "duration": np.array([2, 39, 5], np.int64) * MS}
+    got = delays(k, [0, 0], [3 * MS, 41 * MS], [25 * MS, 50 * MS])
+    assert got.tolist() == [0, 9 * MS]
+
+
 def test_a_malformed_rank_neither_crashes_nor_lends_its_kernels() -> None:
     # a kernel of rank -1 running past the calls says nothing of rank 0's device
     k = {"rank": np.array([-1]), "kernel": np.array(["gemm"]),
