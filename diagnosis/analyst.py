@@ -338,7 +338,7 @@ class Analyst:
         if self._unsettled(t, w, at, now_ns, now_ns):
             self.pending.setdefault(t.job_id, (t, now_ns, now_ns + self._retry_gap(0, hang=True)))
             return []
-        c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+        c, ms = self._run(self._diagnosing(t), w, at)
         log.debug("%s trigger %s (ranks %s) analysed at %d (%.0f ms behind): %s (%.0f ms)",
                   t.kind, t.job_id, list(t.ranks)[:8], at, (now_ns - at) / 1e6,
                   None if c is None else (c.kind, c.ranks[:8], c.stage), ms)
@@ -393,7 +393,7 @@ class Analyst:
         if tried is None:  # no stage records: the trigger's own analysis, over every kind
             w = self._window(job, at)
             c, ms = (None, 0.0) if w is None else \
-                self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+                self._run(self._diagnosing(t), w, at)
         else:
             c, w, ms = tried
         cost = (self.spent() - t0) * 1e3  # the read included: most of a try
@@ -497,7 +497,7 @@ class Analyst:
         w = self._window(job, at)
         c, ms = None, 0.0
         if w is not None and not self._unsettled(t, w, at, since, now_ns):
-            c, ms = self._run(lambda w_, n: engine.diagnose(w_, t, n), w, at)
+            c, ms = self._run(self._diagnosing(t), w, at)
         if c is None or w is None:
             cost = (self.spent() - t0) * 1e3  # the read included: most of a try
             self.pending[job] = (t, since, now_ns + self._retry_gap(cost, hang=True))
@@ -644,13 +644,28 @@ class Analyst:
         return min(self.config.sweep_s,
                    max(self.config.min_sweep_s, cost / self.config.sweep_share))
 
+    def _open_culprits(self, job: str) -> tuple[tuple[int, ...], str | None]:
+        """(culprit ranks, stage) of the job's open performance incident; ((), None) without
+        one."""
+        d = self.book.current(job, "performance")
+        return (tuple(d.culprit_ranks), d.stage) if d is not None else ((), None)
+
     def _confirming(self, job: str) -> Callable[[Window, int], Conclusion | None]:
         """The slowdown analysis of a re-check: the open incident's culprits stay suspects
         while their excess persists (`diagnosis.slow.context.judge`, confirm)."""
-        d = self.book.current(job, "performance")
-        ranks = tuple(d.culprit_ranks) if d is not None else ()
-        stage = d.stage if d is not None else None
+        ranks, stage = self._open_culprits(job)
         return lambda w, now: slow.analyze(w, now, confirm=ranks, confirm_stage=stage)
+
+    def _diagnosing(self, t: Trigger) -> Callable[[Window, int], Conclusion | None]:
+        """A trigger's analysis (`engine.diagnose`), judged as the re-checks judge while a
+        performance incident of its job is open: a hang trigger of a job whose performance
+        incident is open (the silence after its end) falls back to the slowdown analysis, and
+        without the open culprits an onset that lies before its judged steps is not seen — a
+        rank starved of CPU for the whole window then showed as spikes of its optimizer, and
+        the incident named "host cpu" for 10 s was turned into `jitter [1] optim` at the end
+        of a real job."""
+        ranks, stage = self._open_culprits(t.job_id)
+        return lambda w, now: engine.diagnose(w, t, now, confirm=ranks, confirm_stage=stage)
 
     def _ops_sweep(self, job: str, at: int, now_ns: int) -> list[Diagnosis]:
         """A sweep of a job without stage records (diagnosis/ops_rca.py)."""

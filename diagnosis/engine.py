@@ -6,7 +6,10 @@ VenusTrace halt point) and fall back to the slowdown analysis when nothing is st
 stall that already recovered); straggler, jitter and regression triggers run the slowdown analysis
 (diagnosis.slow: excess over peers on non-waiting quantities, Table 3/4, ARGUS L2/L3) after checking
 that nothing is stuck — a slowdown trigger can arrive during a hang, or at the start of a stall
-too young to be one yet.
+too young to be one yet. While a performance incident of the job is open, the slowdown analysis
+keeps its culprits while their excess persists (`confirm`, as the analyst's re-checks do): a
+trigger of any kind reads the same window the re-check reads, and without them the onset that
+opened the incident may lie outside its judged steps.
 
 `to_diagnosis` adds what an operator needs: hosts of the culprit ranks, the rules that fired,
 one evidence entry per rule with the SQL to see its rows, and a one-line summary.
@@ -23,10 +26,11 @@ from diagnosis.triggers.base import Trigger
 from diagnosis.window import Window
 from ingest.records import COMM_KIND_CODES, comm_kind_code_sql, kind_code_sql
 
-Analysis = Callable[[Window, int], Conclusion | None]
+Analysis = Callable[..., Conclusion | None]
 
 
-def _hang_then_slow(w: Window, now_ns: int) -> Conclusion | None:
+def _hang_then_slow(w: Window, now_ns: int, confirm: tuple[int, ...] = (),
+                    confirm_stage: str | None = None) -> Conclusion | None:
     c = hang_rca.analyze(w, now_ns) or hang_rca.analyze_past_stall(w, now_ns)
     if c is not None:
         return c
@@ -34,7 +38,7 @@ def _hang_then_slow(w: Window, now_ns: int) -> Conclusion | None:
     # analysis' to name once it is one — its waiting, read as a slowdown, is a wrong incident
     if hang_rca.stuck_ranks(w, now_ns).size:
         return None
-    return slow.analyze(w, now_ns)
+    return slow.analyze(w, now_ns, confirm=confirm, confirm_stage=confirm_stage)
 
 
 ANALYSES: dict[str, Analysis] = {
@@ -46,9 +50,12 @@ ANALYSES: dict[str, Analysis] = {
 }
 
 
-def diagnose(w: Window, trigger: Trigger, now_ns: int) -> Conclusion | None:
-    """The conclusion for `trigger` over `w`, or None when nothing material is found."""
-    return ANALYSES[trigger.kind](w, now_ns)
+def diagnose(w: Window, trigger: Trigger, now_ns: int, confirm: tuple[int, ...] = (),
+             confirm_stage: str | None = None) -> Conclusion | None:
+    """The conclusion for `trigger` over `w`, or None when nothing material is found.
+    `confirm`, `confirm_stage`: the culprits and stage of the job's open performance incident
+    (module docstring)."""
+    return ANALYSES[trigger.kind](w, now_ns, confirm=confirm, confirm_stage=confirm_stage)
 
 
 def _q(s: str) -> str:

@@ -565,3 +565,37 @@ def test_a_pending_slowdown_is_tried_as_its_stage_records_are_stored() -> None:
     out = a.retry_slow(now + 3 * S + S // 10)
     assert [(d.status, d.culprit_ranks) for d in out] == [("open", [9])]
     assert job not in a.pending_slow and job not in a.slow_tried_at
+
+
+def test_a_hang_trigger_during_an_open_slowdown_judges_it_as_the_re_checks_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hang trigger of a job whose performance incident is open (the silence after the job
+    ends) finds no hang and falls back to the slowdown analysis: it runs with the open
+    incident's culprits and stage to confirm, as a re-check does, so the incident keeps its
+    answer while the culprit's excess persists. Without them a real job's rank starved of CPU
+    for the whole window read as spikes of its optimizer, and the incident that had named
+    `host cpu` was turned into `jitter [1] optim` at the job's end."""
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("gpu_slow rank=9 factor=1.5 at=1s")
+    job = w.topo.job_id
+    starved = Conclusion("slowdown", (9,), "host cpu", "host_software", 0.8)
+    spikes = Conclusion("jitter", (9,), "optim", "gpu_compute", 0.75)
+    asked: list[tuple[tuple[int, ...], str | None]] = []
+
+    def analyze(w_: Window, now_ns: int, config: object = None, confirm: tuple[int, ...] = (),
+                confirm_stage: str | None = None, beats: object = None) -> Conclusion:
+        asked.append((tuple(confirm), confirm_stage))
+        return starved if (not asked[1:] or 9 in confirm) else spikes
+
+    monkeypatch.setattr("diagnosis.engine.slow.analyze", analyze)
+    a = Analyst(lambda job_id, lo, hi, kinds=None: w, AnalystConfig(),
+                event_clock=lambda job_id, t: now)
+    opened = a.on_trigger(Trigger(job, now, "straggler", (9,)), now)
+    assert [(d.status, d.stage) for d in opened] == [("open", "host cpu")]
+    out = a.on_trigger(Trigger(job, now + S, "hang", (0,)), now + S)
+    assert asked == [((), None), ((9,), "host cpu")]
+    assert [(d.kind, d.stage) for d in out] in ([], [("slowdown", "host cpu")])
+    kept = a.book.current(job, "performance")
+    assert kept is not None and kept.stage == "host cpu"

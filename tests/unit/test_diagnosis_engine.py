@@ -76,7 +76,7 @@ def test_a_stall_too_young_for_a_hang_is_no_slowdown(monkeypatch: pytest.MonkeyP
     named = Conclusion("slowdown", (3,), "data", "data_loader", 0.9)
     monkeypatch.setattr(hang_rca, "analyze", lambda w_, n: None)
     monkeypatch.setattr(hang_rca, "analyze_past_stall", lambda w_, n: None)
-    monkeypatch.setattr(slow, "analyze", lambda w_, n: named)
+    monkeypatch.setattr(slow, "analyze", lambda w_, n, **_k: named)
     t = Trigger("t", stuck, "straggler", ())
     assert engine.diagnose(w, t, stuck) is None
     assert engine.diagnose(w, t, calm) is named
