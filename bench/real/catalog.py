@@ -120,7 +120,11 @@ CASES: list[Case] = [
     # joins: no call in flight, the order of the processes' ends is the evidence
     _c("ddp4-kill-fast-stop", "ddp", 4, 200, {"kind": "kill", "rank": 2, "step": 40},
        monitor_s=0.01),
+    # two busy processes slow the job by anything from 5 to 30 % (the rank's stages are mostly
+    # sleeps, and a sleeper waking beside busy loops gets its core back soon); four take most
+    # of the rank's core while it computes and slow the job ~45 % run after run
     _c("ddp4-cpu-hog", "ddp", 4, 160, {"kind": "hog", "rank": 1, "step": 40, "procs": 2}),
+    _c("ddp4-cpu-hog-heavy", "ddp", 4, 160, {"kind": "hog", "rank": 1, "step": 40, "procs": 4}),
     _c("ddp4-stall", "ddp", 4, 200, {"kind": "stall", "rank": 3, "step": 40, "stall_s": 4},
        tags=("extended",)),
     _c("ddp8-slow-bwd-x10", "ddp", 8, 120, _s(7, "bwd", 10)),
