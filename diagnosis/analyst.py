@@ -86,7 +86,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -109,7 +109,7 @@ SWEEP_KINDS = ("stages", "ops", "chunks", "kernels", "kernel_summaries")
 #: room for the recovered stall's steps the analysis leaves out (`slow.reach_start`).
 SWEEP_MARGIN_STEPS = 5
 #: The most recent steps a sweep judges (`_sweep_config`): bounds its read at short steps.
-MAX_RECENT = 200
+MAX_RECENT = slow.MAX_RECENT
 #: How far before the previous look for exit beats the next starts (`Analyst._exits`), s.
 EXIT_MARGIN_S = 5.0
 #: The longest gap between two tries of a pending hang trigger, however costly (`_retry_gap`).
@@ -258,17 +258,10 @@ class Analyst:
 
     def _sweep_config(self, stages: Window, since_ns: int | None) -> slow.SlowConfig:
         """The slowdown analysis's settings for a sweep: its `recent` steps reach back to the
-        previous sweep (at most `MAX_RECENT`), so an onset between two sweeps is inside the
-        judged steps with its baseline before it — with 130 ms steps a 10 s sweep interval is
-        77 steps, past the default 20 recent ones."""
-        cfg = slow.SlowConfig()
-        st = stages.get("stages")
-        if since_ns is None or not st:
-            return cfg
-        step, t0 = st["step"], st["t_start"]
-        new = np.unique(np.asarray(step)[np.asarray(t0) > since_ns]).size
-        recent = min(max(cfg.recent, new + cfg.onset_steps), MAX_RECENT)
-        return replace(cfg, recent=recent)
+        previous sweep (`slow.reach_back`, at most `MAX_RECENT`), so an onset between two
+        sweeps is inside the judged steps with its baseline before it — with 130 ms steps a
+        10 s sweep interval is 77 steps, past the default 20 recent ones."""
+        return slow.reach_back(slow.SlowConfig(), stages.get("stages"), since_ns)
 
     def _sweep_window(self, job_id: str, at_ns: int, since_ns: int | None = None
                       ) -> tuple[Window | None, slow.SlowConfig]:
@@ -644,17 +637,22 @@ class Analyst:
         return min(self.config.sweep_s,
                    max(self.config.min_sweep_s, cost / self.config.sweep_share))
 
-    def _open_culprits(self, job: str) -> tuple[tuple[int, ...], str | None]:
-        """(culprit ranks, stage) of the job's open performance incident; ((), None) without
-        one."""
+    def _open_culprits(self, job: str) -> tuple[tuple[int, ...], str | None, int | None]:
+        """(culprit ranks, stage, onset) of the job's open performance incident; ((), None,
+        None) without one. The onset only for an incident judged against its culprit's own
+        past (`slow.analyze`, `confirm_since_ns`)."""
         d = self.book.current(job, "performance")
-        return (tuple(d.culprit_ranks), d.stage) if d is not None else ((), None)
+        if d is None:
+            return (), None, None
+        since = d.onset_ns if slow.OWN_PAST in d.labels else None
+        return tuple(d.culprit_ranks), d.stage, since
 
     def _confirming(self, job: str) -> Callable[[Window, int], Conclusion | None]:
         """The slowdown analysis of a re-check: the open incident's culprits stay suspects
         while their excess persists (`diagnosis.slow.context.judge`, confirm)."""
-        ranks, stage = self._open_culprits(job)
-        return lambda w, now: slow.analyze(w, now, confirm=ranks, confirm_stage=stage)
+        ranks, stage, since = self._open_culprits(job)
+        return lambda w, now: slow.analyze(w, now, confirm=ranks, confirm_stage=stage,
+                                           confirm_since_ns=since)
 
     def _diagnosing(self, t: Trigger) -> Callable[[Window, int], Conclusion | None]:
         """A trigger's analysis (`engine.diagnose`), judged as the re-checks judge while a
@@ -664,8 +662,9 @@ class Analyst:
         rank starved of CPU for the whole window then showed as spikes of its optimizer, and
         the incident named "host cpu" for 10 s was turned into `jitter [1] optim` at the end
         of a real job."""
-        ranks, stage = self._open_culprits(t.job_id)
-        return lambda w, now: engine.diagnose(w, t, now, confirm=ranks, confirm_stage=stage)
+        ranks, stage, since = self._open_culprits(t.job_id)
+        return lambda w, now: engine.diagnose(w, t, now, confirm=ranks, confirm_stage=stage,
+                                              confirm_since_ns=since)
 
     def _ops_sweep(self, job: str, at: int, now_ns: int) -> list[Diagnosis]:
         """A sweep of a job without stage records (diagnosis/ops_rca.py)."""

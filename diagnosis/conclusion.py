@@ -26,6 +26,8 @@ class Suspicion:
     onset_step: int = -1  # the first step in excess (-1: unknown)
     #: the ranks are a ring the evidence could not narrow to the member that slowed it
     whole_ring: bool = False
+    #: judged against its own past alone (a unit with no like unit: a DDP job's one ring)
+    own_past: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ Analysis = Callable[..., Conclusion | None]
 
 
 def _hang_then_slow(w: Window, now_ns: int, confirm: tuple[int, ...] = (),
-                    confirm_stage: str | None = None) -> Conclusion | None:
+                    confirm_stage: str | None = None,
+                    confirm_since_ns: int | None = None) -> Conclusion | None:
     c = hang_rca.analyze(w, now_ns) or hang_rca.analyze_past_stall(w, now_ns)
     if c is not None:
         return c
@@ -38,7 +39,8 @@ def _hang_then_slow(w: Window, now_ns: int, confirm: tuple[int, ...] = (),
     # analysis' to name once it is one — its waiting, read as a slowdown, is a wrong incident
     if hang_rca.stuck_ranks(w, now_ns).size:
         return None
-    return slow.analyze(w, now_ns, confirm=confirm, confirm_stage=confirm_stage)
+    return slow.analyze(w, now_ns, confirm=confirm, confirm_stage=confirm_stage,
+                        confirm_since_ns=confirm_since_ns)
 
 
 ANALYSES: dict[str, Analysis] = {
@@ -51,11 +53,14 @@ ANALYSES: dict[str, Analysis] = {
 
 
 def diagnose(w: Window, trigger: Trigger, now_ns: int, confirm: tuple[int, ...] = (),
-             confirm_stage: str | None = None) -> Conclusion | None:
+             confirm_stage: str | None = None,
+             confirm_since_ns: int | None = None) -> Conclusion | None:
     """The conclusion for `trigger` over `w`, or None when nothing material is found.
-    `confirm`, `confirm_stage`: the culprits and stage of the job's open performance incident
-    (module docstring)."""
-    return ANALYSES[trigger.kind](w, now_ns, confirm=confirm, confirm_stage=confirm_stage)
+    `confirm`, `confirm_stage`, `confirm_since_ns`: the culprits, stage and (for a verdict
+    against the culprit's own past) onset of the job's open performance incident (module
+    docstring; `slow.analyze`)."""
+    return ANALYSES[trigger.kind](w, now_ns, confirm=confirm, confirm_stage=confirm_stage,
+                                  confirm_since_ns=confirm_since_ns)
 
 
 def _q(s: str) -> str:

@@ -37,6 +37,7 @@ whether the frontier's blame agrees; docs/diagnoses.md has its calibration on th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -69,21 +70,44 @@ from diagnosis.slow.context import (
 from diagnosis.window import Window
 from ingest.agent.shape import infer_pipeline
 
-__all__ = ["SlowConfig", "analyze", "reach_start"]
+__all__ = ["MAX_RECENT", "OWN_PAST", "SlowConfig", "analyze", "reach_back", "reach_start"]
 
 ANALYSES = (compute.suspects, own_time.suspects, phases.suspects, launch.suspects,
             network.suspects, cpu.suspects)
 
 
+#: the most recent steps an analysis that reaches back judges (`reach_back`): bounds its read
+#: and its cost at short steps
+MAX_RECENT = 200
+
+
+def reach_back(cfg: SlowConfig, stages: Columns | None, since_ns: int | None) -> SlowConfig:
+    """`cfg` with its `recent` steps reaching back to the steps begun after `since_ns` (and
+    `onset_steps` more; at most `MAX_RECENT`), so that a change from then on is judged with
+    its baseline before it: a sweep's since the previous sweep, a re-check's since its
+    incident's onset (`analyze`, `confirm_since_ns`). `cfg` unchanged without either."""
+    if since_ns is None or not stages:
+        return cfg
+    new = np.unique(ints(stages, "step")[ints(stages, "t_start") > since_ns]).size
+    return replace(cfg, recent=min(max(cfg.recent, new + cfg.onset_steps), MAX_RECENT))
+
+
 def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
             confirm: tuple[int, ...] = (), confirm_stage: str | None = None,
-            beats: Callable[[], Columns | None] | None = None) -> Conclusion | None:
+            beats: Callable[[], Columns | None] | None = None,
+            confirm_since_ns: int | None = None) -> Conclusion | None:
     """The slowdown conclusion over `w`, or None. `confirm`: the culprit ranks of an incident
     already open, kept while their excess persists, `confirm_stage` its stage (module
     docstring of `context`). `beats`: where `w` has none, reads the job's beats over `w`, and
     is called only for a culprit the steps' own scheduler counters cannot judge (most tries
-    find no suspect, and the tracer's stage records carry the counters)."""
-    cfg = config or SlowConfig()
+    find no suspect, and the tracer's stage records carry the counters).
+    `confirm_since_ns`: the onset of an open incident judged against its culprit's own past
+    alone (label `own_past`: a DDP job's one ring, no like unit to compare with): the judged
+    steps reach back to it (`reach_back`). Such a unit's excess is its rise over its own
+    baseline, and once the judged steps no longer reach back to that baseline there is none
+    to keep it by: a real DDP job's slower ring was resolved 5 s after its baseline slid out,
+    and opened again as a second incident by the next sweep, whose steps reached back."""
+    cfg = reach_back(config or SlowConfig(), w.get("stages"), confirm_since_ns)
     if not w.get("stages"):
         return None
     steps, step_ns, job_step = judged_steps(w, cfg)
@@ -147,6 +171,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
         # the ring is known, not which of its members slowed it: the answer names them all
         conf = min(conf, WHOLE_RING_CONFIDENCE)
         labels.append("ring_member_unknown")
+    if top.own_past:
+        labels.append(OWN_PAST)
     if len(top.ranks) > 1:
         labels.append("host_level")
     findings = [Finding(rule=r, culprit_ranks=s.ranks, stage=s.stage, component=s.component,
@@ -171,6 +197,8 @@ def analyze(w: Window, now_ns: int, config: SlowConfig | None = None,
                       onset_ns=_onset(ctx, top))
 
 
+#: the label of a conclusion whose culprit was judged against its own past alone (`analyze`)
+OWN_PAST = "own_past"
 #: the most a conclusion says while its culprit's CPU cannot be judged yet (`cpu.unjudged`)
 CPU_UNJUDGED_CONFIDENCE = 0.65
 #: the most a conclusion says whose culprit is a ring not narrowed to one member

@@ -386,6 +386,40 @@ def _common(m: Array, x: int, since: int, group: Array) -> bool:
     return False
 
 
+def lone_change(ctx: Ctx, series: Array, since: int) -> bool:
+    """Whether the rise of a unit with no like unit to compare (a DDP job's one ring: `_common`
+    has nothing to find its rise in) over its newest `since` steps is its own, judged against
+    the two things that lengthen a ring's transfers with it:
+    - the ranks' own work: the ring's rise accounts for at least `COMMON` of the job's step
+      time rise over the same steps — a job whose compute slowed everywhere (a machine-wide
+      slowdown, on a CPU transport its reductions too) rose by more than its ring did;
+    - the host's contention: the ranks' steps waited for a CPU (`step_waits`; the median
+      rank's mean over the steps since against its median before) less than `COMMON` of the
+      ring's rise. The transport's threads do not count in the training thread's counter, but
+      a host crowded enough to slow them crowds the training threads too.
+    Without the counters the contention cannot be ruled out: False. On a real 4-rank DDP job
+    whose rank 1 handed each gradient all-reduce to gloo 40 ms late, the ring's transfer rose
+    4-15 → 37-51 ms a step and the job's 55-70 → 88-100 ms, while the ranks waited 0-8 ms a
+    step for a CPU before and after."""
+    js = ctx.job_step
+    n = series.size
+    if not 0 < since < n or js.size != n:
+        return False
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        own = float(np.nanmedian(series[-since:]) - np.nanmedian(series[:-since]))
+        job = float(np.median(js[-since:]) - np.median(js[:-since]))
+        if not (own > 0 and own >= COMMON * job):
+            return False
+        got = step_waits(ctx)
+        if got is None or got[0].shape[0] != n:
+            return False
+        wait = got[0]
+        rise = np.nanmean(wait[-since:], axis=0) - np.nanmedian(wait[:-since], axis=0)
+        rise = rise[np.isfinite(rise)]
+    return bool(rise.size) and float(np.median(rise)) < COMMON * own
+
+
 def job_change(ctx: Ctx, since: int) -> float:
     """How many standard errors the job's median step time over its last `since` steps lies
     above its median over the steps before (0 when there are too few of either, or when the
@@ -550,7 +584,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         if res is None:
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
-        if few[x] and (not job_moved or _common(m, x, res[3], gi)):
+        if few[x] and (not job_moved or (_common(m, x, res[3], gi) if u > 1 else
+                                         not lone_change(ctx, m[:, x], res[3]))):
             continue
         # beside too few like units to compare (a rank of a 2-rank pipeline stage, a link of
         # two), a unit's only evidence is its own series: its change must hold twice the

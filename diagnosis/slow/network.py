@@ -6,7 +6,10 @@ is slower (the others wait inside the op, the late one does not); a rise that fo
 rank's own slowdown is that rank's effect (`slow._explained_links`). TP groups are compared
 only in jobs without chunk counters (`suspects`).
 A job with fewer than `min_peers` rings gives no cross-ring verdict, only a change of a ring's
-transfer time against its own noise (two rings are two samples).
+transfer time against its own noise (two rings are two samples). A job with one ring (DDP: its
+default group is its DP ring, `data_parallel_only`) has nothing like it to compare: its change
+must account for the job's rise while the ranks' CPU waits stayed as they were
+(`context.lone_change`).
 
 A ring flagged as slow is narrowed to one member (`ring_member`): the member that arrives last
 while the others wait in its collectives (Mycroft Table 3 late start, clock-free: its time
@@ -50,6 +53,8 @@ def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
     if not ops:
         return []
     sel = ctx.ops_of_kind(kind) & ctx.ops_recent()
+    if kind == "dp" and not sel.any() and data_parallel_only(ctx):
+        sel = ctx.ops_of_kind("world") & ctx.ops_recent()
     if not sel.any():
         return []
     uniq, code = codes(col(ops, "comm_id"))
@@ -76,16 +81,28 @@ def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
     v = judge(ctx, m, ctx.cfg.net_ratio, pp_stage,
               floor=ctx.cfg.net_abs_ns, job_gate=False, confirmable=mine, sparse=True)
     out = []
+    against = "the other rings'" if cu.size > 1 else "its own before"
     for c in np.flatnonzero(v.flag).tolist():
         name = str(cu[c])
         x, comp, why, rule = ring_member(ctx, name)
         out.append(Suspicion(x, stage, comp, float(v.exc[c]),
                              ("venustrace.ar_node", *((rule,) if rule else ())),
-                             f"{name}: transfer {v.ratio[c]:.2f}x the other rings', "
+                             f"{name}: transfer {v.ratio[c]:.2f}x {against}, "
                              f"+{v.exc[c] / 1e6:.1f} ms/step ({v.how[c]} {v.z[c]:.1f}σ); {why}",
                              float(v.z[c]), str(v.how[c]),
-                             int(ctx.steps[v.since[c]]), whole_ring=len(x) > 1))
+                             int(ctx.steps[v.since[c]]), whole_ring=len(x) > 1,
+                             own_past=cu.size == 1 and v.how[c] == "change"))
     return out
+
+
+def data_parallel_only(ctx: Ctx) -> bool:
+    """Whether the job is data parallel and nothing else: no TP or PP declared, no pipeline
+    its p2p pattern shows (`slow.peer_stages`) and no DP communicator of its own. Its ranks'
+    default group ("world": a DDP job that names no group) is then its DP ring — as the trace
+    importer reads it (ingest/importers/topology.py), and as the gradient all-reduce is."""
+    g = ctx.w.grid
+    return g.tp == 1 and g.pp == 1 and not g.comms("dp") and \
+        bool(ctx.stage_of.size) and bool((ctx.stage_of == ctx.stage_of[0]).all())
 
 
 def comm_matrix(ctx: Ctx, step: Array, comm: Array, value: Array, n_comms: int) -> Array:

@@ -585,7 +585,8 @@ def test_a_hang_trigger_during_an_open_slowdown_judges_it_as_the_re_checks_do(
     asked: list[tuple[tuple[int, ...], str | None]] = []
 
     def analyze(w_: Window, now_ns: int, config: object = None, confirm: tuple[int, ...] = (),
-                confirm_stage: str | None = None, beats: object = None) -> Conclusion:
+                confirm_stage: str | None = None, beats: object = None,
+                confirm_since_ns: int | None = None) -> Conclusion:
         asked.append((tuple(confirm), confirm_stage))
         return starved if (not asked[1:] or 9 in confirm) else spikes
 
@@ -599,3 +600,60 @@ def test_a_hang_trigger_during_an_open_slowdown_judges_it_as_the_re_checks_do(
     assert [(d.kind, d.stage) for d in out] in ([], [("slowdown", "host cpu")])
     kept = a.book.current(job, "performance")
     assert kept is not None and kept.stage == "host cpu"
+
+
+def test_an_incident_judged_against_its_own_past_is_rechecked_from_its_onset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DDP job's one ring is named by its rise over its own past (label `own_past`): its
+    re-checks and the triggers judged during it reach back to the incident's onset, where its
+    baseline is, so the incident is not resolved as the baseline slides out of the judged
+    steps (and opened again by the next sweep, whose steps reach back). An incident with
+    peers to compare its culprit with is re-checked over the usual steps."""
+    from diagnosis import slow as slow_mod
+    from diagnosis.triggers.base import Trigger
+    from tests.unit.test_diagnosis_engine import window
+
+    w, now = window("gpu_slow rank=9 factor=1.5 at=1s")
+    job = w.topo.job_id
+    onset = now - 3 * S
+    ring = Conclusion("slowdown", (0, 1, 2, 3), "dp_allreduce", "nic_rdma", 0.6,
+                      onset_ns=onset, labels=("ring_member_unknown", slow_mod.OWN_PAST))
+    since: list[int | None] = []
+
+    def analyze(w_: Window, now_ns: int, config: object = None, confirm: tuple[int, ...] = (),
+                confirm_stage: str | None = None, beats: object = None,
+                confirm_since_ns: int | None = None) -> Conclusion:
+        since.append(confirm_since_ns)
+        return ring
+
+    monkeypatch.setattr("diagnosis.engine.slow.analyze", analyze)
+    monkeypatch.setattr("diagnosis.analyst.slow.analyze", analyze)
+    a = Analyst(lambda job_id, lo, hi, kinds=None: w, AnalystConfig(),
+                event_clock=lambda job_id, t: now)
+    assert [d.status for d in a.on_trigger(Trigger(job, now, "straggler", (1,)), now)] == \
+        ["open"]
+    a.on_trigger(Trigger(job, now + S, "hang", (0,)), now + S)
+    a._recheck(job, ["performance"], now + 5 * S)
+    assert since == [None, onset, onset]
+    # the same conclusion without the label: judged over the usual steps
+    a2 = Analyst(lambda job_id, lo, hi, kinds=None: w, AnalystConfig(),
+                 event_clock=lambda job_id, t: now)
+    ring = Conclusion("slowdown", (0, 1), "tp_collectives", "nic_rdma", 0.6, onset_ns=onset,
+                      labels=("ring_member_unknown",))
+    since.clear()
+    a2.on_trigger(Trigger(job, now, "straggler", (1,)), now)
+    a2._recheck(job, ["performance"], now + 5 * S)
+    assert since == [None, None]
+
+
+def test_reaching_back_judges_every_step_since_the_moment_and_a_baseline_before() -> None:
+    """`slow.reach_back`: the recent steps cover the steps begun after the moment and
+    `onset_steps` more, at least the default and at most `MAX_RECENT`."""
+    from diagnosis import slow as slow_mod
+    cfg = slow_mod.SlowConfig()
+    step = np.repeat(np.arange(300), 2)
+    stages = {"step": step, "t_start": step * 10}
+    assert slow_mod.reach_back(cfg, stages, None) == cfg
+    assert slow_mod.reach_back(cfg, stages, 2980).recent == cfg.recent  # 1 step since
+    assert slow_mod.reach_back(cfg, stages, 2495).recent == 50 + cfg.onset_steps
+    assert slow_mod.reach_back(cfg, stages, 0).recent == slow_mod.MAX_RECENT

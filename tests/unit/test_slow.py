@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from diagnosis import slow
 from diagnosis.slow import context, network, own_time, p2p
 from diagnosis.window import Window, assign_steps
+from ingest.records import JobTopology
 from ingest.sim.config import JobConfig
 from ingest.sim.simulation import Simulation, collect
 
@@ -718,11 +719,35 @@ def test_a_rise_every_link_shows_is_no_links() -> None:
     v = context.judge(_ctx(w, 40, job, step_ns=70e6), m, 1.2, np.array([0, 0, 1, 1]),
                       floor=2e6, job_gate=False)
     assert not v.flag.any()
-    # a job's only ring has nothing to show its rise is its own: no verdict either
+
+
+def test_a_jobs_only_ring_is_named_when_its_rise_is_the_jobs_and_no_cpu_wait_rose() -> None:
+    """A DDP job's one ring has no like unit to show that its rise is its own. It is named
+    when the rise accounts for the job's (the ranks' own work did not slow with it) and the
+    ranks' steps did not wait more for a CPU (the host's contention lengthens transfers too);
+    without the counters, or with either of the two, no verdict."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(15)
     one = _links(rng)[:, :1]
     one[-10:] += 34e6
-    assert not context.judge(_ctx(w, 40, job, step_ns=70e6), one, 1.2, np.zeros(1, np.int64),
-                             floor=2e6, job_gate=False).flag.any()
+    job = np.full(40, 70e6) + rng.normal(0, 2e6, 40)
+    job[-10:] += 33e6
+
+    def verdict(win: Window, job_step: np.ndarray) -> context.Verdict:
+        return context.judge(_ctx(win, 40, job_step, step_ns=70e6), one, 1.2,
+                             np.zeros(1, np.int64), floor=2e6, job_gate=False)
+
+    assert not verdict(w, job).flag.any()  # no counters: contention cannot be ruled out
+    calm = np.abs(2e6 + 1e6 * rng.standard_normal((40, world)))
+    v = verdict(_with_waits(w, 40, calm), job)
+    assert v.flag[0] and v.how[0] == "change" and v.exc[0] > 25e6
+    busy = calm.copy()
+    busy[-10:] += 25e6  # every rank waited for a CPU: the host's contention rose
+    assert not verdict(_with_waits(w, 40, busy), job).flag.any()
+    everywhere = job.copy()
+    everywhere[-10:] += 60e6  # the job rose by three times the ring's rise: its work slowed
+    assert not verdict(_with_waits(w, 40, calm), everywhere).flag.any()
 
 
 def test_a_links_change_is_seen_through_its_newest_steps_not_known_yet() -> None:
@@ -1104,3 +1129,23 @@ def test_an_undeclared_pipelines_calls_are_planned_on_the_stages_they_show() -> 
     _, ok = pp_call_microbatch(1, 1, np.array([0, 1, -1]), np.array([0, 0, 0]),
                                np.array([True, True, True]), np.array([True, True, True]))
     assert not ok[1:].any()
+
+
+def test_a_ddp_jobs_default_group_is_its_dp_ring() -> None:
+    """A DDP job that names no process group reduces its gradients on the default one
+    ("world"): with no TP, PP or DP communicator declared and no pipeline in its p2p pattern,
+    that group is the job's DP ring. A job that declares one, or a pipeline, keeps its own."""
+    cfg = JobConfig(job_id="t", tp=1, pp=1, dp=4, steps=4)
+    d = collect(Simulation(cfg, []).batches())
+    topo = d.pop("jobs")["topology"][0]
+    world_only = topo.model_copy(update={"communicators": [
+        c for c in topo.communicators if c.kind == "world"]})
+
+    def ctx_of(t: JobTopology) -> context.Ctx:
+        w = Window(t, d, 0, 2**62)
+        return context.Ctx(w, context.SlowConfig(), np.arange(4), 1e8, slow.peer_stages(w))
+
+    assert network.data_parallel_only(ctx_of(world_only))
+    assert not network.data_parallel_only(ctx_of(topo))  # its DP ring is declared
+    piped = world_only.model_copy(update={"pp": 2, "dp": 2})
+    assert not network.data_parallel_only(ctx_of(piped))
