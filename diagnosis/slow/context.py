@@ -602,7 +602,12 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # did not wait more for a CPU while its time rose): the hold guards against the
         # scheduler, and a rank the scheduler did not crowd needs no more steps than any
         # other change. A quantity of ranks only; a link's transfer runs in the transport's
-        # threads, whose waiting the counter (the training thread's) does not see
+        # threads, whose waiting the counter (the training thread's) does not see. Tried and
+        # left out: clearing a link's change when none of the ranks it runs on waited more
+        # and its rise accounted for the job's (real pipeline and TP slow links named 3-4
+        # steps sooner in replays) — a contended pipeline control's DP ring rose 1-3 → 15-51
+        # ms a step for 4 steps while its two ranks' steps waited 1.5-8.5 ms as before, the
+        # job's step time with it, and was named (0.6): its transport threads were crowded
         # A step held is a step seen: the newest judged steps whose value is not known yet (a
         # rank's own time, until its calls of a later step are stored) do not count
         series = m[:, x] if few[x] else d[:, x]
