@@ -367,7 +367,8 @@ def _common(m: Array, x: int, since: int, group: Array) -> bool:
     shared by the other units over the same steps — its own peers (same `group`) or the job's
     units at large: two links cannot say which one changed by themselves, but a change its
     peer shows too, or most links show, is no one link's (a machine-wide stall). A unit with
-    no other to compare (a DDP job's one ring) cannot show it is not common: True."""
+    no other to compare (a DDP job's one ring) cannot show it here: True (`_judge` asks
+    `lone_change` of it instead)."""
     if m.shape[1] < 2:
         return True
     if since >= m.shape[0]:
