@@ -135,8 +135,15 @@ def _pass_microbatch(w: Window, rank: int, step: int, forward: bool, now_ns: int
     microbatch order, so a stage that sends after the pass (F: to stage s+1, B: to s−1) is in
     pass m once it issued m such Sends; a stage that does not (F on the last stage, B on the
     first) entered pass m when its m+1-th Recv of that kind (from s−1 for F, s+1 for B)
-    completed. Works for any schedule with that order (1F1B, GPipe) and needs no op_seq
-    alignment — only calls that carry their step (the PyTorch tracer's). None when unknown."""
+    completed. A forward with nothing sent after it (the last stage's) is also at least the
+    count of backwards the stage completed (its gradient Sends to s−1): a microbatch's backward
+    follows its forward on every schedule, so a rank inside a forward after k backwards is past
+    forward k−1 — whether or not the Recv of the forward it is in was issued yet (a last stage
+    of 1F1B stopped on entering forward 1, before its Recv, after backward 0: microbatch 1,
+    not 0). Works for any schedule with that order (1F1B, GPipe) and needs no op_seq
+    alignment — only calls that carry their step (the PyTorch tracer's). None when unknown;
+    a lower bound where the calls cannot tell (GPipe's last stage stopped on entering a
+    forward, before its Recv, reads one microbatch early)."""
     ops = w.get("ops")
     grid = w.grid
     if not ops or step < 0 or grid.pp <= 1 or "peer" not in ops:
@@ -156,6 +163,8 @@ def _pass_microbatch(w: Window, rank: int, step: int, forward: bool, now_ns: int
     else:
         done = ints(ops, "t_end", 0)[rows]
         m = int(((op == "Recv") & (peer_stage == prev) & (done > 0) & (done <= now_ns)).sum()) - 1
+        if forward and s > 0:  # backwards done: their forwards are done too
+            m = max(m, int(((op == "Send") & (peer_stage == s - 1)).sum()))
     microbatches = int(w.spec.microbatches or 0)
     return m if m >= 0 and (microbatches <= 0 or m < microbatches) else None
 

@@ -6,7 +6,10 @@ Names read ``<shape><ranks>-<what>``: ``ddp4-hang-bwd`` is a 4-rank DDP job whos
 its backward. Controls are ``ctl-…``; ``ovh-…`` are the overhead runs (``plain`` untraced and
 without an agent, ``traced`` through the whole path, interleaved; the traced ones are controls
 too). Cases tagged ``extended`` run only when named (or with ``--cases all``): the standard
-catalog covers every fault kind and shape and fits in ~25 minutes on 2 busy cores.
+catalog covers every fault kind and shape and fits in ~25 minutes on 2 busy cores. Cases tagged
+``heldout`` (extended too) are combinations the rules were not developed on — a CPU hog in a
+pipeline and a TP job, faults on ranks and stages no other case uses, steps three times as long
+(``device_scale``) — kept apart so that a run of them says how the rules generalise.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Case:
     #: torchrun's --monitor-interval (s): how soon it stops the other ranks once one failed
     #: (None: its default, 0.1 s)
     monitor_s: float | None = None
+    #: multiplies the workload's emulated device times: 3 gives ~150 ms steps instead of ~50
+    device_scale: float = 1.0
 
     @property
     def control(self) -> bool:
@@ -49,6 +54,7 @@ class Case:
         if self.fault is None:
             extra = f", {self.contention} busy processes beside it" if self.contention else ""
             extra += "" if self.declare else ", shape not declared"
+            extra += f", device time x{self.device_scale:g}" if self.device_scale != 1.0 else ""
             return ("control" if self.traced else "untraced baseline") + extra
         f = self.fault
         what = {"hang": f"hang in {f.get('stage')}" + (f" mb={f['mb']}" if "mb" in f else ""),
@@ -57,6 +63,8 @@ class Case:
                 "link": f"sends {f.get('delay_ms')} ms late", "kill": "SIGKILL",
                 "hog": f"{f.get('procs', 2)} busy processes on its core",
                 "stall": f"{f.get('stall_s')} s stall in fwd, recovers"}[f["kind"]]
+        if self.device_scale != 1.0:
+            what += f", device time x{self.device_scale:g}"
         stop = (f", torchrun stops the rest within {self.monitor_s * 1000:.0f} ms"
                 if self.monitor_s is not None else "")
         return f"rank {f['rank']} from step {f['step']}: {what}{stop}"
@@ -152,6 +160,26 @@ CASES: list[Case] = [
     _c("tp4-slow-fwd-x3", "tp", 4, 140, _s(3, "fwd", 3)),
     _c("tp8-hang-bwd", "tp", 8, 200, _h(5, "bwd")),
     _c("tp8-slow-fwd-x3", "tp", 8, 120, _s(6, "fwd", 3), tags=("extended",)),
+    # -- held out: run once the rules were settled, never tuned on -----------------------------
+    _c("ctl-ddp4-long", "ddp", 4, 80, device_scale=3.0, tags=("extended", "heldout")),
+    _c("ctl-tp8-contended", "tp", 8, 80, contention=1, tags=("extended", "heldout")),
+    _c("pp4-cpu-hog", "pipeline", 4, 160, {"kind": "hog", "rank": 2, "step": 40, "procs": 4},
+       tags=("extended", "heldout")),
+    _c("tp4-cpu-hog", "tp", 4, 160, {"kind": "hog", "rank": 3, "step": 40, "procs": 4},
+       tags=("extended", "heldout")),
+    _c("ddp8-slow-data-x3", "ddp", 8, 120, _s(5, "data", 3), tags=("extended", "heldout")),
+    _c("pp8-slow-bwd-x3", "pipeline", 8, 120, _s(2, "bwd", 3), **PP8,
+       tags=("extended", "heldout")),
+    _c("tp4-slow-optim-x6", "tp", 4, 140, _s(1, "optim", 6), tags=("extended", "heldout")),
+    _c("ddp4-slow-bwd-x2-long", "ddp", 4, 90, _s(2, "bwd", 2, step=30), device_scale=3.0,
+       tags=("extended", "heldout")),
+    _c("ddp4-hang-fwd-long", "ddp", 4, 120, _h(0, "fwd"), device_scale=3.0,
+       tags=("extended", "heldout")),
+    _c("tp8-hang-data", "tp", 8, 200, _h(4, "data"), tags=("extended", "heldout")),
+    _c("pp8-hang-fwd", "pipeline", 8, 200, _h(6, "fwd", mb=1), **PP8,
+       tags=("extended", "heldout")),
+    _c("pp4-slow-fwd-x3-late", "pipeline", 4, 200, _s(2, "fwd", 3, step=120),
+       tags=("extended", "heldout")),
 ]
 
 BY_NAME = {c.name: c for c in CASES}

@@ -543,6 +543,8 @@ class Runner:
         cmd += ["bench.real.workload", "--shape", case.shape, "--steps", str(case.steps),
                 "--pp", str(case.pp), "--tp", str(case.tp), "--microbatches",
                 str(case.microbatches), "--truth-dir", str(cdir), "--job", job]
+        if case.device_scale != 1.0:
+            cmd += ["--device-scale", str(case.device_scale)]
         if case.fault:
             cmd += ["--fault", json.dumps(case.fault)]
         train = self.host_process(cmd, env=env,

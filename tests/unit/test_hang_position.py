@@ -241,3 +241,24 @@ def test_desync_beside_one_peer_is_the_side_on_a_never_used_communicator() -> No
              "comm_id": np.full(2, "dp", object), "last_op_seq": np.full(2, 5)}
     c = hang_rca.analyze(Window(topo, {"ops": collective(rows), "beats": beats}, 0, now), now)
     assert c is not None and c.ranks == (1,) and "collective_desync" in c.labels, c
+
+
+def test_last_stage_forward_is_past_the_forwards_of_its_done_backwards() -> None:
+    """The last of 2 stages ran forward 0 and backward 0 (1F1B) and stopped on entering
+    forward 1, before its Recv of microbatch 1 was issued: one activation Recv completed, but
+    one gradient Send says backward 0 is done, so forward 0 is too — microbatch 1."""
+    o = ops([(1, 0, "Recv", 0, 10 * MS, 12 * MS, 7), (1, 1, "Send", 0, 20 * MS, 21 * MS, 7)])
+    w = Window(pipeline(), {"ops": o, "beats": beat(1, 7, "model.fwd_loss", 800 * MS)},
+               0, 900 * MS)
+    assert hang_rca._inside_stage(w, 1, 7, 900 * MS) == ("fwd mb=1 pp=1", "gpu_compute")
+    # after its Recv of microbatch 1 completed: the same pass
+    o2 = ops([(1, 0, "Recv", 0, 10 * MS, 12 * MS, 7), (1, 1, "Send", 0, 20 * MS, 21 * MS, 7),
+              (1, 2, "Recv", 0, 22 * MS, 23 * MS, 7)])
+    w2 = Window(pipeline(), {"ops": o2, "beats": beat(1, 7, "model.fwd_loss", 800 * MS)},
+                0, 900 * MS)
+    assert hang_rca._inside_stage(w2, 1, 7, 900 * MS) == ("fwd mb=1 pp=1", "gpu_compute")
+    # no backward done yet (forward 0, its Recv complete): microbatch 0
+    o3 = ops([(1, 0, "Recv", 0, 10 * MS, 12 * MS, 7)])
+    w3 = Window(pipeline(), {"ops": o3, "beats": beat(1, 7, "model.fwd_loss", 800 * MS)},
+                0, 900 * MS)
+    assert hang_rca._inside_stage(w3, 1, 7, 900 * MS) == ("fwd mb=0 pp=1", "gpu_compute")
