@@ -233,6 +233,8 @@ def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool]:
     got = step_waits(ctx)
     if got is None or not top.ranks or top.stage == "host cpu":
         return top, False
+    if top.whole_ring and len(top.ranks) > 1 and (one := _one_member_starved(ctx, top)):
+        return one
     wait, tot = got
     world = wait.shape[1]
     mine_cols = np.asarray(sorted({r for r in top.ranks if 0 <= r < world}), dtype=np.int64)
@@ -287,6 +289,24 @@ def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool]:
         return None, True
     return _starved(top, f"{mine:.0%} of its steps' time since (before: {base:.0%}, its "
                          f"peers: {peer:.0%}; {extra / 1e6:.1f} ms more a step)"), True
+
+
+def _one_member_starved(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool] | None:
+    """`refine_steps` of a ring not narrowed to a member (`Suspicion.whole_ring`: a TP group
+    or DDP ring over gloo, no chunk counters) when exactly one member's steps starved of CPU
+    explain its excess, each member judged alone against the job's other ranks: that
+    member's starvation — the narrower answer, as a rank's own slowdown explains the rings it
+    joins (`slow._explained_links`) — held as a change of the wait is (None until then).
+    Judged as a whole, every member had to be starved at once: a real TP job whose rank 3
+    shared its core with four busy processes was named `[2, 3] tp_collectives` at 0.6 for two
+    tenths of a second before its CPU verdict came. None (the ring is judged as a whole) when
+    no member, or more than one, is starved."""
+    starved = []
+    for r in top.ranks:
+        got = refine_steps(ctx, replace(top, ranks=(r,), whole_ring=False))
+        if got[0] is None or got[0].stage == "host cpu":
+            starved.append(got)
+    return starved[0] if len(starved) == 1 else None
 
 
 def unjudged(beats: Columns, top: Suspicion, since_ns: int | None) -> bool:

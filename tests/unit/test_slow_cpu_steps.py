@@ -129,6 +129,23 @@ def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
     assert _stage(cpu.refine_steps(c, confirm)[0]) == "host cpu"
 
 
+
+def test_a_ring_whose_one_member_is_starved_is_that_members_cpu() -> None:
+    """A ring not narrowed to a member (gloo: no chunk counters) whose member rank 1 alone
+    starved since the onset is rank 1's host CPU, held like any starved suspect; a ring of
+    which no member, or every member, is starved is judged as a whole, as before."""
+    ring = replace(TOP, ranks=(0, 1), stage="tp_collectives", component="nic_rdma",
+                   rules=("venustrace.ar_node",), whole_ring=True)
+    out, judged = cpu.refine_steps(ctx({1: (0.03, 0.3)}), ring)
+    assert judged and out is not None
+    assert (out.ranks, out.stage, out.whole_ring) == ((1,), "host cpu", False)
+    assert "rank 1 waited for a CPU" in out.summary
+    assert cpu.refine_steps(ctx({1: (0.03, 0.3)}, onset=42), replace(ring, onset_step=42))[0] \
+        is None  # starved, not yet held
+    assert cpu.refine_steps(ctx({}), ring) == (ring, True)
+    both = cpu.refine_steps(ctx({0: (0.03, 0.3), 1: (0.03, 0.3)}), ring)[0]
+    assert both is not None and (both.ranks, both.stage) == ((0, 1), "host cpu")
+
 # -- cpu.suspects: the steps' CPU wait as a suspect of its own --------------------------------
 
 
