@@ -223,13 +223,14 @@ def _starved(top: Suspicion, how_much: str) -> Suspicion:
                            "not slower work")
 
 
-def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool]:
+def refine_steps(ctx: Ctx, top: Suspicion, explain: float = EXPLAIN
+                 ) -> tuple[Suspicion | None, bool]:
     """(`top`, re-labelled as its host's CPU when the per-step counters show its rank — each of
     its ranks — starved since its onset; whether they could judge it at all: at least two
     steps with the counter since the onset on every suspect rank, and a peer with some). The
     module docstring has the test. None instead of `top` when its rank is starved but not for
     as long as the scheduler's own crowding can last (`context.starvation_held`): no verdict
-    yet."""
+    yet. `explain`: the share of the suspect's excess its extra waiting must account for."""
     got = step_waits(ctx)
     if got is None or not top.ranks or top.stage == "host cpu":
         return top, False
@@ -278,7 +279,7 @@ def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool]:
     if mine - base < need_base or mine - peer < need_peer:
         return top, True
     extra = float(np.min(wait_a[mine_cols])) - max(base_wait, peer_wait)
-    if extra < EXPLAIN * top.score:
+    if extra < explain * top.score:
         return top, True  # its extra waiting is too small a part of its excess to be the cause
     # a suspect of another analysis that its rank's CPU wait explains — a link whose sender
     # is crowded, a phase of a rank crowded off its core — is that rank's starvation, and is
@@ -293,17 +294,23 @@ def refine_steps(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool]:
 
 def _one_member_starved(ctx: Ctx, top: Suspicion) -> tuple[Suspicion | None, bool] | None:
     """`refine_steps` of a ring not narrowed to a member (`Suspicion.whole_ring`: a TP group
-    or DDP ring over gloo, no chunk counters) when exactly one member's steps starved of CPU
-    explain its excess, each member judged alone against the job's other ranks: that
-    member's starvation — the narrower answer, as a rank's own slowdown explains the rings it
-    joins (`slow._explained_links`) — held as a change of the wait is (None until then).
-    Judged as a whole, every member had to be starved at once: a real TP job whose rank 3
-    shared its core with four busy processes was named `[2, 3] tp_collectives` at 0.6 for two
-    tenths of a second before its CPU verdict came. None (the ring is judged as a whole) when
-    no member, or more than one, is starved."""
+    or DDP ring over gloo, no chunk counters) when exactly one member's steps starved of CPU,
+    each member judged alone against the job's other ranks: that member's starvation — the
+    narrower answer, as a rank's own slowdown explains the rings it joins
+    (`slow._explained_links`) — held as a change of the wait is (None until then). None (the
+    ring is judged as a whole) when no member, or more than one, is starved.
+
+    The member's extra waiting need not account for the ring's excess (`EXPLAIN`): the
+    counter is the training thread's, and the transport's threads, on the same starved core,
+    wait uncounted. A real 8-rank DDP job whose rank 4 shared its core with four busy
+    processes: the rank's steps waited 13 ms a step more, its ring's transfers took 45 ms
+    more, the other ranks waited as before; the ring was named at 0.6 and the rank only once
+    that incident was resolved, 7 s after the onset. Judged as a whole, every member had to
+    be starved at once: a real TP job whose rank 3 was starved so was named `[2, 3]
+    tp_collectives` at 0.6 before its CPU verdict came."""
     starved = []
     for r in top.ranks:
-        got = refine_steps(ctx, replace(top, ranks=(r,), whole_ring=False))
+        got = refine_steps(ctx, replace(top, ranks=(r,), whole_ring=False), explain=0.0)
         if got[0] is None or got[0].stage == "host cpu":
             starved.append(got)
     return starved[0] if len(starved) == 1 else None

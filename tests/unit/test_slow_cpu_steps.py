@@ -133,7 +133,7 @@ def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
 def test_a_ring_whose_one_member_is_starved_is_that_members_cpu() -> None:
     """A ring not narrowed to a member (gloo: no chunk counters) whose member rank 1 alone
     starved since the onset is rank 1's host CPU, held like any starved suspect; a ring of
-    which no member, or every member, is starved is judged as a whole, as before."""
+    which no member, or every member, is starved is judged as a whole."""
     ring = replace(TOP, ranks=(0, 1), stage="tp_collectives", component="nic_rdma",
                    rules=("venustrace.ar_node",), whole_ring=True)
     out, judged = cpu.refine_steps(ctx({1: (0.03, 0.3)}), ring)
@@ -143,6 +143,12 @@ def test_a_ring_whose_one_member_is_starved_is_that_members_cpu() -> None:
     assert cpu.refine_steps(ctx({1: (0.03, 0.3)}, onset=42), replace(ring, onset_step=42))[0] \
         is None  # starved, not yet held
     assert cpu.refine_steps(ctx({}), ring) == (ring, True)
+    # the member's counted wait need not explain the ring's excess: its transport's threads,
+    # on the same starved core, wait uncounted (a rank alone still must explain its own)
+    slow = replace(ring, score=100e6)
+    assert _stage(cpu.refine_steps(ctx({1: (0.03, 0.3)}), slow)[0]) == "host cpu"
+    assert _stage(cpu.refine_steps(ctx({1: (0.03, 0.3)}), replace(TOP, score=100e6))[0]) \
+        == TOP.stage
     both = cpu.refine_steps(ctx({0: (0.03, 0.3), 1: (0.03, 0.3)}), ring)[0]
     assert both is not None and (both.ranks, both.stage) == ((0, 1), "host cpu")
 
