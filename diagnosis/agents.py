@@ -448,7 +448,8 @@ class DiagnosisAgents:
         # a pending trigger too: retried here, it would open the new owner's incident twice
         for per_job in (self.watches, self.topos, self.topo_read, self.watermark, a.last_check,
                         a.last_sweep,
-                        a.swept_at, a.resolved_hangs, a.exits_judged, a.exit_checks, a.pending,
+                        a.swept_at, a.resolved_hangs, a.exits_judged, a.exit_checks,
+                        a.exit_clock_since, a.pending,
                         a.pending_slow, a.stages_stored, a.slow_tried_at):
             for job in [j for j in per_job if j in gone]:
                 del per_job[job]

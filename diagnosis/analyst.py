@@ -198,6 +198,8 @@ class Analyst:
     #: clock) of the last look for one (`_exits`)
     exits_judged: dict[str, int] = field(default_factory=dict)
     exit_checks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: job -> the wall ns its event clock was first seen at the value of its last look
+    exit_clock_since: dict[str, int] = field(default_factory=dict)
     #: job -> its newest exit beat, for a job that ended: every rank's process gone, none
     #: of them left waiting on another (`_exits`). Its triggers about moments before then
     #: are not analysed and its pending ones are dropped, until a rank beats again after it
@@ -589,17 +591,30 @@ class Analyst:
         (`hang_rca.process_exit`); its diagnoses, or none. A job whose event clock has not
         moved is not read again; the read starts `EXIT_MARGIN_S` before the last one ended
         (an exit row stored after a read up to its time is still seen), so it costs a few
-        seconds of beats, whatever the job's length."""
+        seconds of beats, whatever the job's length.
+
+        A clock that stopped (no record moves it: every process of the job ended) is looked at
+        again for `EXIT_MARGIN_S` of wall time, and its looks read the beats up to
+        `EXIT_MARGIN_S` past it, the job judged as of its newest exit beat: the clock follows
+        the progress feed, the last calls and beats, while the exit beats come after them (the
+        agent sees a process gone at its next look) and move nothing. An 8-rank pipeline job
+        whose rank 4 was killed and the others stopped 0.1 s later had its exit beats 0.06-0.23
+        s past its clock, and its exit judged 11.5 s on, once the windows' idle close moved the
+        clock. A clock that moves reads up to itself: records after it may still be missing
+        (a capture replayed faster than real time)."""
         last = self.exit_checks.get(job)
         if last is not None and now_ns - last[0] < self.config.min_sweep_s * SECOND:
             return []
         at = self.event_clock(job, now_ns)
-        if last is not None and last[1] == at:
+        stopped = last is not None and last[1] == at
+        if not stopped:
+            self.exit_clock_since[job] = now_ns
+        elif now_ns - self.exit_clock_since.get(job, now_ns) >= EXIT_MARGIN_S * SECOND:
             return []
         self.exit_checks[job] = (now_ns, at)
-        lo = (last[1] if last is not None else at - int(self.config.window_s * SECOND)) \
-            - int(EXIT_MARGIN_S * SECOND)
-        b = self.read(job, lo, at, ("beats",))
+        margin = int(EXIT_MARGIN_S * SECOND)
+        lo = (last[1] if last is not None else at - int(self.config.window_s * SECOND)) - margin
+        b = self.read(job, lo, at + margin if stopped else at, ("beats",))
         beats = b.get("beats") if b is not None else None
         if not beats or "exited" not in beats:
             return []
@@ -611,6 +626,7 @@ class Analyst:
         if newest <= self.exits_judged.get(job, 0):
             return []
         self.exits_judged[job] = newest
+        at = max(at, min(newest, now_ns))
         w = self._window(job, at)
         if w is None:
             return []

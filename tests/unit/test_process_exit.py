@@ -355,3 +355,46 @@ def test_the_silence_before_a_normal_end_is_not_tried_as_a_hang_for_pending_s() 
     again = Trigger("j", gone + 31 * S, "hang", (0,), {"rule": "venustrace.heartbeat"})
     a.on_trigger(again, now + 41 * S)
     assert seen["reads"] > reads
+
+
+def test_exit_beats_past_a_stopped_clock_are_judged_within_seconds() -> None:
+    """Every process ended 0.1 s after rank 2 was killed, so nothing moves the job's event
+    clock past the survivors' last calls, and the agents' exit beats lie after it. The first
+    look reads up to the clock and finds none; once the clock has not moved, the next looks
+    read past it and judge the job as of its newest exit beat — not only after the windows'
+    idle close moves the clock — and stop looking `EXIT_MARGIN_S` after it stopped."""
+    from diagnosis.analyst import EXIT_MARGIN_S
+
+    w = killed_rank_2()
+    reads: list[int] = []
+
+    def read(job_id: str, start_ns: int, now_ns: int,
+             kinds: Collection[str] | None = None) -> Window:
+        if kinds is not None and "beats" in kinds and len(kinds) == 1:
+            reads.append(now_ns)
+        cut = {"ops": "t_start", "beats": "ts"}
+        tables = {k: {c: v[w.tables[k][cut[k]] <= now_ns] for c, v in w.tables[k].items()}
+                  for k in w.tables if kinds is None or k in kinds}
+        return Window(w.topo, tables, start_ns, now_ns)
+
+    clock = 40 * STEP + 100 * MS  # the survivors' last calls; the exit beats 0.5 s later
+    a = Analyst(read, event_clock=lambda job, now: clock)
+    a.jobs.add("j")
+    t0 = w.now_ns
+    first = a.tick(t0)
+    assert not [d for d in first if d.status == "open"] and reads == [clock]
+    gap = int(a.config.min_sweep_s * S)
+    out = a.tick(t0 + gap)
+    assert [(d.status, d.culprit_ranks, d.stage) for d in out] == [("open", [2], "process")]
+    assert reads[-1] > clock
+    # a job whose clock stopped without an exit (its agent gone too): looked at for
+    # EXIT_MARGIN_S after the clock stopped, then no more
+    live = w.tables["beats"]["exited"] == 0
+    w = Window(w.topo, {**w.tables, "beats": {c: v[live] for c, v in w.tables["beats"].items()}},
+               w.start_ns, w.now_ns)
+    reads.clear()
+    quiet = Analyst(read, event_clock=lambda job, now: clock)
+    quiet.jobs.add("j")
+    for k in range(10):
+        assert not [d for d in quiet.tick(t0 + k * gap) if d.status == "open"]
+    assert 1 < len(reads) <= 1 + EXIT_MARGIN_S * S // gap + 1
