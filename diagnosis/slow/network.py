@@ -28,7 +28,7 @@ import numpy as np
 from diagnosis.columns import Columns, codes, col, ints
 from diagnosis.conclusion import Suspicion
 from diagnosis.rules.base import Component
-from diagnosis.slow.context import Array, Ctx, judge
+from diagnosis.slow.context import BASELINE_FACTOR, Array, Ctx, from_job_start, judge
 
 #: communicator kinds whose collectives are compared, and the stage a slower one names
 KINDS = (("dp", "dp_allreduce"), ("tp", "tp_collectives"))
@@ -78,8 +78,15 @@ def _rings(ctx: Ctx, kind: str, stage: str) -> list[Suspicion]:
     # peers: the rings of the same pipeline stage (other stages carry other gradients)
     pp_stage = np.asarray([int(ctx.stage_of[members[str(c)][0]]) if str(c) in members and
                            members[str(c)].size else -1 for c in cu.tolist()], dtype=np.int64)
-    v = judge(ctx, m, ctx.cfg.net_ratio, pp_stage,
-              floor=ctx.cfg.net_abs_ns, job_gate=False, confirmable=mine, sparse=True)
+    # at a job's start the ranks' threads are still being placed on the cores, and a CPU
+    # transport's transfers with them: a ring's first steps show one placement, not its noise,
+    # and its change needs twice the baseline a later one does, as a rank's CPU wait does
+    # (`diagnosis.slow.cpu`). An 8-rank TP job's group of ranks 6 and 7, 3-13 ms a step over
+    # the job's first 10 steps and 9-21 ms over the next 8, its job's step time unmoved, was
+    # named `[6, 7] tp_collectives` at 0.6 ("absorbed", 6σ) 1.3 s before the job's fault
+    least = BASELINE_FACTOR * ctx.cfg.min_baseline if from_job_start(ctx) else None
+    v = judge(ctx, m, ctx.cfg.net_ratio, pp_stage, floor=ctx.cfg.net_abs_ns, job_gate=False,
+              confirmable=mine, sparse=True, min_baseline=least)
     out = []
     against = "the other rings'" if cu.size > 1 else "its own before"
     for c in np.flatnonzero(v.flag).tolist():

@@ -797,26 +797,53 @@ def test_a_tp_group_whose_transfers_slowed_is_named_as_a_whole() -> None:
     step time. Two TP groups per pipeline stage are too few to compare, so it is judged by its
     own rise, held twice the onset (8 steps; 6 are not enough); without chunk counters
     nothing says which member's link it is: the whole group, marked as such. With chunk
-    counters, TP groups are left to the members' DP rings."""
-    counted, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no", steps=20)
+    counters, TP groups are left to the members' DP rings. (The window holds the job's
+    first step: the change comes after 16, `test_a_rings_change_at_the_jobs_start_…`.)"""
+    counted, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no", steps=26)
     w = Window(counted.topo, {k: v for k, v in counted.tables.items() if k != "chunks"},
                counted.start_ns, counted.now_ns)
     rng = np.random.default_rng(5)
-    job = np.full(20, 300e6) + rng.normal(0, 3e6, 20)
-    job[12:] += 60e6
-    slow_link = _tp_delayed(w, "tp:pp2:dp0", 12, 30_000_000)
-    sus = [s for s in network.suspects(_ctx(slow_link, 20, job, step_ns=300e6))
+    job = np.full(26, 300e6) + rng.normal(0, 3e6, 26)
+    job[16:] += 60e6
+    slow_link = _tp_delayed(w, "tp:pp2:dp0", 16, 30_000_000)
+    sus = [s for s in network.suspects(_ctx(slow_link, 26, job, step_ns=300e6))
            if s.stage == "tp_collectives"]
     assert [(s.ranks, s.component, s.whole_ring) for s in sus] == [((8, 9), "nic_rdma", True)]
-    for quiet in (w, _tp_delayed(counted, "tp:pp2:dp0", 12, 30_000_000)):
-        assert not [s for s in network.suspects(_ctx(quiet, 20, job, step_ns=300e6))
+    for quiet in (w, _tp_delayed(counted, "tp:pp2:dp0", 16, 30_000_000)):
+        assert not [s for s in network.suspects(_ctx(quiet, 26, job, step_ns=300e6))
                     if s.stage == "tp_collectives"]
     # the same rise 6 steps old: not yet held long enough
-    early = _tp_delayed(w, "tp:pp2:dp0", 14, 30_000_000)
-    assert not [s for s in network.suspects(_ctx(early, 20, np.r_[job[:14], job[12:18]],
+    early = _tp_delayed(w, "tp:pp2:dp0", 20, 30_000_000)
+    assert not [s for s in network.suspects(_ctx(early, 26, np.r_[job[:20], job[16:22]],
                                                  step_ns=300e6))
                 if s.stage == "tp_collectives"]
 
+
+def test_a_rings_change_at_the_jobs_start_needs_twice_the_baseline() -> None:
+    """While the judged steps reach back to the job's first one, a ring's change needs
+    `BASELINE_FACTOR` × `min_baseline` (16) steps before it, as a rank's CPU wait does: the
+    ranks' threads, a CPU transport's transfers with them, are still being placed on the
+    cores. The slowed TP group above, its change after 12 steps: named where the window
+    opened after the job's first record (an older job), not where it holds the job's start;
+    after 16, named in both."""
+    counted, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no", steps=26)
+    w = Window(counted.topo, {k: v for k, v in counted.tables.items() if k != "chunks"},
+               counted.start_ns, counted.now_ns)
+    first = int(np.min(w.get("stages")["t_start"]))
+    rng = np.random.default_rng(5)
+
+    def named(onset: int, young: bool) -> bool:
+        job = np.full(26, 300e6) + rng.normal(0, 3e6, 26)
+        job[onset:] += 60e6
+        slowed = _tp_delayed(w, "tp:pp2:dp0", onset, 30_000_000)
+        if not young:  # the window opens at the job's first record: no start-up in it
+            slowed = Window(slowed.topo, slowed.tables, first, slowed.now_ns)
+        ctx = _ctx(slowed, 26, job, step_ns=300e6)
+        assert context.from_job_start(ctx) == young
+        return any(s.stage == "tp_collectives" for s in network.suspects(ctx))
+
+    assert named(12, young=False) and not named(12, young=True)
+    assert named(16, young=True)
 
 def test_a_tp_member_with_slower_compute_is_named_not_its_group() -> None:
     """A member whose compute is slower arrives late at its TP group's collectives; the other
