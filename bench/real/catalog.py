@@ -210,9 +210,10 @@ QUICK = [c.name for c in CASES if "quick" in c.tags]
 
 
 def select(names: str, quick: bool) -> list[Case]:
-    """The cases named (comma-separated names or ``prefix*``; ``all``: every case), the quick
-    subset, or the standard catalog (all but the ``extended`` cases, so that one run fits in
-    ~25 minutes on 2 cores); raises ValueError naming what is unknown."""
+    """The cases named (comma-separated names, ``prefix*`` or a tag — ``heldout``,
+    ``extended``, ``quick``, ``overhead``; ``all``: every case), the quick subset, or the
+    standard catalog (all but the ``extended`` cases, so that one run fits in ~25 minutes on 2
+    cores); raises ValueError naming what is unknown."""
     if quick and not names:
         return [BY_NAME[n] for n in QUICK]
     if not names:
@@ -223,8 +224,8 @@ def select(names: str, quick: bool) -> list[Case]:
     for raw in (n.strip() for n in names.split(",")):
         if not raw:
             continue
-        hit = [c for c in CASES if c.name == raw or (raw.endswith("*")
-                                                      and c.name.startswith(raw[:-1]))]
+        hit = [c for c in CASES if c.name == raw or raw in c.tags
+               or (raw.endswith("*") and c.name.startswith(raw[:-1]))]
         if not hit:
             raise ValueError(f"unknown case {raw!r} (rankwatch eval --real --list shows them)")
         out += [c for c in hit if c not in out]

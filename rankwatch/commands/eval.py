@@ -67,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--out", default="eval.json", help="where to write the JSON report")
     p.add_argument("--real", action="store_true",
                    help="the real-workload catalog (real PyTorch training, gloo on CPU)")
-    p.add_argument("--cases", default="", help="--real: comma-separated case names or prefix*")
+    p.add_argument("--cases", default="",
+                   help="--real: comma-separated case names, prefix* or a tag (heldout, extended)")
     p.add_argument("--quick", action="store_true", help="--real: the quick subset")
     p.add_argument("--list", action="store_true", help="--real: list the cases and exit")
     p.add_argument("--rescore", metavar="REPORT", default="",

@@ -125,6 +125,9 @@ def test_select_quick_prefix_and_unknown() -> None:
     assert [c.name for c in catalog.select("", quick=True)] == [
         "ctl-ddp4-100", "ctl-pp4-contended", "ddp4-hang-bwd", "pp4-slow-bwd-x4"]
     assert all(c.name.startswith("tp8-") for c in catalog.select("tp8-*", quick=False))
+    held = catalog.select("heldout", quick=False)
+    assert held and all("heldout" in c.tags for c in held)
+    assert not {c.name for c in held} & {c.name for c in catalog.select("", quick=False)}
     with pytest.raises(ValueError, match="unknown case 'nope'"):
         catalog.select("nope", quick=False)
     controls = [c for c in catalog.CASES if c.control]
