@@ -589,7 +589,8 @@ class Analyst:
         """Every `min_sweep_s`, the beats stored since the last look: an exit beat (a rank's
         process ended) newer than those already judged has the job judged as of its end
         (`hang_rca.process_exit`); its diagnoses, or none. A job whose event clock has not
-        moved is not read again; the read starts `EXIT_MARGIN_S` before the last one ended
+        moved is read again only while it stopped less than `EXIT_MARGIN_S` ago (below); the
+        read starts `EXIT_MARGIN_S` before the last one ended
         (an exit row stored after a read up to its time is still seen), so it costs a few
         seconds of beats, whatever the job's length.
 
