@@ -59,6 +59,7 @@ from diagnosis.slow import (
 from diagnosis.slow.context import (
     LINK_STAGES,
     STAGE_COLS,
+    Z_SHIFT,
     Ctx,
     SlowConfig,
     in_steps,
@@ -291,7 +292,8 @@ def confidence(top: Suspicion, second: Suspicion | None,
     second, independent comparison found the same rank."""
     sep = 1.0 if second is None else top.score / max(top.score + second.score, 1.0)
     sep = min(max((sep - 0.5) / 0.5, 0.0), 1.0)
-    z_min = {"change": cfg.z_change, "outlier": cfg.z_peers, "few_peers": cfg.z_peers,
+    z_min = {"change": cfg.z_change, "shift": Z_SHIFT, "outlier": cfg.z_peers,
+             "few_peers": cfg.z_peers,
              "sparse": 2.0}.get(top.how)
     strength = 0.5 if z_min is None else min(0.5 + 0.5 * (top.z / z_min - 1.0), 1.0)
     if argus:

@@ -73,6 +73,22 @@ change of 6.9σ over an 8-step baseline, named `host cpu` at 0.88 1.7 s into the
 job's start lies before the judged steps, the usual 8 suffice: asking 16 everywhere cost the
 CPU hog of the real catalog its verdict — its onset had 13 judged steps before it (27 more of
 the job before those), and as the judged steps slid on with the job no split left 16.
+A rank starved a little on most steps rather than much on every one (a light hog: 3-12 ms
+a step more on three steps of four, against a baseline of 0-3 ms with bursts of 10-30) puts
+too few steps above the band for that test — its σ is the baseline's upper tail — and its
+excess over the peers' lower quartile drops wherever its peers are crowded together
+elsewhere. Such a shift is found by a rank test of the rank's own wait (`context.shift_change`,
+Mann and Whitney's U: the newest steps above the older ones more often than chance allows,
+z ≥ `context.Z_SHIFT`, its Hodges-Lehmann size material), weaker evidence held twice as long
+(`context.SHIFT_HOLD` × `onset_steps`: 24 steps), its rise its own, not the other ranks'
+too (`context._common`), and the job's rise no more than `context.EXPLAINS` × its size.
+Replayed every 0.1 s on the stored tables of 7 real runs of the light hog (`ddp4-cpu-hog`):
+named 25.6, 26.5 and 27.7 steps after the onset where the band test took 39-41 or never did;
+no change in the others (named by the band test at 12-19 steps; in two the job's step time
+did not rise with the wait until ~37-39 steps after the onset); 0 of 180 replayed controls
+named. Without the `EXPLAINS` bound a contended 4-rank pipeline control's rank, crowded 10-70
+ms a step for 20 steps by unpinned busy processes while the job rose 25 ms a step, was named
+(its shift 8 ms).
 Only a change counts (`changes_only`): no persistent-outlier verdict and no "absorbed" one —
 on shared cores the scheduler crowds one rank more than the others for seconds (a contended
 control's rank waited 4–6 ms a step over its peers' for 20 steps), a difference of the
