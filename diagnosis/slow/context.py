@@ -69,9 +69,9 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   incident's stage.
 - `changes_only` (a rank's CPU wait, `diagnosis.slow.cpu`): a change the job's step time shows,
   held `CPU_HOLD` × `onset_steps`, and `confirm`; no outlier, few_peers or absorbed verdict.
-  Where the band test does not find it held, a *shift* of the unit's own series by the rank
-  test (`shift_change`, Mann-Whitney), held `SHIFT_HOLD` × `onset_steps`, its rise not
-  common to the other units (`_common`) and explaining the job's (`EXPLAINS`).
+  Where the band test does not find it held, a *shift* of the unit's excess by a rank test
+  (`shift_change`: Mann-Whitney, Pettitt's onset), held `SHIFT_HOLD` × `onset_steps`, its
+  rise not common to the other units (`_common`) and explaining the job's (`EXPLAINS`).
 The strength of the evidence (`z`) feeds the conclusion's confidence.
 """
 
@@ -601,7 +601,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         shifted = changes_only and (
             res is None or _seen(d[:, x], res[3]) < CPU_HOLD * k)
         if shifted:
-            res = shift_change(ctx, m[:, x], floor, ratio_min, min_baseline)
+            res = shift_change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min, min_baseline)
         if res is None:
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
@@ -816,52 +816,59 @@ def own_change(ctx: Ctx, d: Array, m: Array, ref: Array | None, floor: float,
 Z_SHIFT = 4.0
 
 
-def shift_change(ctx: Ctx, series: Array, floor: float, ratio_min: float,
+def shift_change(ctx: Ctx, d: Array, m: Array, ref: Array, floor: float, ratio_min: float,
                  min_baseline: int | None = None) -> tuple[float, float, float, int] | None:
-    """(excess, ratio, z, steps since the onset) of a unit whose own `series` shifted up over
-    its newest steps; else None. The test is Mann and
-    Whitney's rank-sum test of the newest steps against the steps before (every split with a
-    baseline of at least `min_baseline` steps at once; the largest z is the onset): U counts
-    the (before, after) pairs in which the after step is higher, ties a half, and its z is
-    (U − ab/2) / √(ab(a + b + 1)/12) for a baseline of a steps and b after it (ties not
-    corrected for, which only lowers z). The shift must reach `Z_SHIFT`, and its size — the
-    Hodges-Lehmann estimate, the median of the pairwise differences — the materiality
-    `floor`; the mean after over the median before `ratio_min`.
+    """(excess, ratio, z, steps since the onset) of a unit whose excess series `d` (over the
+    reference `ref`; `m` the unit's own values) shifted up over its newest steps; else None.
+
+    The test is Mann and Whitney's rank-sum test of the steps after a split against the steps
+    before (every split with a baseline of at least `min_baseline` steps and a run of at least
+    `onset_steps` at once, `rank_sums`): U counts the (before, after) pairs in which the after
+    step is higher, ties a half; z = (U − ab/2) / √(ab(a + b + 1)/12) for a baseline of a
+    steps and b after it (ties not corrected for, which only lowers z). The onset is Pettitt's
+    change point (A. N. Pettitt, "A non-parametric approach to the change-point problem",
+    Applied Statistics 28, 1979): the split of the largest centred U, U − ab/2 — the split of
+    the largest z favours long runs and put onsets late. Its z must reach `Z_SHIFT`; the
+    shift's size — the Hodges-Lehmann estimate, the median of the pairwise (after − before)
+    differences — the materiality `floor`; the unit's mean since over the reference's
+    `ratio_min`.
 
     For a quantity with a heavy upper tail (a rank's wait for a CPU on shared cores: mostly
     0-3 ms a step, now and then 10-40 when the scheduler crowds it) the median-and-band test
     (`own_change`) has little power: its σ is the tail's width, and a rank starved a little on
     most steps rather than much on every one does not put 80 % of them above the band. A rank
-    test asks only that the newest steps sit above the old ones more often than chance allows.
-    On a real 4-rank job whose rank 1 shared its core with two busy processes (waits 0-20 ms
-    a step against 0-4 before, 5 of its first 12 steps above the band) the band test never
-    named it in 120 steps; the rank test's z passed 4 within 20. The onset is the split of the
-    largest z over every run of at least `onset_steps`, so the caller's hold counts from the
-    likeliest start, not from the shortest run that passes. z says the steps are unlikely to
-    be one series *if they were independent*; they are not (the scheduler's crowding is
-    sticky for seconds), which is why the caller holds a shift `SHIFT_HOLD` onsets
-    (`diagnosis.slow.cpu`)."""
+    test asks only that the newest steps sit above the old ones more often than chance allows,
+    and a step where the peers were crowded together (the reference up, the excess down) is
+    one low rank, not a failed step. On a real 4-rank job whose rank 1 shared its core with
+    two busy processes (waits 0-20 ms a step against 0-4 before, 5 of its first 12 steps above
+    the band) the band test never named it in 120 steps; the rank test's z passed 4 within
+    25. z says the steps are unlikely to be one series *if they were independent*; they are
+    not (the scheduler's crowding is sticky for seconds), which is why the caller holds a
+    shift `SHIFT_HOLD` onsets (`diagnosis.slow.cpu`).
+    """
     cfg = ctx.cfg
-    ok = ~np.isnan(series)
-    v = series[ok].astype(np.float64)
+    ok = ~np.isnan(d)
+    v = d[ok].astype(np.float64)
     n = v.size
     least_base = cfg.min_baseline if min_baseline is None else min_baseline
     lengths = np.arange(cfg.onset_steps, n - max(cfg.onset_steps, least_base) + 1)
     if not lengths.size:
         return None
     split = n - lengths  # the first step after each baseline
-    z = rank_sums(v, split)[1]
-    i = int(np.argmax(z))  # the likeliest onset; the caller asks it to have held
+    u, z = rank_sums(v, split)
+    # the onset: Pettitt's change point, the split of the largest centred U (not of the
+    # largest z, which favours long runs and put onsets late); the caller asks it to have held
+    i = int(np.argmax(u - split * (n - split) / 2.0))
     if z[i] < Z_SHIFT:
         return None
     sp = int(split[i])
     before, after = v[:sp], v[sp:]
     shift = float(np.median(after[:, None] - before[None, :]))
-    base = float(np.median(before))
-    ratio = float(np.mean(after) / base) if base > 0 else float("inf")
-    if shift < floor or ratio < ratio_min:
+    with np.errstate(all="ignore"):
+        ratio = float(np.mean(m[ok][sp:]) / np.mean(ref[ok][sp:]))
+    if not (shift >= floor and ratio >= ratio_min):
         return None
-    return shift, ratio, float(z[i]), series.size - int(np.flatnonzero(ok)[sp])
+    return shift, ratio, float(z[i]), d.size - int(np.flatnonzero(ok)[sp])
 
 
 def rank_sums(v: Array, split: Array) -> tuple[Array, Array]:

@@ -77,18 +77,24 @@ A rank starved a little on most steps rather than much on every one (a light hog
 a step more on three steps of four, against a baseline of 0-3 ms with bursts of 10-30) puts
 too few steps above the band for that test — its σ is the baseline's upper tail — and its
 excess over the peers' lower quartile drops wherever its peers are crowded together
-elsewhere. Such a shift is found by a rank test of the rank's own wait (`context.shift_change`,
-Mann and Whitney's U: the newest steps above the older ones more often than chance allows,
-z ≥ `context.Z_SHIFT`, its Hodges-Lehmann size material), weaker evidence held twice as long
-(`context.SHIFT_HOLD` × `onset_steps`: 24 steps), its rise its own, not the other ranks'
-too (`context._common`), and the job's rise no more than `context.EXPLAINS` × its size.
-Replayed every 0.1 s on the stored tables of 7 real runs of the light hog (`ddp4-cpu-hog`):
-named 25.6, 26.5 and 27.7 steps after the onset where the band test took 39-41 or never did;
-no change in the others (named by the band test at 12-19 steps; in two the job's step time
-did not rise with the wait until ~37-39 steps after the onset); 0 of 180 replayed controls
-named. Without the `EXPLAINS` bound a contended 4-rank pipeline control's rank, crowded 10-70
-ms a step for 20 steps by unpinned busy processes while the job rose 25 ms a step, was named
-(its shift 8 ms).
+elsewhere. Such a shift is found by a rank test of the same excess (`context.shift_change`, Mann and
+Whitney's U: the newest steps above the older ones more often than chance allows, z ≥
+`context.Z_SHIFT`, the onset Pettitt's change point, its Hodges-Lehmann size material; a
+step where the peers were crowded is one low rank, not a failed step), weaker evidence held
+twice as long (`context.SHIFT_HOLD` × `onset_steps`: 24 steps), its rise its own, not the
+other ranks' too (`context._common`), and the job's rise no more than `context.EXPLAINS` ×
+its size.
+Replayed every 0.1 s on the stored tables of 8 real runs of the light hog (`ddp4-cpu-hog`):
+named 25.6, 26.5 and 32.6 steps after the onset where the band test took 39-41 or never did;
+in the others the band test names it first (12-19 steps), or the job's step time did not
+rise with the wait until 37-39 steps after the onset (two runs); 0 of 204 replayed controls
+named. Tried and left out: the test on the rank's own wait rather than its excess — a
+fault-free 4-rank pipeline's every rank waited 2-4 ms a step more from its 60th step on,
+rank 0 4 ms more, and it was named live (0.64); without the `EXPLAINS` bound a contended
+4-rank pipeline control's rank, crowded 10-70 ms a step for 20 steps by unpinned busy
+processes while the job rose 25 ms a step, was named (its shift 8 ms); the 12-step hold
+named 6 of 180 replayed controls (the scheduler crowds a contended control's rank for 12-30
+steps).
 Only a change counts (`changes_only`): no persistent-outlier verdict and no "absorbed" one —
 on shared cores the scheduler crowds one rank more than the others for seconds (a contended
 control's rank waited 4–6 ms a step over its peers' for 20 steps), a difference of the
