@@ -5,6 +5,7 @@ enough to explain its excess; no verdict (the beats decide) where the records la
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -38,6 +39,12 @@ def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: fl
             total = 20 * MS + back
             sh = max((a if s >= onset else b) + rng.normal(0, noise), 0.0)
             rows.append((r, s, s * 60 * MS, 20 * MS, back, int(sh * total) if counter else -1))
+    return stage_ctx(rows, window_from_ns, n_steps * 60 * MS, SlowConfig())
+
+
+def stage_ctx(rows: Sequence[tuple[int, ...]], from_ns: int, to_ns: int, cfg: SlowConfig) -> Ctx:
+    """The analysis context of a 4-rank DDP job's stage records, one (rank, step, t_start,
+    forward, backward, CPU wait) per row, in a window from `from_ns` to `to_ns`."""
     rank, step, t0, fwd, bwd, wait = (np.array(x, dtype=np.int64) for x in zip(*rows, strict=True))
     z = np.zeros(rank.size, np.int64)
     stages: dict[str, np.ndarray] = {"rank": rank, "step": step, "t_start": t0, "data_next_wait": z,
@@ -46,8 +53,7 @@ def ctx(share: dict[int, tuple[float, float]], extra_ms: float = 10.0, noise: fl
     topo = JobTopology(job_id="j", ts=0, world_size=4, dp=4, hosts=["h"] * 4,
                        communicators=[Communicator(comm_id="world", kind="dp",
                                                    members=[0, 1, 2, 3])])
-    w = Window(topo, {"stages": stages}, window_from_ns, n_steps * 60 * MS)
-    cfg = SlowConfig()
+    w = Window(topo, {"stages": stages}, from_ns, to_ns)
     steps, step_ns, job = judged_steps(w, cfg)
     return Ctx(w, cfg, steps, step_ns, peer_stages(w), 0, job)
 
@@ -245,18 +251,7 @@ def waits_ctx(waits_ms: np.ndarray, extra_ms: np.ndarray, recent: int = 30) -> C
         for s in range(n):
             back = 30 * MS + (int(extra_ms[s] * MS) if r == 1 else 0)
             rows.append((r, s, s * 80 * MS, 20 * MS, back, int(waits_ms[s, r] * MS)))
-    rank, step, t0, fwd, bwd, wait = (np.array(x, dtype=np.int64) for x in zip(*rows, strict=True))
-    z = np.zeros(rank.size, np.int64)
-    stages: dict[str, np.ndarray] = {"rank": rank, "step": step, "t_start": t0, "data_next_wait": z,
-              "model_fwd_loss": fwd, "model_backward": bwd, "callbacks": z, "optim_step": z,
-              "step_other": z, "sched_wait_ns": wait}
-    topo = JobTopology(job_id="j", ts=0, world_size=4, dp=4, hosts=["h"] * 4,
-                       communicators=[Communicator(comm_id="world", kind="dp",
-                                                   members=[0, 1, 2, 3])])
-    w = Window(topo, {"stages": stages}, 0, n * 80 * MS)
-    cfg = replace(SlowConfig(), recent=recent)
-    steps, step_ns, job = judged_steps(w, cfg)
-    return Ctx(w, cfg, steps, step_ns, peer_stages(w), 0, job)
+    return stage_ctx(rows, 0, n * 80 * MS, replace(SlowConfig(), recent=recent))
 
 
 BURSTS, SHIFTED = 0.1, 0.75
