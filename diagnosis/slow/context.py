@@ -631,7 +631,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # job's step time with it, and was named (0.6): its transport threads were crowded
         # A step held is a step seen: the newest judged steps whose value is not known yet (a
         # rank's own time, until its calls of a later step are stored) do not count
-        series = m[:, x] if few[x] or shifted else d[:, x]
+        series = m[:, x] if few[x] else d[:, x]
         seen = _seen(series, res[3])
         short = seen < 2 * k
         crowded = None
