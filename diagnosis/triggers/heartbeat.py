@@ -4,7 +4,8 @@ MegaTrace §III-C "Detection via Timeout").
 The analyzer resets a per-rank timer whenever the rank's tracer reports progress; when the timer
 exceeds n × T_expected (n = 2 in MegaTrace's example) it flags a potential hang. T_expected is the
 expected step (iteration) time, learned as in VenusTrace Alg. 2 lines 2-10: the second step
-initializes it, later steps within ±α (5 %) update it (`diagnosis.expectation.Expectation`).
+initializes it, later steps within ±α (5 %) update it (`diagnosis.expectation.Expectation`; the
+band widened to the steps' own scatter where that is larger, as on real CPU jobs).
 
 What counts as progress: a new op call or completion (an `ops` row's t_enqueue or t_end) — the
 papers' NCCL API log. A heartbeat record (`beats`) by itself does *not* reset the timer: a host
@@ -22,8 +23,9 @@ Thresholds and choices:
   (5 min), so a hang during start-up is still reported, late rather than never;
 - a rank that never progressed is not judged (it has not started);
 - a re-baselined T_expected (see `Expectation`: `rebase_after` consecutive consistent steps
-  outside ±α) is reported as a "regression" trigger — VenusTrace would otherwise keep comparing
-  against a stale value forever;
+  outside its band) is reported as a "regression" trigger — VenusTrace would otherwise keep
+  comparing against a stale value forever — when the steps got slower: a job that got faster
+  (most often: its start-up steps were what set the expectation) is not a performance incident;
 - one trigger per hang episode: a rank re-arms when it progresses again.
 
 Silences seen after the fact (beyond the papers, which assume the tracer's log arrives as it is
@@ -134,7 +136,7 @@ def observe_steps(state: HeartbeatState, step: Array, duration_ns: Array,
         _, rebased = state.expected.update(d)
         if not state.ready_ns and bool(state.expected.ready):
             state.ready_ns = max(int(e), 1)
-        if bool(rebased):
+        if bool(rebased) and float(state.expected.value) > before:
             out.append(Trigger(state.job_id, now_ns, "regression", (), {
                 "rule": "venustrace.expected_step", "step": int(s),
                 "expected_before_ns": before, "expected_after_ns": float(state.expected.value),

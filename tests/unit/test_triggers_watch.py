@@ -49,6 +49,22 @@ def test_two_slow_steps_fire_once_whatever_the_delivery() -> None:
         assert fired[0].evidence["onset_step"] == 10
 
 
+def test_a_slow_warm_up_step_does_not_silence_the_step_test() -> None:
+    # the second step took 99 ms, then 78 ms ± 10 %; from step 40 the steps take 20 % longer:
+    # with the expectation stuck at the warm-up's time no step passed (1 + β) × expected
+    rng = np.random.default_rng(7)
+    w = watch()
+    base = [0.222, 0.099, *(0.078 * (1 + 0.1 * rng.standard_normal(38)))]
+    stragglers(w.observe(T0, steps=steps(w, 0, base)))
+    expected = w.expected_step_ns()
+    assert expected is not None and abs(expected / (0.078 * S) - 1) < 0.08
+    slow = list(0.094 * (1 + 0.03 * rng.standard_normal(6)))
+    fired_at = [40 + i for i, d in enumerate(slow)
+                if stragglers(w.observe(T0 + (50 + i) * S, steps=steps(w, 40 + i, [d])))]
+    # a step's time is learned once a later one is seen: step 40's as step 41 arrives
+    assert fired_at and fired_at[0] <= 41, fired_at
+
+
 def test_a_step_delivered_twice_is_not_a_second_slow_step() -> None:
     w = watch()
     w.observe(T0, steps=steps(w, 0, [0.7] * 10))
