@@ -40,6 +40,10 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
+    and where the job's ranks wait for CPUs at all (`host_crowded`: the median rank's wait at
+    least `CROWDED_SHARE` of its time), a link's short change is held to `2 × onset_steps`
+    whatever its peers: its transport's threads are crowded in turn as the ranks' are, and
+    no counter sees theirs;
   - an *outlier* (`outlier`, persistent since before the window): beside at least
     `min_peers` other units (their means' spread is the σ), the unit's mean over at least
     2 × `onset_steps` known steps is `z_peers` robust deviations above its peers' means, and
@@ -354,6 +358,27 @@ CPU_HOLD = 3
 SHIFT_HOLD = 2 * CPU_HOLD
 
 
+#: a job whose median rank waits for a CPU at least this share of its steps' time runs more
+#: threads than its cores take at once: the scheduler crowds them in turn (`host_crowded`)
+CROWDED_SHARE = 0.01
+
+
+def host_crowded(ctx: Ctx) -> bool:
+    """Whether the job's ranks wait for CPUs at all over the judged steps: its median rank's
+    total CPU wait (the tracer's per-step counter, `step_waits`) is at least `CROWDED_SHARE` of
+    its steps' total time. False without the counter. Where they do, the scheduler crowds any
+    of the job's threads for a few steps at a time — a transport's too, which no counter sees
+    (`_judge`: a link's change holds twice the onset there)."""
+    got = step_waits(ctx)
+    if got is None:
+        return False
+    wait, tot = got
+    with np.errstate(all="ignore"):
+        share = np.nansum(wait, axis=0) / np.nansum(tot, axis=0)
+    share = share[np.isfinite(share)]
+    return bool(share.size) and float(np.median(share)) >= CROWDED_SHARE
+
+
 def _seen(series: Array, since: int) -> int:
     """How many of the newest `since` steps of `series` are known (not nan)."""
     return int(np.sum(~np.isnan(series[series.size - since:]))) if since > 0 else 0
@@ -642,6 +667,14 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         cleared = crowded is False
         if (changes_only and seen < (SHIFT_HOLD if shifted else CPU_HOLD) * k) \
                 or (peers[x] < cfg.min_peers and short and not cleared):
+            continue
+        # a link's transfers run in its transport's threads: where the job's ranks wait for
+        # CPUs, the scheduler crowds those threads in turn as it crowds the ranks', and a
+        # link's change short of twice the onset is as likely its doing, whatever the link's
+        # peers (an 8-rank TP job on 2 cores, fault-free until another rank hung: one of its
+        # four TP groups' transfers 4-24 ms a step above the others' for 5 steps, the job's
+        # step time up with them, named `tp_collectives` at 0.6 — and then no more)
+        if not job_gate and short and host_crowded(ctx):
             continue
         # and whatever the peers, a change the rank's own counters show the scheduler made
         # (its steps waited for a CPU for at least half its rise) is CPU starvation, held to

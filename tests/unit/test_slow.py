@@ -750,6 +750,36 @@ def test_a_jobs_only_ring_is_named_when_its_rise_is_the_jobs_and_no_cpu_wait_ros
     assert not verdict(_with_waits(w, 40, calm), everywhere).flag.any()
 
 
+def _waiting(w: Window, share: float) -> Window:
+    """`w` with every stage record's CPU wait set to `share` of its step's time."""
+    st = dict(w.tables["stages"])
+    st["sched_wait_ns"] = (share * context.stage_total(st)).astype(np.int64)
+    return Window(w.topo, {**w.tables, "stages": st}, w.start_ns, w.now_ns)
+
+
+def test_a_links_short_change_holds_twice_the_onset_where_the_ranks_wait_for_cpus() -> None:
+    """A link's transfers run in its transport's threads. Where the job's ranks wait for CPUs
+    (more threads than cores), the scheduler crowds those threads in turn as it crowds the
+    ranks': a link's change of 5 steps among 5 like links, the job's step time up with it,
+    is named where the ranks do not wait, held to twice the onset where they do."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    rng = np.random.default_rng(21)
+    groups = np.zeros(6, dtype=np.int64)
+
+    def named(change: int, share: float) -> bool:
+        m = 12e6 * (1 + 0.05 * rng.standard_normal((40, 6)))
+        m[-change:, 1] += 20e6
+        job = np.full(40, 70e6) + rng.normal(0, 2e6, 40)
+        job[-change:] += 15e6
+        ctx = _ctx(_waiting(w, share), 40, job, step_ns=70e6)
+        assert context.host_crowded(ctx) == (share >= context.CROWDED_SHARE)
+        v = context.judge(ctx, m, 1.2, groups, floor=2e6, job_gate=False)
+        return bool(v.flag[1]) and not v.flag[[0, 2, 3, 4, 5]].any()
+
+    assert named(5, 0.0) and not named(5, 0.05)
+    assert named(8, 0.0) and named(8, 0.05)
+
+
 def test_a_links_change_is_seen_through_its_newest_steps_not_known_yet() -> None:
     """A link's newest steps may be unknown (nan: pairs whose send has not completed): its
     change is judged on the newest steps that are known."""
