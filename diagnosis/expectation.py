@@ -101,7 +101,7 @@ class Expectation:
         return np.asarray(np.fmax(rel, np.nan_to_num(spread, nan=0.0)))
 
     def update(self, sample: Array | float) -> tuple[Array, Array]:
-        """Fold one sample per element in; returns (within_alpha, rebased) boolean masks."""
+        """Fold one sample per element in; returns (within the band, rebased) boolean masks."""
         x = np.broadcast_to(np.asarray(sample, dtype=np.float64), self.shape)
         have = ~np.isnan(x)
         self.seen = self.seen + have

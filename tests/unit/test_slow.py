@@ -750,13 +750,6 @@ def test_a_jobs_only_ring_is_named_when_its_rise_is_the_jobs_and_no_cpu_wait_ros
     assert not verdict(_with_waits(w, 40, calm), everywhere).flag.any()
 
 
-def _waiting(w: Window, share: float) -> Window:
-    """`w` with every stage record's CPU wait set to `share` of its step's time."""
-    st = dict(w.tables["stages"])
-    st["sched_wait_ns"] = (share * context.stage_total(st)).astype(np.int64)
-    return Window(w.topo, {**w.tables, "stages": st}, w.start_ns, w.now_ns)
-
-
 def test_a_links_short_change_holds_twice_the_onset_where_the_ranks_wait_for_cpus() -> None:
     """A link's transfers run in its transport's threads. Where the job's ranks wait for CPUs
     (more threads than cores), the scheduler crowds those threads in turn as it crowds the
@@ -771,7 +764,9 @@ def test_a_links_short_change_holds_twice_the_onset_where_the_ranks_wait_for_cpu
         m[-change:, 1] += 20e6
         job = np.full(40, 70e6) + rng.normal(0, 2e6, 40)
         job[-change:] += 15e6
-        ctx = _ctx(_waiting(w, share), 40, job, step_ns=70e6)
+        # `_with_waits`' steps take 100 ms: each waits `share` of that
+        waits = _with_waits(w, 40, np.full((40, w.grid.world), share * 100e6))
+        ctx = _ctx(waits, 40, job, step_ns=70e6)
         assert context.host_crowded(ctx) == (share >= context.CROWDED_SHARE)
         v = context.judge(ctx, m, 1.2, groups, floor=2e6, job_gate=False)
         return bool(v.flag[1]) and not v.flag[[0, 2, 3, 4, 5]].any()
