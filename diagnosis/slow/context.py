@@ -166,7 +166,7 @@ class Ctx:
             return 0.0
         # from step-to-step differences: a slowdown's level shift is one outlier among them,
         # not noise (the MAD of the levels would count the change itself as noise)
-        return self.cfg.job_noise * float(_mad_sigma(np.diff(self.job_step))) / float(np.sqrt(2))
+        return self.cfg.job_noise * float(mad_sigma(np.diff(self.job_step))) / float(np.sqrt(2))
 
     def ops_of_kind(self, kind: str) -> Array:
         """Mask over ops rows on a communicator of `kind` (through the comm_id codes)."""
@@ -264,7 +264,7 @@ def nan_median(x: Array, axis: int = 0) -> Array:
     return np.squeeze(med, axis=axis)
 
 
-def _mad_sigma(x: Array, axis: int = 0) -> Array:
+def mad_sigma(x: Array, axis: int = 0) -> Array:
     """Robust standard deviation (1.4826 × median absolute deviation), nan-aware."""
     with np.errstate(all="ignore"):
         med = np.expand_dims(nan_median(x, axis=axis), axis)
@@ -277,7 +277,7 @@ def _spread(x: Array) -> float:
     tail of a rank that shares its cores (descheduled now and then for milliseconds), which
     the MAD alone reads as quiet."""
     q50, q90 = np.percentile(x, [50, 90])
-    return max(float(_mad_sigma(x)), float(q90 - q50) / 1.2816)
+    return max(float(mad_sigma(x)), float(q90 - q50) / 1.2816)
 
 
 def prefix_spreads(x: Array) -> Array:
@@ -478,7 +478,7 @@ def job_change(ctx: Ctx, since: int) -> float:
     level = float(np.median(after))
     if level <= excursion(before, since):
         return 0.0
-    sd = max(float(_mad_sigma(before)), 0.01 * float(np.median(before)), 1.0)
+    sd = max(float(mad_sigma(before)), 0.01 * float(np.median(before)), 1.0)
     se = 1.2533 * sd * np.sqrt(1.0 / before.size + 1.0 / after.size)
     return (level - float(np.median(before))) / float(se)
 
@@ -571,7 +571,7 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             others = np.flatnonzero((gi == gi[x]) & present)
             others = others[others != x]
             om = means[others]
-            sd = max(float(_mad_sigma(om)), 0.02 * float(np.median(om)), 1.0)
+            sd = max(float(mad_sigma(om)), 0.02 * float(np.median(om)), 1.0)
             zx = (float(means[x]) - float(np.median(om))) / sd
             if zx >= cfg.z_peers and above[x] >= 0.8:
                 flag[x], z[x], how[x] = True, zx, "outlier"

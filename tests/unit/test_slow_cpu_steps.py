@@ -237,6 +237,35 @@ def test_a_suspect_whose_onset_every_rank_waited_more_at_is_the_hosts_contention
     assert not cpu.crowded(ctx(everyone, noise=0.005), replace(TOP, onset_step=-1))
 
 
+def test_a_starved_rank_whose_peers_waited_more_too_beyond_their_noise_is_the_hosts() -> None:
+    """A suspect of the wait itself: rank 1 waits 3 % → 30 % of its steps from step 30. When
+    the other ranks' waits rose at the same onset by a material amount beyond their own noise
+    (3 % → 12 %: 4.5 ms a step, a third of rank 1's excess, under half), the host's
+    contention changed and rank 1 took the larger share: `crowded` (a real contended pipeline
+    control's rank 2, its median wait 2.4 → 14.3 ms a step while its peers' rose 1.1, 6.8 and
+    4.9, was named `host cpu` at 0.88). Not when the peers' rise is a tenth of its excess (a
+    pinned hog), nor when it is inside their own scatter; a suspect of another quantity (a
+    slower backward) keeps the half-its-excess test alone."""
+    host = {1: (0.03, 0.3), 0: (0.03, 0.12), 2: (0.03, 0.12), 3: (0.03, 0.12)}
+    c = ctx(host, noise=0.005)
+    sus = cpu.suspects(c)
+    assert [(s.ranks, s.stage) for s in sus] == [((1,), "host cpu")]
+    assert 2 * 4.5e6 < sus[0].score < 4 * 4.5e6  # the peers' rise: under half, over a quarter
+    assert cpu.crowded(c, sus[0])
+    # a rise of theirs a tenth of its excess: the change is its own (a pinned hog)
+    slight = ctx({1: (0.03, 0.3), 0: (0.03, 0.06), 2: (0.03, 0.06), 3: (0.03, 0.06)},
+                 noise=0.005)
+    assert not cpu.crowded(slight, cpu.suspects(slight)[0])
+    assert not cpu.crowded(c, TOP)
+    alone = ctx({1: (0.03, 0.3)}, noise=0.005)
+    assert not cpu.crowded(alone, cpu.suspects(alone)[0])
+    # the peers 30 % → 34 % of their steps (a median rise of 3.3 ms, material) inside a
+    # per-step scatter of 10 % of each step: 1.7 standard errors, no change of theirs
+    peers = (0.3, 0.34)
+    noisy = ctx({1: (0.3, 0.9), 0: peers, 2: peers, 3: peers}, noise=0.1)
+    assert not cpu.crowded(noisy, sus[0])
+
+
 # -- a small shift on most steps: the rank test (context.shift_change) ------------------------
 
 
