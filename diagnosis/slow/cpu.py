@@ -46,7 +46,15 @@ per-step shares' deviation from their rank's and side's share (pooled RMS), as a
 `NOISE_K` standard errors of the difference of two such means (the suspect's since the onset
 against its own before, and against its peers' since), at least `MARGIN` of the wall clock. The
 extra wait must explain `EXPLAIN` of the suspect's excess, in ns per step as measured. Stage
-records without the counter (an older tracer: -1) leave the judgement to the beats.
+records without the counter (an older tracer: -1) leave the judgement to the beats. A
+suspect of a difference that persists (`PERSISTENT`: an outlier beside its peers, an open
+culprit re-checked) has no steps of its own before its onset, which lies before the judged
+steps: its peers' wait over the same steps is the reference alone. A real 8-rank DDP job
+whose rank 4 shared its core with busy processes from step 40 (its wait 15-115 ms a step
+against its peers' 0-10) had its wait's change left unnamed while the job's step time stood
+below an excursion of its own before the onset (steps 16-33 at 105-290 ms, the job's start
+on 2 shared cores); once the onset had left the judged steps, its backward, 1.58x its peers'
+(an outlier at 25σ) with 25 ms a step more of waiting, was named `bwd` gpu_compute at 0.95.
 
 A suspect of its own (`suspects`): a rank whose steps' CPU wait *changed* — judged like every
 other quantity (`context.judge`: its excess over the job's ranks' reference rose over its
@@ -151,6 +159,9 @@ EXPLAIN = 0.5
 HOST_SHARE = 0.25
 MARGIN = 0.05
 NOISE_K = 3.0
+#: verdicts of a difference that persists rather than a change (`context.judge`): their onset
+#: lies before the judged steps, and `refine_steps` judges the rank's wait against its peers'
+PERSISTENT = ("confirm", "outlier", "few_peers")
 
 
 def wait_shares(beats: Columns, since_ns: int, base_from_ns: int | None = None,
@@ -288,9 +299,11 @@ def refine_steps(ctx: Ctx, top: Suspicion, explain: float = EXPLAIN
     peers = np.setdiff1d(np.flatnonzero(n_after >= 2), mine_cols)
     if (n_after[mine_cols] < 2).any() or not peers.size:
         return top, False
-    if top.how == "confirm":
+    if top.how in PERSISTENT:
         # the re-check of an open culprit: its judged steps may all lie after the onset (see
-        # `refine`); its peers are the reference
+        # `refine`); and a persistent difference (an outlier beside its peers): its onset lies
+        # before the judged steps. Its peers are the reference: a rank that waits for a CPU
+        # more than they do, by as much as it is slower, is starved, not slower in its work
         base, base_wait, nb = 0.0, 0.0, 0
     else:
         if (n_before[mine_cols] < 2).any():
@@ -317,6 +330,9 @@ def refine_steps(ctx: Ctx, top: Suspicion, explain: float = EXPLAIN
     # 6 % before, was named `host cpu` at 0.74 after 8 steps)
     if top.how != "confirm" and not starvation_held(ctx, na, nb):
         return None, True
+    if top.how in PERSISTENT:
+        return _starved(top, f"{mine:.0%} of its steps' time (its peers: {peer:.0%}; "
+                             f"{extra / 1e6:.1f} ms more a step)"), True
     return _starved(top, f"{mine:.0%} of its steps' time since (before: {base:.0%}, its "
                          f"peers: {peer:.0%}; {extra / 1e6:.1f} ms more a step)"), True
 

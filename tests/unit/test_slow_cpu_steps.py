@@ -136,6 +136,30 @@ def test_an_open_culprit_rechecked_is_judged_against_its_peers() -> None:
 
 
 
+def test_a_persistent_outlier_its_wait_explains_is_its_hosts_cpu() -> None:
+    """An outlier (a difference older than the judged steps: its onset is their first) whose
+    rank waits for a CPU more than its peers by as much as it is slower is that rank's
+    starvation, judged against its peers as there is no before of its own. A real 8-rank DDP
+    job whose rank 4 shared its core with busy processes from step 40: its wait's change was
+    not named while the job's step time stood below an excursion of its own before the onset,
+    and 78 steps on its backward, 1.58x its peers' with 25 ms a step more of waiting, was named
+    `bwd` gpu_compute at 0.95."""
+    starved = ctx({1: (0.3, 0.3)}, noise=0.005, onset=0)
+    outlier = replace(TOP, how="outlier", onset_step=0)
+    out, judged = cpu.refine_steps(starved, outlier)
+    assert judged and _stage(out) == "host cpu"
+    assert out is not None and "(its peers: 3%" in out.summary
+    # judged as a change it has no steps before its onset to rise from: left as it is
+    change = replace(outlier, how="change")
+    assert cpu.refine_steps(starved, change)[0] == change
+    # a rank that waits as its peers do is slower in its work
+    assert cpu.refine_steps(ctx({}, onset=0), outlier)[0] == outlier
+    # while the judged steps reach back to the job's start: no verdict yet, as a change
+    young = ctx({1: (0.3, 0.3)}, noise=0.005, onset=0, window_from_ns=-5_000 * MS)
+    assert context.from_job_start(young)
+    assert cpu.refine_steps(young, outlier)[0] is None
+
+
 def test_a_ring_whose_one_member_is_starved_is_that_members_cpu() -> None:
     """A ring not narrowed to a member (gloo: no chunk counters) whose member rank 1 alone
     starved since the onset is rank 1's host CPU, held like any starved suspect; a ring of
