@@ -157,34 +157,34 @@ class ObservingStore(ClickHouseStore):
                      again: bool = False) -> None:
         """`batches` of `kind` are stored (by `write`; `again`: before, `skipped`): report
         them to their jobs' owners first (a failure fails the write, which is retried and
-        deduplicated, so nothing is observed twice here), then observe those of owned jobs."""
+        deduplicated, so nothing is observed twice here), then observe those of owned jobs.
+
+        Ownership is read again after the reports, once the checkpoints of the current
+        assignment are loaded, with no await between that and the observations: a rebalance
+        during the insert or the reports would otherwise have a batch of a job just gained
+        open the job's windows at that batch, and the restore that follows keeps a job already
+        held, so the windows the previous owner left open before it would never close (a
+        job's first iteration windows, in a takeover). A job lost meanwhile is reported to its
+        new owner instead."""
         gap = self.windows.params.gap_ns
-        local: list[tuple[RecordBatch, Extent | None]] = []
+        mine: list[RecordBatch] = []
         remote: dict[str, list[Extent]] = {}
         for b in batches:
-            owned = self.ownership.owns(b.job_id)
-            if not owned and self.report is None:
-                continue  # stored; its owner closes its windows
-            try:
-                ext = extent(kind, b, gap, ends=not owned)
-            except Exception:  # stored: a bookkeeping bug must not fail (and stop) the sink
-                log.exception("derived windows: the extent of a stored %s batch", kind)
-                continue
-            if owned:
-                local.append((b, ext))
-            elif ext is not None:
-                remote.setdefault(b.job_id, []).append(ext)
-        for job, exts in remote.items():
-            try:
-                assert self.report is not None
-                await self.report(job, encode_report(job, exts))
-            except Exception as e:  # an outage: the raw sink retries the (deduplicated) write
-                raise ReportUndelivered(f"reporting stored {kind} of {job} to its owner: "
-                                        f"{type(e).__name__}: {e}") from e
-            self.reports_sent += 1
+            if self.ownership.owns(b.job_id):
+                mine.append(b)
+            elif self.report is not None:
+                self._extent_for_owner(kind, b, gap, remote)
+        await self._report(kind, remote)
+        await restore_windows(self.writer.db, self.windows, self.ownership)
         changed: set[str] = set()
-        for b, ext in local:
+        lost: dict[str, list[Extent]] = {}
+        for b in mine:
+            if not self.ownership.owns(b.job_id):  # handed over during the reports
+                if self.report is not None:
+                    self._extent_for_owner(kind, b, gap, lost)
+                continue
             try:  # the rows are stored: a bookkeeping bug must not fail (and stop) the raw sink
+                ext = extent(kind, b, gap, ends=False)
                 if ext is not None and self._observe(ext):
                     changed.add(b.job_id)
                 if ext is not None and kind == "kernels" and self.kernels is not None \
@@ -200,6 +200,30 @@ class ObservingStore(ClickHouseStore):
                 except Exception:  # a listener's bug must not fail (and stop) the raw sink
                     log.exception("a listener of stored %s batches failed", kind)
         await self._checkpoint(changed)
+        await self._report(kind, lost)
+
+    @staticmethod
+    def _extent_for_owner(kind: str, b: RecordBatch, gap: int,
+                          out: dict[str, list[Extent]]) -> None:
+        """Add the extent of `b`, a batch of a job another worker owns, to `out` by job."""
+        try:
+            ext = extent(kind, b, gap)
+        except Exception:  # stored: a bookkeeping bug must not fail (and stop) the sink
+            log.exception("derived windows: the extent of a stored %s batch", kind)
+            return
+        if ext is not None:
+            out.setdefault(b.job_id, []).append(ext)
+
+    async def _report(self, kind: str, remote: dict[str, list[Extent]]) -> None:
+        """Publish each job's extents for its owner (streams/reports.py)."""
+        for job, exts in remote.items():
+            try:
+                assert self.report is not None
+                await self.report(job, encode_report(job, exts))
+            except Exception as e:  # an outage: the raw sink retries the (deduplicated) write
+                raise ReportUndelivered(f"reporting stored {kind} of {job} to its owner: "
+                                        f"{type(e).__name__}: {e}") from e
+            self.reports_sent += 1
 
     async def fold_reports(self, reports: Sequence[list[Extent]]) -> None:
         """Fold reports of what other workers stored (`stored`) into the windows of the jobs
@@ -308,27 +332,28 @@ STATE_SQL = "SELECT job_id, kind, next_start, max_ns FROM stream_state FINAL"
 async def restore_windows(db: Database, windows: Windows,
                           ownership: Ownership | None = None) -> None:
     """Load the stored checkpoints of the jobs this worker owns into `windows` before anything
-    of them is observed or closed: called by the raw sinks' store before each write and by the
-    runner before each tick, it reads only when the ownership changed (once for a standalone
-    worker). A rebalance (`ownership.generation`) drops the jobs this worker lost and loads the
-    checkpoints of those it gained; jobs it kept keep their live state (module docstring,
-    "Restart"; streams/ownership.py, "Handover")."""
+    of them is observed or closed: called by the raw sinks' store before each write and again
+    before it observes what it stored, and by the runner before each tick, it reads only when
+    the ownership changed (once for a standalone worker), and returns only once the checkpoints
+    of the current assignment are loaded (an assignment during the read reads again). A
+    rebalance (`ownership.generation`) drops the jobs this worker lost and loads the checkpoints
+    of those it gained; jobs it kept keep their live state (module docstring, "Restart";
+    streams/ownership.py, "Handover")."""
     own = ownership or Ownership()
-    generation = own.generation
-    if windows.restored and windows.owner_generation == generation:
-        return
-    rows = await db.aquery_columns(STATE_SQL)
-    if windows.restored and windows.owner_generation == generation:
-        return  # another caller restored them while this one read
-    if own.generation != generation:  # reassigned while this one read: the next call loads
-        return
-    for job in [j for j in windows.jobs if not own.owns(j)]:
-        windows.forget(job)
-    held = set(windows.jobs)
-    windows.restore([Checkpoint(str(j), str(k), int(s), int(m)) for j, k, s, m in zip(
-        rows["job_id"], rows["kind"], rows["next_start"], rows["max_ns"], strict=True)
-        if str(j) not in held and own.owns(str(j))])
-    windows.owner_generation = generation
+    while not (windows.restored and windows.owner_generation == own.generation):
+        generation = own.generation
+        rows = await db.aquery_columns(STATE_SQL)
+        if own.generation != generation:  # reassigned while this one read: read again
+            continue
+        if windows.restored and windows.owner_generation == generation:
+            return  # another caller restored them while this one read
+        for job in [j for j in windows.jobs if not own.owns(j)]:
+            windows.forget(job)
+        held = set(windows.jobs)
+        windows.restore([Checkpoint(str(j), str(k), int(s), int(m)) for j, k, s, m in zip(
+            rows["job_id"], rows["kind"], rows["next_start"], rows["max_ns"], strict=True)
+            if str(j) not in held and own.owns(str(j))])
+        windows.owner_generation = generation
 
 
 @dataclass

@@ -37,7 +37,7 @@ from rankwatch import stack
 from rankwatch.kafka.broker import KafkaCluster
 from rankwatch.settings import Settings
 from streams.ownership import job_partition
-from tests.integration.job_checks import derived, poll_diagnosis, published_rows, wait_stored
+from tests.integration.job_checks import poll_diagnosis, published_rows, wait_derived, wait_stored
 from tests.integration.test_kafka_cluster import (  # noqa: F401 (cluster_stack: a fixture)
     alive,
     cluster_stack,
@@ -122,7 +122,7 @@ def test_losing_a_broker_mid_incident_announces_it_once(
         table = {tuple(line.split("\t")) for line in sql(
             s, f"SELECT incident_id, version FROM diagnoses FINAL WHERE job_id = '{JOB}'")
             .splitlines()}
-        gaps = derived(rows, JOB).problems(min_windows=20)
+        gaps = wait_derived(rows, JOB, 20, 20)
     finally:
         sim.kill()
         c.close()

@@ -31,7 +31,7 @@ from rankwatch.settings import Settings
 from streams.db import Database
 from streams.ownership import job_partition
 from tests.conftest import free_ports
-from tests.integration.job_checks import derived, poll_diagnosis, published_rows, wait_stored
+from tests.integration.job_checks import poll_diagnosis, published_rows, wait_derived, wait_stored
 
 PARTITIONS = 4
 _ASSIGNED = re.compile(r"assigned partitions \[([0-9, ]*)\] of (\d+) of (\S+?):")
@@ -135,7 +135,7 @@ def test_killing_a_jobs_owner_mid_incident_hands_the_job_over(two_workers: Setti
         for _ in range(8):  # later versions (re-checks on the survivor), if any
             if (d := poll_diagnosis(c, job, 0.5)) is not None:
                 got.append(d)
-        gaps = derived(rows, job).problems(min_windows=21)
+        gaps = wait_derived(rows, job, 21, 20)
         if gaps and killed_at is not None:  # where the kill fell, for the reader of a failure
             first = rows("SELECT toUnixTimestamp64Nano(min(window_end)) FROM progress "
                          f"WHERE job_id = '{job}'")[0][0]

@@ -113,3 +113,14 @@ def derived(query: Query, job: str) -> Derived:
             f"WHERE job_id = {j}")}
         holes = tuple(i for i in range(span) if int(lo) + i * 1_000_000_000 not in ends)
     return Derived(int(n), span, int(steps), int(missing), holes)
+
+
+def wait_derived(query: Query, job: str, min_windows: int, timeout: float) -> list[str]:
+    """Poll until the job's derived rows have no problem (`Derived.problems`) or `timeout`
+    passes (the worker may still be closing the job's last windows); the last problems."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gaps = derived(query, job).problems(min_windows)
+        if not gaps or time.monotonic() > deadline:
+            return gaps
+        time.sleep(1)
