@@ -49,7 +49,9 @@ Attached to the worker's Faust app (`attach`, called by rankwatch/commands/worke
   owns (the derived and trigger topics are keyed by job, so a job's messages reach its owner).
   After every assignment (`Ownership.generation`) the agents drop the watches, topologies and
   incidents of jobs they lost and load from the `diagnoses` table the open incidents of the jobs
-  they own and did not hold (on start: all of them), before the next trigger is analysed: a
+  they own and did not hold (on start: all of them), before anything more is decided — each
+  trigger, tick and pending retry checks under the analyst's lock that the incidents held are
+  the current assignment's (`_current`), since a rebalance can land mid-batch: a
   trigger the old owner had not committed is absorbed by the incident it opened, and re-checks
   continue the same incident (its next version) instead of announcing a new one. A version is
   stored before it is announced, and a worker that takes an incident over announces its newest
@@ -433,6 +435,26 @@ class DiagnosisAgents:
                                 d.incident_id, e)
             self.restored_generation = generation
 
+    def _current(self) -> bool:
+        """Whether the held incidents are those of the current assignment (read under
+        `self.lock`, just before the analyst decides anything)."""
+        return self.restored_generation == self.ownership.generation
+
+    async def _restored(self) -> None:
+        """Return once the open incidents of the current assignment are loaded (`_restore`;
+        a failed read is tried again a second later). Nothing of a job gained in a rebalance
+        may be decided before: a trigger analysed first would open a second incident for one
+        the previous owner announced, and the restore keeps incidents already held."""
+        while not self._current():
+            generation = self.ownership.generation
+            try:
+                await self._restore()
+            except Exception as e:  # the store is out: wait for it (nothing is decided before)
+                log.warning("loading the open incidents failed (%s: %s); trying again",
+                            type(e).__name__, e)
+            if self.restored_generation != generation:  # the read failed: not a new assignment
+                await asyncio.sleep(1.0)
+
     def _held(self) -> set[str]:
         a = self.analyst
         return set(self.watches) | set(self.topos) | set(self.watermark) | set(self._waiting) \
@@ -624,7 +646,11 @@ class DiagnosisAgents:
             await self._evidence.wait()
             self._evidence.clear()
             try:
+                await self._restored()
                 async with self.lock:
+                    if not self._current():  # reassigned meanwhile: the next wake-up
+                        self._evidence.set()
+                        continue
                     diags = await asyncio.to_thread(self.analyst.retry_slow, self.clock())
                 await self._publish(diags)
             except Exception:  # never stop trying for one bad window or a broker blip
@@ -632,29 +658,37 @@ class DiagnosisAgents:
 
     async def _on_triggers(self, stream: StreamT[Any]) -> None:
         async for events in cast(Stream[bytes], stream).take_events(16, FEED_WITHIN_S):
-            await self._restore()
             for e in events:
                 try:
                     rec = TriggerRecord.model_validate_json(e.message.value or b"")
                 except ValueError as err:
                     log.warning("bad trigger: %s", err)
                     continue
-                if not self.ownership.owns(rec.job_id):  # read during a rebalance
-                    continue
                 t = Trigger(rec.job_id, rec.ts, rec.kind, tuple(rec.ranks), rec.evidence)
                 # a trigger's way here: the Kafka hop, then the analyst's lock
                 hop_ms = (time.time() - (e.message.timestamp or 0.0)) * 1e3
                 read_at = time.monotonic()
                 try:
-                    async with self.lock:
-                        log.debug("%s trigger %s read %.0f ms after it was published, analysed "
-                                  "%.0f ms after that", t.kind, t.job_id, hop_ms,
-                                  (time.monotonic() - read_at) * 1e3)
-                        diags = await asyncio.to_thread(self.analyst.on_trigger, t,
-                                                        self.clock())
+                    diags = await self._analyse(t)
+                    log.debug("%s trigger %s read %.0f ms after it was published, root cause "
+                              "done %.0f ms after that", t.kind, t.job_id, hop_ms,
+                              (time.monotonic() - read_at) * 1e3)
                     await self._publish(diags)
                 except Exception:  # a bad window must not stop the worker; next trigger/tick
                     log.exception("root cause failed for %s %s", t.job_id, t.kind)
+
+    async def _analyse(self, t: Trigger) -> list[Diagnosis]:
+        """Root cause for trigger `t` (`Analyst.on_trigger`), once the held incidents are the
+        current assignment's (`_restored`); nothing for a job owned elsewhere (a trigger read
+        during a rebalance)."""
+        while True:
+            await self._restored()
+            async with self.lock:
+                if not self._current():  # reassigned while waiting for the lock
+                    continue
+                if not self.ownership.owns(t.job_id):
+                    return []
+                return await asyncio.to_thread(self.analyst.on_trigger, t, self.clock())
 
     async def _tick(self) -> None:
         try:
@@ -666,6 +700,8 @@ class DiagnosisAgents:
             if self.lock.locked() or not self.analyst.busy():
                 return  # (an idle worker's tick does not hop to a thread for nothing)
             async with self.lock:
+                if not self._current():  # not restored for this assignment: a later tick
+                    return
                 diags = await asyncio.to_thread(self.analyst.tick, now)
             await self._publish(diags)
         except Exception:  # never crash the worker from the diagnosis timer

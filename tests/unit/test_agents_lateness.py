@@ -227,6 +227,7 @@ def test_stored_stage_records_time_a_pending_slowdowns_next_try(
 
     monkeypatch.setattr(a.analyst, "retry_slow", retry_slow)
     a.clock = lambda: 5 * SECOND
+    a.restored_generation = a.ownership.generation  # its open incidents loaded (none here)
 
     def batch(kind: str, cols: dict[str, np.ndarray]) -> RecordBatch:
         return RecordBatch(kind, "j", "test", 0, cols)
@@ -260,3 +261,57 @@ def test_stored_stage_records_time_a_pending_slowdowns_next_try(
     assert a.analyst.stored_to[("j", "ops")] == {1: 40}  # its call in flight since 40
     a.on_stored("stages", batch("stages", {"step": np.array([4])}))  # no rank, no times
     assert a.analyst.stages_stored["j"] == 2
+
+
+def test_a_trigger_of_a_job_gained_meanwhile_waits_for_its_open_incidents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebalance lands while this worker reads triggers: the next trigger, of a job it has
+    just gained, is analysed only once the job's open incidents (stored by its previous owner)
+    are loaded — analysed first, it would open a second incident, and the restore keeps an
+    incident already held."""
+    from types import SimpleNamespace
+
+    from diagnosis.model import Diagnosis
+    from diagnosis.triggers.base import Trigger
+    from streams.ownership import Ownership, job_partition
+    from tests.unit.test_diagnosis_engine import _d
+
+    job = next(j for j in (f"gained-{i}" for i in range(100)) if job_partition(j, 2) == 1)
+    prior = _d([13], "bwd mb=3 pp=3").model_copy(update={"job_id": job})
+    reads: list[int] = []
+    announced: list[Diagnosis] = []
+    held_at_analysis: list[bool] = []
+    own = Ownership(standalone=False)
+
+    class Stored:
+        async def aquery(self, sql: str, parameters: object = None) -> SimpleNamespace:
+            reads.append(own.generation)
+            await asyncio.sleep(0)
+            return SimpleNamespace(result_rows=[(prior.to_json().decode(),)]
+                                   if own.owns(job) else [])
+
+    app = faust.App("rankwatch-test-handover", broker="kafka://127.0.0.1:9", autodiscover=False)
+    a = DiagnosisAgents(app, cast(Database, Stored()), Topics(), ownership=own)
+
+    async def announce(d: Diagnosis) -> None:
+        announced.append(d)
+
+    def on_trigger(t: Trigger, now: int) -> list[Diagnosis]:
+        held_at_analysis.append(a.analyst.book.is_open(t.job_id, "hang"))
+        return []
+
+    monkeypatch.setattr(a, "_announce", announce)
+    monkeypatch.setattr(a.analyst, "on_trigger", on_trigger)
+
+    async def run() -> None:
+        own.assign([0], 2)
+        await a._restored()
+        assert reads == [1] and not a.analyst.book.is_open(job, "hang")
+        assert await a._analyse(Trigger(job, 1, "hang", (13,))) == []  # not owned: skipped
+        own.assign([0, 1], 2)  # the job's owner died mid-batch of triggers
+        await a._analyse(Trigger(job, 2, "hang", (13,)))
+
+    asyncio.run(run())
+    assert reads == [1, 2]
+    assert held_at_analysis == [True]  # the previous owner's incident, before the analysis
+    assert [d.incident_id for d in announced] == [prior.incident_id]  # announced again, once
