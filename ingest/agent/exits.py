@@ -10,9 +10,13 @@ names a rank by when no call was in flight (a rank killed while its peers were s
 computing, which the launcher then stopped: the one that ended alone, first).
 
 How it ended comes from the kernel too: woken by the pidfd, the loop reads the process's exit
-status from `/proc/<pid>/stat` (field 52, in waitpid's form) while it is a zombie — until its
-launcher reaps it, which under a fast launcher is milliseconds, so a status is known when the
-loop got there first and -1 otherwise. A rank killed by a signal its launcher does not stop
+status from `/proc/<pid>/stat` (field 52, in waitpid's form) while it is a zombie. A fast
+launcher reaps its ranks within milliseconds (torchrun `--monitor-interval 0.01`), often before
+the loop wakes on a loaded host; once reaped, the status is asked of the pidfd itself
+(`PIDFD_GET_INFO` with `PIDFD_INFO_EXIT`, Linux ≥ 6.15: the kernel keeps the exit status of a
+reaped process for the holders of its pidfds), so the pidfd of an end whose status was not
+read yet is kept until it is (or `KEEP_S`). On an older kernel a status read after the reap
+is -1, as before. A rank killed by a signal its launcher does not stop
 ranks with (SIGKILL from the OOM killer or an operator, SIGSEGV, SIGABRT) or that exited with an
 error, while the others were stopped, is the one that went down (`hang_rca.ended_alone`).
 
@@ -24,13 +28,21 @@ namespace) nothing is watched and the exit row keeps the beat's time.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import select
+import struct
 import time
 
 #: how long a seen end is remembered for the rings of its process (a rank has a ring per
 #: source — Python tracer, NCCL plugin, CUPTI — all with its pid; each is retired at a beat)
 KEEP_S = 60.0
+
+#: linux/pidfd.h: `struct pidfd_info` as of its first version (64 bytes; `mask` at 0, `exit_code`
+#: at 60), `PIDFD_GET_INFO` = _IOWR(0xFF, 11, struct pidfd_info), `PIDFD_INFO_EXIT` its mask bit
+PIDFD_INFO_SIZE = 64
+PIDFD_GET_INFO = (3 << 30) | (PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11
+PIDFD_INFO_EXIT = 1 << 3
 
 
 class ExitWatch:
@@ -43,6 +55,7 @@ class ExitWatch:
         self._pids: set[int] = set()
         self._ended: dict[int, int] = {}  # pid -> wall clock ns it was seen ended
         self._status: dict[int, int] = {}  # pid -> its exit status (waitpid form), if read
+        self._unread: dict[int, int] = {}  # pid -> its pidfd, kept until its status is read
         self.available = hasattr(os, "pidfd_open")
 
     def watch(self, pid: int) -> None:
@@ -50,7 +63,7 @@ class ExitWatch:
         made) unless it already is. An end remembered for that pid is an earlier process's."""
         if pid <= 0 or pid in self._pids or not self.available:
             return
-        self._ended.pop(pid, None)
+        self._forget(pid)
         try:
             fd = os.pidfd_open(pid)
         except OSError:  # gone already, or not ours to see (another pid namespace)
@@ -72,18 +85,32 @@ class ExitWatch:
         now = time.time_ns()
         old = now - int(KEEP_S * 1e9)
         for gone in [p for p, t in self._ended.items() if t < old]:
-            del self._ended[gone]
-            self._status.pop(gone, None)
+            self._forget(gone)
         for fd, _ in ready:
             pid = self._fds.pop(fd, None)
             self._poll.unregister(fd)
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            status = -1 if pid is None else exit_status(pid)
+            if status < 0 and pid is not None:
+                status = reaped_status(fd)
+            if status < 0 and pid is not None:  # neither a zombie here nor reaped yet
+                self._unread[pid] = fd
+            else:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             if pid is not None:
                 self._pids.discard(pid)
                 self._ended[pid] = now
-                self._status[pid] = exit_status(pid)
+                self._status[pid] = status
         return len(ready)
+
+    def _forget(self, pid: int) -> None:
+        """Drop what is kept of `pid`'s end (its pidfd, if its status was never read)."""
+        self._ended.pop(pid, None)
+        self._status.pop(pid, None)
+        fd = self._unread.pop(pid, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def ended_at(self, pid: int, made_ns: int = 0) -> int | None:
         """When `pid` was seen ended (wall clock ns), for every ring of that process (made at
@@ -94,8 +121,19 @@ class ExitWatch:
 
     def status_of(self, pid: int) -> int:
         """The exit status of `pid`'s process seen ended (waitpid's form: `exit_signal`,
-        `exit_code`), -1 when unknown (reaped before it was read, not watched)."""
-        return self._status.get(pid, -1) if pid in self._ended else -1
+        `exit_code`), -1 when unknown (reaped before it was read on a kernel that keeps no
+        status for pidfds, not reaped yet and not readable here, not watched)."""
+        if pid not in self._ended:
+            return -1
+        fd = self._unread.get(pid)
+        if fd is not None:  # seen ended, its status not read yet: reaped since?
+            status = reaped_status(fd)
+            if status >= 0:
+                self._status[pid] = status
+                del self._unread[pid]
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        return self._status.get(pid, -1)
 
     def close(self) -> None:
         for fd in list(self._fds):
@@ -104,6 +142,8 @@ class ExitWatch:
                 os.close(fd)
         self._fds.clear()
         self._pids.clear()
+        for pid in list(self._unread):
+            self._forget(pid)
 
 
 def exit_status(pid: int, proc: str = "/proc") -> int:
@@ -126,3 +166,20 @@ def exit_status(pid: int, proc: str = "/proc") -> int:
         return -1
     return status if 0 <= status < 1 << 16 else -1
 
+
+def reaped_status(pidfd: int) -> int:
+    """The exit status (waitpid's form) the kernel keeps for a reaped process's pidfd
+    (`PIDFD_GET_INFO` asking `PIDFD_INFO_EXIT`, Linux ≥ 6.15); -1 while the process is not
+    reaped yet (running or a zombie), on an older kernel (the ioctl is unknown there), or
+    with a bad descriptor."""
+    buf = bytearray(PIDFD_INFO_SIZE)
+    struct.pack_into("=Q", buf, 0, PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, buf)
+    except OSError:
+        return -1
+    mask, = struct.unpack_from("=Q", buf, 0)
+    if not mask & PIDFD_INFO_EXIT:
+        return -1
+    status, = struct.unpack_from("=i", buf, 60)
+    return status if 0 <= status < 1 << 16 else -1

@@ -94,3 +94,41 @@ def test_a_stat_line_is_parsed_after_the_last_parenthesis(tmp_path: Path) -> Non
     (tmp_path / "7" / "stat").write_text("7 (x) Z 1 2\n")
     assert exit_status(7, str(tmp_path)) == -1
     assert exit_status(8, str(tmp_path)) == -1
+
+
+def _kernel() -> tuple[int, int]:
+    major, minor = os.uname().release.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+@pytest.mark.skipif(_kernel() < (6, 15), reason="the kernel keeps no exit status for pidfds")
+def test_how_a_process_ended_is_asked_of_its_pidfd_once_it_is_reaped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fast launcher reaps a killed rank before the watcher wakes (a loaded host): the
+    zombie's /proc entry is gone, and the kernel's account comes from the pidfd held — read
+    at the end, or later, when the exit row asks for it."""
+    import signal
+
+    import ingest.agent.exits as mod
+
+    x = ExitWatch()
+    killed, _ = _child()
+    x.watch(killed)
+    os.kill(killed, signal.SIGKILL)
+    os.waitpid(killed, 0)  # reaped before the watcher looks
+    assert exit_status(killed) == -1
+    assert x.check(10.0) == 1
+    st = x.status_of(killed)
+    assert exit_signal(st) == signal.SIGKILL and exit_code(st) == -1
+    # seen ended as a zombie whose /proc entry cannot be read (another pid namespace): its
+    # pidfd is kept, and the status is there once its parent reaps it
+    monkeypatch.setattr(mod, "exit_status", lambda pid: -1)
+    code, w = _child(3)
+    x.watch(code)
+    os.write(w, b"x")
+    assert x.check(10.0) == 1
+    time.sleep(0.05)
+    assert x.status_of(code) == -1  # a zombie still: nothing to read yet
+    os.waitpid(code, 0)
+    assert exit_signal(x.status_of(code)) == 0 and exit_code(x.status_of(code)) == 3
+    x.close()
