@@ -15,7 +15,16 @@ from functools import cached_property
 
 import numpy as np
 
-from diagnosis.columns import Columns, codes, col, distinct, group_key, ints, last_per_group
+from diagnosis.columns import (
+    Columns,
+    all_distinct,
+    codes,
+    col,
+    distinct,
+    group_key,
+    ints,
+    last_per_group,
+)
 from diagnosis.groups import Grid, grid_of
 from diagnosis.rules.pipeline_ops import PipelineSpec
 from ingest.inflight import superseded
@@ -32,7 +41,10 @@ def latest_op_rows(ops: Columns) -> Columns:
     if not ops or "rank" not in ops or not len(ops["rank"]):
         return ops
     _, comm = codes(col(ops, "comm_id"))
-    group, _ = group_key(ints(ops, "rank"), comm, ints(ops, "op_seq"))
+    keys = (ints(ops, "rank"), comm, ints(ops, "op_seq"))
+    if all_distinct(*keys):
+        return ops  # every op read once (no call also read in flight): nothing to pick
+    group, _ = group_key(*keys)
     keep = last_per_group(group, ints(ops, "t_end"))
     if len(keep) == len(group):
         return ops
@@ -58,10 +70,11 @@ def without_superseded_in_flight(ops: Columns, now_ns: int) -> Columns:
         # p2p calls complete in order only per direction and peer: an isend still in flight is
         # not superseded by a later Recv on the same communicator that completed
         peer = ints(ops, "peer", -1)
-        op = col(ops, "op", "").astype(str)
-        p2p = (peer >= 0) & np.isin(op, ("Send", "Recv"))
+        names, op = codes(col(ops, "op", ""))  # a read's op column is dictionary-coded
+        send = np.isin(op, np.flatnonzero(names == "Send"))
+        p2p = (peer >= 0) & (send | np.isin(op, np.flatnonzero(names == "Recv")))
         if p2p.any():
-            lane = np.where(p2p, 2 * (peer + 1) + (op == "Send"), 0)
+            lane = np.where(p2p, 2 * (peer + 1) + send, 0)
             comm = comm * (2 * int(peer.max()) + 4) + lane
     stale = superseded(ints(ops, "rank"), comm, ints(ops, "op_seq"), ints(ops, "t_end"), now_ns)
     if not stale.any():

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnosis.columns import col, ints
+from diagnosis.columns import col, ints, search
 from diagnosis.conclusion import Suspicion
 from diagnosis.slow.compute import kernel_classes
 from diagnosis.slow.context import Array, Ctx, judge, matrix
@@ -75,7 +75,7 @@ def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array) -
     skey = ((kr << 40) | (ks - base))[order]
     ends = np.maximum.accumulate(((kr << 40) | (ke - base))[order])
     ckey = (rank.astype(np.int64) << 40) | np.maximum(t_start - base, 0)
-    at = np.searchsorted(skey, ckey, side="right") - 1
+    at = search(skey, ckey, side="right") - 1
     prev = ends[np.maximum(at, 0)]
     same = (at >= 0) & ((prev >> 40) == (ckey >> 40))
     busy = np.where(same, np.minimum((prev & (span - 1)) + base, t_start),

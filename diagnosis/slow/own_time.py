@@ -44,6 +44,8 @@ pass far slower than the others; its counters showed no wait), and its pass othe
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from diagnosis.columns import Columns, codes, col, ints
@@ -52,6 +54,7 @@ from diagnosis.rules.base import Component
 from diagnosis.slow.context import (
     Array,
     Ctx,
+    by_rank_time,
     in_steps,
     judge,
     matrix,
@@ -67,28 +70,72 @@ ALIKE_RATIO = 1.3  # fwd, bwd and optim all this much slower: CPU starvation …
 ALIKE_SPREAD = 1.5  # … by ratios this close (largest / smallest)
 
 
-def own_times(ctx: Ctx, name: str) -> Array:
+def own_times(ctx: Ctx, name: str, ranks: Array | None = None) -> Array:
     """float [steps, world]: the `name` stage's duration minus the union of the rank's calls'
     intervals inside its span, per judged step (nan where there is no stage record). Computed
-    once per analysis (`ctx.memo`); callers must not change it."""
+    once per analysis (`ctx.memo`); callers must not change it. `ranks`: only those columns are
+    needed (the others may be nan) — a rank's own time reads only its own stage rows and
+    calls, so a few ranks of a large job cost a few ranks' rows, unless every rank's is known
+    already."""
     key = f"own_time:{name}"
-    if key not in ctx.memo:
-        ctx.memo[key] = _own_times(ctx, name)
-    return ctx.memo[key]
+    if key in ctx.memo:
+        return ctx.memo[key]  # type: ignore[no-any-return]
+    if ranks is not None:
+        return _own_times(ctx, name, np.unique(np.asarray(ranks, dtype=np.int64)))
+    ctx.memo[key] = _own_times(ctx, name)
+    return ctx.memo[key]  # type: ignore[no-any-return]
 
 
-def _own_times(ctx: Ctx, name: str) -> Array:
-    st, ops = ctx.w.get("stages"), ctx.w.get("ops")
-    world, n = ctx.w.grid.world, ctx.steps.size
-    sel = in_steps(ints(st, "step"), ctx.steps) & (ints(st, "rank") < world)
-    rank, step = ints(st, "rank")[sel], ints(st, "step")[sel]
+def _own_times(ctx: Ctx, name: str, ranks: Array | None = None) -> Array:
+    st = ctx.w.get("stages")
+    shared = _calls(ctx, ranks)
+    sel, rank, step = shared["sel"], shared["rank"], shared["step"]
     a = ints(st, "t_start")[sel] + sum((ints(st, c, 0)[sel] for c in BEFORE[name]),
                                        np.zeros(rank.size, np.int64))
     dur = ints(st, name, 0)[sel]
     busy = np.zeros(rank.size)
     known = np.zeros(rank.size, dtype=bool)
+    if "row" in shared:
+        row, t0, t1, flow = shared["row"], shared["t0"], shared["t1"], shared["flow"]
+        lo, hi = a[row], a[row] + dur[row]
+        base = lo
+        if flow is not None:  # a pipeline (module docstring)
+            blo, bhi = shared["blo"], shared["bhi"]
+            between = flow != 0
+            mine = flow == (1 if name == "model_fwd_loss" else -1)
+            lo = np.where(between, blo, lo)
+            hi = np.where(between, np.where(mine, bhi, blo), hi)
+            base = blo  # the row's own origin: its span or its block
+        cs, ce = np.maximum(t0, lo) - base, np.minimum(t1, hi) - base  # relative to the row
+        inside = ce > cs
+        busy = _union_by(row[inside], cs[inside], ce[inside], rank.size)
+        known = shared["known"]
+    own = np.where(known, np.maximum(dur - busy, 0.0), np.nan)
+    return matrix(ctx, step, rank, own, aligned=True)
+
+
+def _calls(ctx: Ctx, ranks: Array | None = None) -> dict[str, Any]:
+    """What the forward's and the backward's own times share, computed once per analysis
+    (`ctx.memo`): the judged steps' stage rows (`sel`, their `rank` and `step`); with calls,
+    each call's stage row (`row`, the calls without one dropped), its interval (`t0`, `t1`: a
+    pipeline's point-to-point call cut at the rank's next call), its direction (`flow`, None
+    outside a pipeline) and its row's forward + backward block (`blo`, `bhi`); and whether
+    each stage row's step is complete (`known`: the rank has a stored call of a later step).
+    `ranks` (ascending): those ranks' rows and calls only, not remembered."""
+    key = "own_time:calls"
+    if ranks is None and key in ctx.memo:
+        return ctx.memo[key]  # type: ignore[no-any-return]
+    st, ops = ctx.w.get("stages"), ctx.w.get("ops")
+    world, n = ctx.w.grid.world, ctx.steps.size
+    sel = in_steps(ints(st, "step"), ctx.steps) & (ints(st, "rank") < world)
+    if ranks is not None:
+        sel &= np.isin(ints(st, "rank"), ranks)
+    rank, step = ints(st, "rank")[sel], ints(st, "step")[sel]
+    out: dict[str, Any] = {"sel": sel, "rank": rank, "step": step}
     if ops:
         osel = ctx.ops_recent()
+        if ranks is not None:
+            osel = osel & np.isin(ints(ops, "rank"), ranks)
         orank, ostep = ints(ops, "rank")[osel], ints(ops, "step", -1)[osel]
         t0, t1 = ints(ops, "t_start")[osel], ints(ops, "t_end")[osel]
         # the stage row of each call: a dense (step, rank) table of row positions
@@ -98,31 +145,24 @@ def _own_times(ctx: Ctx, name: str) -> Array:
         row = np.full(orank.size, -1, dtype=np.int64)
         row[ok] = table[ctx.step_index(ostep[ok]) * world + orank[ok]]
         hit = row >= 0
-        lo, hi = a[row[hit]], a[row[hit]] + dur[row[hit]]
         flow = _pipeline_direction(ctx, ops, osel)
-        if flow is not None:  # a pipeline (module docstring)
-            forward = name == "model_fwd_loss"
-            t1 = np.where(flow != 0, np.minimum(t1, _next_call(orank, t0, t1)), t1)
-            f = flow[hit]
-            between = f != 0
-            mine = f == (1 if forward else -1)
+        if flow is not None:
+            t1 = np.where(flow != 0, np.minimum(t1, _next_call(
+                orank, t0, t1, None if ranks is not None else ctx.calls_by_rank_start())), t1)
             combined = ints(st, "model_fwd_loss", 0)[sel] + ints(st, "model_backward", 0)[sel]
             block_lo = ints(st, "t_start")[sel] + ints(st, "data_next_wait", 0)[sel]
-            blo, bhi = block_lo[row[hit]], block_lo[row[hit]] + combined[row[hit]]
-            lo = np.where(between, blo, lo)
-            hi = np.where(between, np.where(mine, bhi, blo), hi)
-        row, t0, t1 = row[hit], t0[hit], t1[hit]
-        base = lo if flow is None else blo  # the row's own origin: its span or its block
-        cs, ce = np.maximum(t0, lo) - base, np.minimum(t1, hi) - base  # relative to the row
-        inside = ce > cs
-        busy = _union_by(row[inside], cs[inside], ce[inside], rank.size)
+            out["blo"] = block_lo[row[hit]]
+            out["bhi"] = out["blo"] + combined[row[hit]]
+            flow = flow[hit]
+        out.update(row=row[hit], t0=t0[hit], t1=t1[hit], flow=flow)
         # a step is complete once the rank has a stored call of a later step: the calls of
         # the newest steps may not all be stored yet
         newest = np.full(world, -1, dtype=np.int64)
         np.maximum.at(newest, orank[ok], ostep[ok])
-        known = step < newest[rank]
-    own = np.where(known, np.maximum(dur - busy, 0.0), np.nan)
-    return matrix(ctx, step, rank, own, aligned=True)
+        out["known"] = step < newest[rank]
+    if ranks is None:
+        ctx.memo[key] = out
+    return out
 
 
 def _pipeline_direction(ctx: Ctx, ops: Columns, osel: Array) -> Array | None:
@@ -145,9 +185,10 @@ def _pipeline_direction(ctx: Ctx, ops: Columns, osel: Array) -> Array | None:
     return out
 
 
-def _next_call(rank: Array, t0: Array, t1: Array) -> Array:
-    """Per call: the start of the same rank's next call (t1 itself for its last one)."""
-    order = np.lexsort((t0, rank))
+def _next_call(rank: Array, t0: Array, t1: Array, order: Array | None = None) -> Array:
+    """Per call: the start of the same rank's next call (t1 itself for its last one).
+    `order`: the calls by (rank, t0), ties in their order (`by_rank_time`), if known."""
+    order = by_rank_time(rank, t0) if order is None else order
     nxt = t1.copy()
     same = rank[order][1:] == rank[order][:-1]
     nxt[order[:-1][same]] = t0[order][1:][same]
@@ -161,7 +202,7 @@ def _union_by(group: Array, start: Array, end: Array, n: int) -> Array:
     big = int(end.max()) + 1
     s = group.astype(np.int64) * big + start
     e = group.astype(np.int64) * big + end
-    order = np.lexsort((s, group))
+    order = np.argsort(s, kind="stable")  # s holds the group above the start: lexsort's order
     s, e, g = s[order], e[order], group[order]
     reach = np.maximum.accumulate(e)
     prev = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
@@ -174,11 +215,17 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
     if not ctx.w.get("stages") or not ctx.w.get("ops"):
         return []
     k = ctx.w.get("kernels")
-    with_kernels = np.unique(ints(k, "rank")) if k else np.zeros(0, np.int64)
+    world = ctx.w.grid.world
+    measured = np.zeros(world, dtype=bool)  # ranks with kernel records: their device time
+    if k:  #                                  is measured (diagnosis.slow.compute)
+        kr = ints(k, "rank")
+        measured[kr[(kr >= 0) & (kr < world)]] = True
+    if measured.all():
+        return []  # no rank judged here
     verdicts = {}
     for name, short in PASSES:
         m = own_times(ctx, name).copy()
-        m[:, with_kernels[with_kernels < m.shape[1]]] = np.nan  # their device time is measured
+        m[:, measured[:m.shape[1]]] = np.nan
         verdicts[short] = judge(ctx, m, ctx.cfg.min_ratio)
     optim = judge(ctx, stage_matrix(ctx, "optim_step"), 1.0)
     waits = step_waits(ctx)

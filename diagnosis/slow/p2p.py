@@ -107,7 +107,9 @@ def suspects(ctx: Ctx, named: set[int]) -> list[Suspicion]:
     hit = np.flatnonzero(flag)
     hit = hit[np.argsort(-exc[hit], kind="stable")]
     cls = ctx.stage_of[ls] * ctx.w.grid.pp + ctx.stage_of[ld]
-    own = own_time.own_times(ctx, "model_fwd_loss") + own_time.own_times(ctx, "model_backward")
+    senders = ls[hit]  # only the flagged senders' own time is asked (`_late_sender`)
+    own = own_time.own_times(ctx, "model_fwd_loss", senders) + \
+        own_time.own_times(ctx, "model_backward", senders)
     for i in hit.tolist():
         x = int(ls[i])
         if x in named or _late_sender(own[:, x], int(v.since[i]), float(exc[i])):

@@ -105,3 +105,40 @@ def test_with_counters_the_counters_judge_the_cpu() -> None:
     assert got and all(s != "host cpu" for _, s in got) and {r for r, _ in got} == {(2,)}, got
     c = slow.analyze(w, w.now_ns)
     assert c is not None and c.ranks == (2,) and c.stage != "host cpu", c
+
+
+def _ctx(w: Window) -> context.Ctx:
+    cfg = slow.SlowConfig()
+    steps, step_ns, job = context.judged_steps(w, cfg)
+    return context.Ctx(w, cfg, steps, step_ns, slow.peer_stages(w),
+                       int(np.asarray(w.get("stages")["t_start"]).min()), job, frozenset())
+
+
+def test_a_few_ranks_own_times_are_their_columns_of_every_ranks() -> None:
+    """A pipeline (TP 2 × PP 2 × DP 2, its point-to-point calls given to a pass by direction
+    and cut at the rank's next call): asked for some ranks only, their columns are exactly
+    those of the whole computation — a rank's own time reads only its own rows and calls."""
+    from ingest.sim.config import JobConfig
+    from ingest.sim.simulation import Simulation, collect
+
+    d = collect(Simulation(JobConfig(job_id="o", tp=2, pp=2, dp=2, steps=30),
+                           ["gpu_slow rank=5 factor=1.6 at=4s"]).batches())
+    topo = d.pop("jobs")["topology"][0]
+    d.pop("kernels", None)
+    now = int(d["ops"]["t_enqueue"].max())
+    for name in ("model_fwd_loss", "model_backward"):
+        whole = own_time.own_times(_ctx(Window(topo, d, 0, now)), name)
+        assert np.isfinite(whole).sum() > 100  # a real computation, not all nan
+        for ranks in ([5], [0, 3, 6], [7, 2]):
+            part = own_time.own_times(_ctx(Window(topo, d, 0, now)), name, np.asarray(ranks))
+            np.testing.assert_array_equal(part[:, ranks], whole[:, ranks])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_by_rank_time_is_the_stable_lexsort(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rank = rng.integers(0, 6, 500)
+    t = 10**18 + rng.integers(0, 40, 500)  # many ties
+    np.testing.assert_array_equal(context.by_rank_time(rank, t), np.lexsort((t, rank)))
+    t[3] = 0  # a span past 40 bits: the lexsort itself
+    np.testing.assert_array_equal(context.by_rank_time(rank, t), np.lexsort((t, rank)))
