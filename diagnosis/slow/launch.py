@@ -28,6 +28,17 @@ device's queue, and nothing here tells which. Counted as the host's, a TP × PP 
 ×4 (the simulated realistic catalog, no kernel records) was named `tp_collectives` /
 host_software at 0.77 on the tries whose newest backward times were not known yet, every other
 version of it.
+
+Kernel records can have gaps: an injector whose buffer filled drops and counts, and a job may
+record kernels on some steps only (the simulator's `kernel_every`). A step of the rank's with
+no compute kernel begun before the call would read as a device idle since the previous step,
+and every call of such a step as started late: a GPU-slow rank of a simulated 4,096-rank job
+with kernels on every second step was named `tp_collectives` / host_software at 0.7. So where
+the stage records give the call's step start on its rank (`step_start`), a call before which
+no compute kernel of its rank ran in its step (the latest end of those begun before the call
+lies before the step's start) is not judged (nan) — unless it started as it was enqueued. A
+call that a step's compute really does not precede (a pipeline's first receive) is then not
+judged either: that is what the records cannot tell from a gap.
 """
 
 from __future__ import annotations
@@ -37,15 +48,18 @@ import numpy as np
 from diagnosis.columns import col, ints, search
 from diagnosis.conclusion import Suspicion
 from diagnosis.slow.compute import kernel_classes
-from diagnosis.slow.context import Array, Ctx, judge, matrix
+from diagnosis.slow.context import Array, Ctx, in_steps, judge, matrix
 
 
-def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array) -> Array:
+def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array,
+                      step_start: Array | None = None) -> Array:
     """Per call, ns from `t_enqueue` (or the latest end of the rank's compute kernels begun at
     or before `t_start`, capped at `t_start`, when later) to `t_start`, ≥ 0; nan where the
-    rank's kernels are not stored past `t_start`. Without compute kernel records: 0 for a call
-    started as it was enqueued, else nan (module docstring). One stable sort of the kernels'
-    (rank, start) keys, one running maximum of their ends, one search per call."""
+    rank's kernels are not stored past `t_start`, or where none of them ran between the call's
+    step start (`step_start`, per call; -1 unknown) and `t_start`: a gap in the kernel records.
+    Without compute kernel records: 0 for a call started as it was enqueued, else nan (module
+    docstring). One stable sort of the kernels' (rank, start) keys, one running maximum of
+    their ends, one search per call."""
     gap: Array = np.maximum(t_start - t_enqueue, 0).astype(np.float64)
     unknown: Array = np.where(gap > 0, np.nan, 0.0)
     k = ctx.w.get("kernels")
@@ -78,6 +92,8 @@ def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array) -
     at = search(skey, ckey, side="right") - 1
     prev = ends[np.maximum(at, 0)]
     same = (at >= 0) & ((prev >> 40) == (ckey >> 40))
+    if step_start is not None:  # no kernel of the rank's ran in its step before the call
+        gap_in_records = (step_start >= 0) & ~(same & ((prev & (span - 1)) + base >= step_start))
     busy = np.where(same, np.minimum((prev & (span - 1)) + base, t_start),
                     np.iinfo(np.int64).min)
     out: Array = np.maximum(t_start - np.maximum(t_enqueue, busy), 0).astype(np.float64)
@@ -90,7 +106,26 @@ def device_idle_delay(ctx: Ctx, rank: Array, t_enqueue: Array, t_start: Array) -
     ok = rank >= 0
     known = np.zeros(rank.size, dtype=bool)
     known[ok] = newest[rank[ok]] >= t_start[ok]
+    if step_start is not None:
+        known &= ~gap_in_records
     out[~known & (gap > 0)] = np.nan  # a call started as it was enqueued waited for nothing
+    return out
+
+
+def _step_starts(ctx: Ctx, rank: Array, step: Array) -> Array:
+    """Per call (of a judged step): its step's start on its rank, from the stage records; -1
+    where the rank has no stage record of that step."""
+    st = ctx.w.get("stages")
+    world, n = ctx.w.grid.world, ctx.steps.size
+    out = np.full(rank.size, -1, dtype=np.int64)
+    if not st or not n:
+        return out
+    srank, sstep = ints(st, "rank"), ints(st, "step")
+    keep = in_steps(sstep, ctx.steps) & (srank >= 0) & (srank < world)
+    table = np.full(n * world, -1, dtype=np.int64)
+    table[ctx.step_index(sstep[keep]) * world + srank[keep]] = ints(st, "t_start")[keep]
+    ok = (rank >= 0) & (rank < world) & in_steps(step, ctx.steps)
+    out[ok] = table[ctx.step_index(step[ok]) * world + rank[ok]]
     return out
 
 
@@ -100,8 +135,10 @@ def suspects(ctx: Ctx) -> list[Suspicion]:
         return []
     sel = ctx.ops_recent()
     rank = col(ops, "rank")[sel].astype(np.int64)
-    delay = device_idle_delay(ctx, rank, ints(ops, "t_enqueue")[sel], ints(ops, "t_start")[sel])
-    m = matrix(ctx, ints(ops, "step", -1)[sel], rank, delay, aligned=True)
+    step = ints(ops, "step", -1)[sel]
+    delay = device_idle_delay(ctx, rank, ints(ops, "t_enqueue")[sel], ints(ops, "t_start")[sel],
+                              _step_starts(ctx, rank, step))
+    m = matrix(ctx, step, rank, delay, aligned=True)
     v = judge(ctx, m, 1.5, sparse=True)  # a proxy that sometimes starts late (Mycroft #7)
     flagged = np.flatnonzero(v.flag).tolist()
     if not flagged:

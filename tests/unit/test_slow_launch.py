@@ -21,10 +21,11 @@ MS = 1_000_000
 
 
 def delays(kernels: dict[str, np.ndarray] | None, rank: list[int], enq: list[int],
-           start: list[int]) -> np.ndarray:
+           start: list[int], step_start: list[int] | None = None) -> np.ndarray:
     ctx = SimpleNamespace(w={"kernels": kernels} if kernels is not None else {})
     return device_idle_delay(cast(Any, ctx), np.array(rank), np.array(enq, np.int64),
-                             np.array(start, np.int64))
+                             np.array(start, np.int64),
+                             None if step_start is None else np.array(step_start, np.int64))
 
 
 def test_the_devices_own_queue_is_not_a_launch_delay() -> None:
@@ -49,6 +50,26 @@ def test_a_kernel_running_when_the_call_started_kept_the_device_busy() -> None:
          "duration": np.array([2, 39, 5], np.int64) * MS}
     got = delays(k, [0, 0], [3 * MS, 41 * MS], [25 * MS, 50 * MS])
     assert got.tolist() == [0, 9 * MS]
+
+
+def test_a_step_without_kernel_records_is_not_read_as_an_idle_device() -> None:
+    """Kernels recorded on steps 0 and 2 only (dropped, or sampled): the call of step 1 (its
+    step began at 20 ms), enqueued at 25 ms and started at 40 ms behind compute that was not
+    recorded, has step 0's kernel as its latest — 15 ms of "late start" read off a gap in the
+    records. With its step's start known it is not judged; the calls of step 2, whose compute
+    is recorded, are: one queued behind its kernel (no delay), one started 10 ms after the
+    device went idle."""
+    k = {"rank": np.array([0, 0, 0, 0]), "kernel": np.array(["gemm"] * 4),
+         "t_start": np.array([0, 60, 80, 96], np.int64) * MS,
+         "duration": np.array([10, 10, 5, 10], np.int64) * MS}
+    enq, start = [25 * MS, 62 * MS, 82 * MS], [40 * MS, 70 * MS, 95 * MS]
+    assert delays(k, [0, 0, 0], enq, start).tolist() == [15 * MS, 0, 10 * MS]
+    got = delays(k, [0, 0, 0], enq, start, [20 * MS, 55 * MS, 55 * MS])
+    assert np.isnan(got[0]) and got[1:].tolist() == [0, 10 * MS]
+    # a call started as it was enqueued waited for nothing, records or not; a step start not
+    # known (-1) leaves the call to the other tests
+    got = delays(k, [0, 0], [30 * MS, 25 * MS], [30 * MS, 40 * MS], [20 * MS, -1])
+    assert got.tolist() == [0, 15 * MS]
 
 
 def test_a_malformed_rank_neither_crashes_nor_lends_its_kernels() -> None:
