@@ -190,16 +190,6 @@ class Ctx:
             return np.asarray(step - lo)  # consecutive steps: no search
         return np.searchsorted(self.steps, step)
 
-    def calls_by_rank_start(self) -> Array:
-        """Positions into the `ops_recent` calls (in row order) by (rank, t_start), ties in
-        row order (computed once: the own-time and launch analyses both walk each rank's
-        calls in time)."""
-        if "ops:by_rank_start" not in self.memo:
-            ops, sel = self.w.get("ops"), self.ops_recent()
-            self.memo["ops:by_rank_start"] = by_rank_time(ints(ops, "rank")[sel],
-                                                          ints(ops, "t_start")[sel])
-        return self.memo["ops:by_rank_start"]  # type: ignore[no-any-return]
-
     def ops_recent(self) -> Array:
         """Mask over ops rows: a completed call of a judged step (computed once)."""
         if self._ops_sel is None:

@@ -147,8 +147,7 @@ def _calls(ctx: Ctx, ranks: Array | None = None) -> dict[str, Any]:
         hit = row >= 0
         flow = _pipeline_direction(ctx, ops, osel)
         if flow is not None:
-            t1 = np.where(flow != 0, np.minimum(t1, _next_call(
-                orank, t0, t1, None if ranks is not None else ctx.calls_by_rank_start())), t1)
+            t1 = np.where(flow != 0, np.minimum(t1, _next_call(orank, t0, t1)), t1)
             combined = ints(st, "model_fwd_loss", 0)[sel] + ints(st, "model_backward", 0)[sel]
             block_lo = ints(st, "t_start")[sel] + ints(st, "data_next_wait", 0)[sel]
             out["blo"] = block_lo[row[hit]]
@@ -185,10 +184,9 @@ def _pipeline_direction(ctx: Ctx, ops: Columns, osel: Array) -> Array | None:
     return out
 
 
-def _next_call(rank: Array, t0: Array, t1: Array, order: Array | None = None) -> Array:
-    """Per call: the start of the same rank's next call (t1 itself for its last one).
-    `order`: the calls by (rank, t0), ties in their order (`by_rank_time`), if known."""
-    order = by_rank_time(rank, t0) if order is None else order
+def _next_call(rank: Array, t0: Array, t1: Array) -> Array:
+    """Per call: the start of the same rank's next call (t1 itself for its last one)."""
+    order = by_rank_time(rank, t0)
     nxt = t1.copy()
     same = rank[order][1:] == rank[order][:-1]
     nxt[order[:-1][same]] = t0[order][1:][same]
