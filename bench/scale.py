@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ from typing import Any
 
 import numpy as np
 from confluent_kafka import Consumer
+from prometheus_client.parser import text_string_to_metric_families
 
 from diagnosis.model import Diagnosis
 from ingest.keys import batch_key
@@ -91,6 +93,12 @@ class Run:
     idle_cpu_per_s: float
     #: records per worker CPU-second above that idle rate: the per-record cost alone
     records_per_net_worker_cpu_s: float
+    #: each worker's CPU spent diagnosing meanwhile (`rankwatch_analysis_cpu_seconds_total`):
+    #: the owner's sweeps of the big job, paced by wall time (a share of a core every
+    #: `sweep_s`) over whatever is stored by then, not by the records
+    analysis_cpu_s: list[float] = field(default_factory=list)
+    #: records per worker CPU-second outside diagnosis: storing, windows, kernel summaries
+    records_per_ingest_cpu_s: float = 0.0
 
 
 @dataclass
@@ -113,6 +121,9 @@ class Scaling:
     #: those medians over one worker's (1.0: per-record cost flat in the workers)
     ratio: float
     ratio_net: float
+    #: the same outside diagnosis (`Run.records_per_ingest_cpu_s`)
+    median_ingest: float = 0.0
+    ratio_ingest: float = 0.0
 
 
 @dataclass
@@ -139,12 +150,16 @@ def scaling(runs: list[Run]) -> list[Scaling]:
             continue
         one = float(np.median([r.records_per_worker_cpu_s for r in by_n[1]]))
         one_net = float(np.median([r.records_per_net_worker_cpu_s for r in by_n[1]]))
+        one_ingest = float(np.median([r.records_per_ingest_cpu_s for r in by_n[1]]))
         for n, rs in sorted(by_n.items()):
             med = float(np.median([r.records_per_worker_cpu_s for r in rs]))
             net = float(np.median([r.records_per_net_worker_cpu_s for r in rs]))
+            ingest = float(np.median([r.records_per_ingest_cpu_s for r in rs]))
             out.append(Scaling(load, n, len(rs), round(med), round(net),
                                round(med / one, 3) if one else 0.0,
-                               round(net / one_net, 3) if one_net else 0.0))
+                               round(net / one_net, 3) if one_net else 0.0,
+                               round(ingest), round(ingest / one_ingest, 3) if one_ingest
+                               else 0.0))
     return out
 
 
@@ -157,6 +172,16 @@ def cpu_s(pid: int | None) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def analysis_cpu(port: int) -> float:
+    """The worker's `rankwatch_analysis_cpu_seconds_total`, all kinds of work, from its
+    /metrics on `port`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text)
+               if fam.name == "rankwatch_analysis_cpu_seconds" for s in fam.samples
+               if s.name.endswith("_total"))
 
 
 def assignments(d: Daemon, ops_topic: str) -> set[int] | None:
@@ -198,7 +223,7 @@ def idle_rate(pids: list[int | None], seconds: float = IDLE_S) -> float:
 
 
 def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
-            progress: Any) -> Run:
+            progress: Any, metrics_ports: list[int]) -> Run:
     """Simulate the jobs first (outside the measurement), then publish every batch at once,
     keyed as the simulator's own sink does (ingest/keys.py), and measure until stored and
     idle."""
@@ -214,6 +239,7 @@ def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
     store_pid = stack.store_daemon(settings).pid()
     idle = idle_rate(workers)
     cpu0 = [cpu_s(p) for p in workers]
+    analysis0 = [analysis_cpu(port) for port in metrics_ports]
     store0 = cpu_s(store_pid)
     t0 = time.monotonic()
     pub = BatchPublisher(settings.bootstrap, settings.topics)
@@ -241,16 +267,20 @@ def measure(settings: Settings, n: int, workload: str, cfgs: list[JobConfig],
     span = time.monotonic() - t0  # the CPU below is counted over all of it, quiet tail too
     wall = span - QUIET_S
     used = [cpu_s(p) - c for p, c in zip(workers, cpu0, strict=True)]
+    analysis = [analysis_cpu(port) - a for port, a in zip(metrics_ports, analysis0, strict=True)]
     store = cpu_s(store_pid) - store0
     total = sum(used)
     net = total - idle * span
+    ingest = total - sum(analysis)
     run = Run(n, workload, published, stored, round(wall, 1), [round(u, 2) for u in used],
               round(store, 2), round(published / total) if total else 0.0,
               round(store / published * 1e6, 2) if published else 0.0,
-              round(idle, 3), round(published / net) if net > 0 else 0.0)
+              round(idle, 3), round(published / net) if net > 0 else 0.0,
+              [round(a, 2) for a in analysis], round(published / ingest) if ingest > 0 else 0.0)
     progress(f"  {workload}: {run.records_per_worker_cpu_s:,.0f} records per worker CPU-s "
-             f"(workers {run.worker_cpu_s} CPU-s, store {run.store_cpu_s} CPU-s), stored "
-             f"{stored:,}/{published:,}")
+             f"(workers {run.worker_cpu_s} CPU-s, of it diagnosing {run.analysis_cpu_s}; "
+             f"{run.records_per_ingest_cpu_s:,.0f} outside diagnosis; store "
+             f"{run.store_cpu_s} CPU-s), stored {stored:,}/{published:,}")
     return run
 
 
@@ -316,17 +346,18 @@ def one_count(n: int, broker: Broker, base: Path, args: argparse.Namespace,
     kill = None
     try:
         progress(f"{n} worker(s): starting the store and the workers…")
-        stack.start_workers(settings, n, lambda m: None, 180)
+        ports = [stack.free_port() for _ in range(n)]  # every worker's /metrics
+        stack.start_workers(settings, n, lambda m: None, 180, metrics_ports=ports)
         split = wait_split(settings, n)
         progress(f"{n} worker(s): partitions {split}")
         big = JobConfig(job_id=f"big-{n}-{turn}", tp=8, pp=4, dp=32, steps=args.big_steps, seed=3,
                         uploaders=args.uploaders)
-        runs.append(measure(settings, n, "1 job x 1,024 ranks", [big], progress))
+        runs.append(measure(settings, n, "1 job x 1,024 ranks", [big], progress, ports))
         small = [JobConfig(job_id=f"small-{n}-{turn}-{i}", tp=2, pp=2, dp=2,
                            steps=args.small_steps, seed=i) for i in range(args.small_jobs)]
         if small:  # `--small-jobs 0`: the big job alone
             runs.append(measure(settings, n, f"{args.small_jobs} jobs x 8 ranks", small,
-                                progress))
+                                progress, ports))
         if n >= 2 and not args.no_kill:
             kill = kill_owner(settings, n, split, progress)
     finally:
@@ -381,19 +412,22 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asdict(report), indent=2))
     else:
         print(f"{'workers':>7}  {'workload':<22}{'records':>11}{'stored':>11}{'wall s':>8}"
-              f"{'rec/worker CPU-s':>18}{'net of idle':>13}{'store CPU-s/M':>15}"
-              f"  worker CPU-s")
+              f"{'rec/worker CPU-s':>18}{'net of idle':>13}{'outside diag.':>15}"
+              f"{'store CPU-s/M':>15}  worker CPU-s (of it diagnosing)")
         for r in report.runs:
             print(f"{r.workers:>7}  {r.workload:<22}{r.records:>11,}{r.stored:>11,}"
                   f"{r.wall_s:>8}{r.records_per_worker_cpu_s:>18,.0f}"
                   f"{r.records_per_net_worker_cpu_s:>13,.0f}"
-                  f"{r.store_cpu_s_per_m_records:>15}  {r.worker_cpu_s}")
+                  f"{r.records_per_ingest_cpu_s:>15,.0f}"
+                  f"{r.store_cpu_s_per_m_records:>15}  {r.worker_cpu_s} ({r.analysis_cpu_s})")
         if report.scaling:
             print(f"\n{'workers':>7}  {'workload':<22}{'repeats':>8}{'median':>10}"
-                  f"{'/ 1 worker':>12}{'net median':>12}{'/ 1 worker':>12}")
+                  f"{'/ 1 worker':>12}{'net median':>12}{'/ 1 worker':>12}"
+                  f"{'outside diag.':>15}{'/ 1 worker':>12}")
             for g in report.scaling:
                 print(f"{g.workers:>7}  {g.workload:<22}{g.repeats:>8}{g.median:>10,.0f}"
-                      f"{g.ratio:>12}{g.median_net:>12,.0f}{g.ratio_net:>12}")
+                      f"{g.ratio:>12}{g.median_net:>12,.0f}{g.ratio_net:>12}"
+                      f"{g.median_ingest:>15,.0f}{g.ratio_ingest:>12}")
         for k in report.kills:
             print(f"{k.workers} workers, owner killed mid-incident: next diagnosis after "
                   f"{k.kill_to_diagnosis_s} s (session timeout {k.session_timeout_s:.0f} s); "

@@ -68,7 +68,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import faust
 import numpy as np
@@ -98,6 +98,7 @@ from streams.timers import every
 from streams.windows import WatermarkParams
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: raw kind -> (time column, columns read for root cause)
 WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -270,6 +271,12 @@ class DiagnosisAgents:
                                spent=time.thread_time if busy is None else
                                lambda: time.thread_time() + busy())
         self.lock = asyncio.Lock()
+        #: the worker's CPU seconds spent diagnosing, per kind of work ("trigger": a trigger's
+        #: analysis; "evidence": pending slowdown tries as stage records are stored; "tick":
+        #: the timer's sweeps, re-checks and pending tries): the analyst's thread and its
+        #: reads on the database thread (`_in_thread`; the worker's /metrics)
+        self.analysis_cpu_s: dict[str, float] = {}
+        self._db_cpu: Callable[[], float] = getattr(db, "cpu_s", lambda: 0.0)
         self.published: list[Diagnosis] = []
         #: triggers published per trigger kind (the worker's /metrics)
         self.trigger_counts: dict[str, int] = {}
@@ -651,7 +658,8 @@ class DiagnosisAgents:
                     if not self._current():  # reassigned meanwhile: the next wake-up
                         self._evidence.set()
                         continue
-                    diags = await asyncio.to_thread(self.analyst.retry_slow, self.clock())
+                    diags = await self._in_thread("evidence", self.analyst.retry_slow,
+                                                  self.clock())
                 await self._publish(diags)
             except Exception:  # never stop trying for one bad window or a broker blip
                 log.exception("pending slowdown try failed")
@@ -688,7 +696,22 @@ class DiagnosisAgents:
                     continue
                 if not self.ownership.owns(t.job_id):
                     return []
-                return await asyncio.to_thread(self.analyst.on_trigger, t, self.clock())
+                return await self._in_thread("trigger", self.analyst.on_trigger, t,
+                                             self.clock())
+
+    async def _in_thread(self, work: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)`, an analyst call, on a thread (it must not hold the event loop), its
+        CPU added to `analysis_cpu_s[work]`: what the call's thread and the database thread
+        spent on it. The analyst's calls hold `lock`, so they never run two at a time."""
+        def run() -> _T:
+            c0, d0 = time.thread_time(), self._db_cpu()
+            try:
+                return fn(*args)
+            finally:
+                spent = time.thread_time() - c0 + self._db_cpu() - d0
+                self.analysis_cpu_s[work] = self.analysis_cpu_s.get(work, 0.0) + spent
+
+        return await asyncio.to_thread(run)
 
     async def _tick(self) -> None:
         try:
@@ -702,7 +725,7 @@ class DiagnosisAgents:
             async with self.lock:
                 if not self._current():  # not restored for this assignment: a later tick
                     return
-                diags = await asyncio.to_thread(self.analyst.tick, now)
+                diags = await self._in_thread("tick", self.analyst.tick, now)
             await self._publish(diags)
         except Exception:  # never crash the worker from the diagnosis timer
             log.exception("diagnosis tick failed")

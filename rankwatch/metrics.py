@@ -185,6 +185,11 @@ class WorkerCollector(Collector):
                        "reason", {"beats_queue_full": float(agents.beats_dropped),
                                   "stages_queue_full": float(agents.stages_dropped),
                                   "topology_wait": float(agents.waiting_dropped)})
+        yield _counter("rankwatch_analysis_cpu_seconds", "The worker's CPU spent diagnosing "
+                       "(the analyst's thread and its reads on the database thread): a "
+                       "trigger's analysis, pending slowdown tries as evidence is stored, the "
+                       "timer's sweeps and re-checks", "work",
+                       {k: float(v) for k, v in dict(agents.analysis_cpu_s).items()})
         by = Counter((d.kind, d.status) for d in list(agents.published))
         m = CounterMetricFamily("rankwatch_diagnoses", "Diagnosis versions published",
                                 labels=["kind", "status"])

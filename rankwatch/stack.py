@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import urllib.parse
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -287,9 +288,12 @@ def _store_token(settings: Settings) -> Settings:
     return settings.model_copy(update={"store_token": SecretStr(token)})
 
 
-def start_workers(settings: Settings, n: int, progress: Progress, timeout: float) -> None:
+def start_workers(settings: Settings, n: int, progress: Progress, timeout: float,
+                  metrics_ports: Sequence[int] = ()) -> None:
     """The store (it owns the embedded database, serves it to the workers on loopback and SQL on
-    `sql_port`), then `n` workers that reach ClickHouse through it."""
+    `sql_port`), then `n` workers that reach ClickHouse through it. `metrics_ports`: each
+    worker's /metrics port (`rankwatch bench scale` reads every worker's); by default worker 1
+    serves the stack's and the others none."""
     from streams.db import parse_url  # the worker's dependencies: only where workers start
 
     if parse_url(settings.clickhouse).embedded:
@@ -324,6 +328,9 @@ def start_workers(settings: Settings, n: int, progress: Progress, timeout: float
                                                           "page_port": 0})})
             for i in range(1, n + 1)]
     # started together, then awaited: each spends most of its start joining the group
+    if metrics_ports:
+        settings_of = [ws.model_copy(update={"metrics_port": port})
+                       for ws, port in zip(settings_of, metrics_ports, strict=True)]
     pids = [_launch_worker(ws, progress, i, several=True) for i, ws in enumerate(settings_of, 1)]
     for i, (ws, pid) in enumerate(zip(settings_of, pids, strict=True), 1):
         if pid is not None:

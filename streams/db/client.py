@@ -170,7 +170,8 @@ class Database:
         self._cluster_settings: dict[str, Any] = {}
         self._executor = _DatabaseThread(f"clickhouse-{database}")
         self._thread: int | None = None
-        #: per calling thread: seconds the database thread spent running its calls (`busy_s`)
+        #: per calling thread: seconds the database thread spent running its calls (`busy_s`),
+        #: and its CPU seconds on them (`cpu_s`)
         self._busy = threading.local()
         #: The SQL endpoint's threads (`aexecute_sql`), made on first use; queries in flight
         #: there: id -> (time.monotonic() at start, the SQL's first 200 characters).
@@ -201,15 +202,18 @@ class Database:
         self._check_open()
         if threading.get_ident() == self._thread:
             return self._guarded(fn, *args, **kwargs)
-        future: Future[tuple[T, float]] = self._executor.submit_first(
+        future: Future[tuple[T, float, float]] = self._executor.submit_first(
             bool(getattr(self._busy, "urgent", False)), self._timed, fn, *args, **kwargs)
-        out, took = future.result()
+        out, took, cpu = future.result()
         self._busy.s = getattr(self._busy, "s", 0.0) + took
+        self._busy.cpu = getattr(self._busy, "cpu", 0.0) + cpu
         return out
 
-    def _timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
-        t0 = time.perf_counter()
-        return self._guarded(fn, *args, **kwargs), time.perf_counter() - t0
+    def _timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float, float]:
+        """`fn`'s result, the seconds it ran and the database thread's CPU seconds on it."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = self._guarded(fn, *args, **kwargs)
+        return out, time.perf_counter() - t0, time.thread_time() - c0
 
     @contextlib.contextmanager
     def urgent(self) -> Iterator[None]:
@@ -229,6 +233,13 @@ class Database:
         paces its work by its cost (the analyst's tries) counts this with its own CPU time;
         the process's CPU time counts every other thread's work as the caller's."""
         return float(getattr(self._busy, "s", 0.0))
+
+    def cpu_s(self) -> float:
+        """CPU seconds this process's database thread has spent on the calling thread's
+        calls, ever (encoding, HTTP, decoding, and what of an embedded engine's work runs on
+        that thread): with the caller's own thread CPU, what its work cost the worker
+        (`DiagnosisAgents.analysis_cpu_s`). A server's time on the calls is not in it."""
+        return float(getattr(self._busy, "cpu", 0.0))
 
     async def _acall(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self._check_open()

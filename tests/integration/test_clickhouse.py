@@ -221,6 +221,34 @@ def test_busy_counts_a_threads_calls_not_their_wait_in_the_queue(
     assert waited - billed >= 0.3  # ... without the time it queued behind the other call
 
 
+def test_cpu_s_bills_the_calling_thread_the_database_threads_cpu(
+        clickhouse_db: Database) -> None:
+    """`cpu_s` bills each calling thread the database thread's CPU on its calls (what a
+    diagnosis's reads cost the worker: `rankwatch_analysis_cpu_seconds_total`): a query's
+    decoding is billed to the thread that asked, never more than the time it ran, and a call
+    that sleeps there is billed its time (`busy_s`) but almost no CPU."""
+    def spin() -> None:
+        t = time.thread_time()
+        while time.thread_time() - t < 0.2:
+            pass
+
+    c0, b0 = clickhouse_db.cpu_s(), clickhouse_db.busy_s()
+    clickhouse_db._call(spin)
+    cpu, busy = clickhouse_db.cpu_s() - c0, clickhouse_db.busy_s() - b0
+    assert 0.2 <= cpu <= busy
+    other: list[float] = []
+    t = threading.Thread(target=lambda: other.append(clickhouse_db.cpu_s()))
+    t.start()
+    t.join()
+    assert other == [0.0]  # another thread was billed none of it
+    c0, b0 = clickhouse_db.cpu_s(), clickhouse_db.busy_s()
+    clickhouse_db._call(time.sleep, 0.3)
+    assert clickhouse_db.busy_s() - b0 >= 0.3 and clickhouse_db.cpu_s() - c0 < 0.1
+    c0 = clickhouse_db.cpu_s()
+    rows = clickhouse_db.query("SELECT number FROM numbers(200000)").result_rows
+    assert len(rows) == 200_000 and clickhouse_db.cpu_s() > c0
+
+
 def test_urgent_calls_go_ahead_of_the_queued_ones(clickhouse_db: Database) -> None:
     """A call inside `urgent()` (the analyst's reads) runs before the calls already waiting
     for the database thread (the ingest's inserts), after the one running; the others keep

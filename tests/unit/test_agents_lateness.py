@@ -315,3 +315,50 @@ def test_a_trigger_of_a_job_gained_meanwhile_waits_for_its_open_incidents(
     assert reads == [1, 2]
     assert held_at_analysis == [True]  # the previous owner's incident, before the analysis
     assert [d.incident_id for d in announced] == [prior.incident_id]  # announced again, once
+
+
+def test_analysis_cpu_is_counted_per_kind_of_work_and_exported() -> None:
+    """Each analyst call run by `_in_thread` adds its thread's CPU and the database thread's CPU
+    on its reads (`Database.cpu_s`, per calling thread) to its kind of work, a call that fails
+    too; the worker's /metrics exports the totals."""
+    import time
+    from types import SimpleNamespace
+
+    from rankwatch.metrics import WorkerCollector
+
+    class Db:  # the database thread's CPU billed to the calling thread
+        def __init__(self) -> None:
+            self.cpu = 0.0
+
+        def cpu_s(self) -> float:
+            return self.cpu
+
+    def spin(s: float) -> None:
+        t = time.thread_time()
+        while time.thread_time() - t < s:
+            pass
+
+    db = Db()
+    app = faust.App("rankwatch-test-cpu", broker="kafka://127.0.0.1:9", autodiscover=False)
+    a = DiagnosisAgents(app, cast(Database, db), Topics())
+
+    def work(x: int) -> list[int]:
+        spin(0.05)
+        db.cpu += 0.5  # its reads
+        return [x]
+
+    def bad() -> list[int]:
+        spin(0.05)
+        raise ValueError("a bad window")
+
+    assert asyncio.run(a._in_thread("tick", work, 7)) == [7]
+    assert 0.55 <= a.analysis_cpu_s["tick"] < 0.9
+    with pytest.raises(ValueError):
+        asyncio.run(a._in_thread("trigger", bad))
+    assert 0.05 <= a.analysis_cpu_s["trigger"] < 0.4 and set(a.analysis_cpu_s) == {
+        "tick", "trigger"}
+    sapp = SimpleNamespace(stats=dict, diagnosis=a)
+    fam = next(m for m in WorkerCollector(sapp).collect()
+               if m.name == "rankwatch_analysis_cpu_seconds")
+    got = {s.labels["work"]: s.value for s in fam.samples if s.name.endswith("_total")}
+    assert got == a.analysis_cpu_s
