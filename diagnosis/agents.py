@@ -275,7 +275,8 @@ class DiagnosisAgents:
         #: analysis; "evidence": pending slowdown tries as stage records are stored; "tick":
         #: the timer's sweeps, re-checks and pending tries): the analyst's thread and its
         #: reads on the database thread (`_in_thread`; the worker's /metrics)
-        self.analysis_cpu_s: dict[str, float] = {}
+        self.analysis_cpu_s: dict[str, float] = dict.fromkeys(("trigger", "evidence", "tick"),
+                                                              0.0)
         self._db_cpu: Callable[[], float] = getattr(db, "cpu_s", lambda: 0.0)
         self.published: list[Diagnosis] = []
         #: triggers published per trigger kind (the worker's /metrics)

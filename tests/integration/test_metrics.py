@@ -74,13 +74,15 @@ def test_prometheus_scrapes_the_worker(kafka: KafkaService, settings_factory: An
             # every message committed: the ops topic's lag comes back to 0
             wait_value(prom, f'rankwatch_consumer_lag_messages{{topic="{s.topics.ops}"}}', 0)
             assert query(prom, 'rankwatch_open_incidents{class="hang"}')
+            # the CPU spent diagnosing is exported before any analysis ran (0 or more)
+            assert query(prom, 'rankwatch_analysis_cpu_seconds_total{work="evidence"}')
             # job-m never stored a topology: its feed batches wait for it, none dropped
             wait_value(prom, 'rankwatch_trigger_batches_dropped_total{reason="topology_wait"}', 0)
             assert query(prom, 'up{job="rankwatch"}')[0]["value"][1] == "1"
             with urllib.request.urlopen(f"{prom}/api/v1/rules", timeout=5) as r:
                 groups = json.loads(r.read())["data"]["groups"]
             rules = [rule for g in groups for rule in g["rules"]]
-            assert len(rules) == 9 and all(rule["health"] == "ok" for rule in rules), rules
+            assert len(rules) == 10 and all(rule["health"] == "ok" for rule in rules), rules
     finally:
         stack.down(s, progress=lambda m: None)
         delete_topics(kafka.bootstrap, [t.name for t in s.topics.specs(2)])
