@@ -235,7 +235,7 @@ def test_cpu_s_bills_the_calling_thread_the_database_threads_cpu(
     c0, b0 = clickhouse_db.cpu_s(), clickhouse_db.busy_s()
     clickhouse_db._call(spin)
     cpu, busy = clickhouse_db.cpu_s() - c0, clickhouse_db.busy_s() - b0
-    assert 0.2 <= cpu <= busy
+    assert 0.2 <= cpu <= busy + 0.01  # (the two clocks are read a few ns apart)
     other: list[float] = []
     t = threading.Thread(target=lambda: other.append(clickhouse_db.cpu_s()))
     t.start()
