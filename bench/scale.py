@@ -124,6 +124,9 @@ class Scaling:
     #: the same outside diagnosis (`Run.records_per_ingest_cpu_s`)
     median_ingest: float = 0.0
     ratio_ingest: float = 0.0
+    #: gross, each run over the one-worker run of the workload just before it (interleaved
+    #: turns: `--workers 1,3,1,3`): how far the machine's drift moves one comparison
+    pair_ratios: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -141,6 +144,14 @@ def scaling(runs: list[Run]) -> list[Scaling]:
     1,3,1,3,1,3`) so that the machine's drift falls on both sides."""
     out = []
     loads = dict.fromkeys(r.workload for r in runs)
+    pairs: dict[tuple[str, int], list[float]] = {}
+    last_one: dict[str, Run] = {}
+    for r in runs:
+        if r.workers == 1:
+            last_one[r.workload] = r
+        elif r.workload in last_one and last_one[r.workload].records_per_worker_cpu_s:
+            pairs.setdefault((r.workload, r.workers), []).append(round(
+                r.records_per_worker_cpu_s / last_one[r.workload].records_per_worker_cpu_s, 3))
     for load in loads:
         by_n: dict[int, list[Run]] = {}
         for r in runs:
@@ -159,7 +170,7 @@ def scaling(runs: list[Run]) -> list[Scaling]:
                                round(med / one, 3) if one else 0.0,
                                round(net / one_net, 3) if one_net else 0.0,
                                round(ingest), round(ingest / one_ingest, 3) if one_ingest
-                               else 0.0))
+                               else 0.0, pairs.get((load, n), [])))
     return out
 
 
@@ -423,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         if report.scaling:
             print(f"\n{'workers':>7}  {'workload':<22}{'repeats':>8}{'median':>10}"
                   f"{'/ 1 worker':>12}{'net median':>12}{'/ 1 worker':>12}"
-                  f"{'outside diag.':>15}{'/ 1 worker':>12}")
+                  f"{'outside diag.':>15}{'/ 1 worker':>12}  pair by pair")
             for g in report.scaling:
                 print(f"{g.workers:>7}  {g.workload:<22}{g.repeats:>8}{g.median:>10,.0f}"
                       f"{g.ratio:>12}{g.median_net:>12,.0f}{g.ratio_net:>12}"
-                      f"{g.median_ingest:>15,.0f}{g.ratio_ingest:>12}")
+                      f"{g.median_ingest:>15,.0f}{g.ratio_ingest:>12}  "
+                      f"{', '.join(map(str, g.pair_ratios))}")
         for k in report.kills:
             print(f"{k.workers} workers, owner killed mid-incident: next diagnosis after "
                   f"{k.kill_to_diagnosis_s} s (session timeout {k.session_timeout_s:.0f} s); "

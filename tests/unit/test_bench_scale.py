@@ -21,9 +21,13 @@ def test_medians_of_repeats_over_one_workers_median() -> None:
     assert three.ratio_net == round(120 / 110, 3)
     # outside diagnosis: its own medians (150 of 140-160; 150 of 140-200)
     assert (one.median_ingest, three.median_ingest, three.ratio_ingest) == (150, 150, 1.0)
+    # each three-worker turn over the one-worker turn just before it
+    assert three.pair_ratios == [0.8, round(95 / 120, 3), round(200 / 90, 3)]
+    assert one.pair_ratios == []
 
 
 def test_workloads_apart_and_none_without_one_worker() -> None:
     runs = [run(1, "big", 100, 100), run(2, "big", 50, 50), run(3, "small", 10, 10)]
     got = scaling(runs)
     assert [(g.workload, g.workers, g.ratio) for g in got] == [("big", 1, 1.0), ("big", 2, 0.5)]
+    assert got[1].pair_ratios == [0.5]  # "small" has no one-worker turn to pair with
