@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,14 +95,17 @@ class Coded:
     @classmethod
     def concat(cls, parts: Sequence[Coded]) -> Coded:
         """`parts` back to back with one dictionary of distinct values: one dict lookup per
-        dictionary entry of each part, one numpy gather per part for the codes."""
+        dictionary entry of each part (in C), one numpy gather per part for the codes."""
         if len(parts) == 1 and len(set(parts[0].values)) == len(parts[0].values):
             return parts[0]
-        index: dict[str, int] = {}
+        values = [p.values.tolist() for p in parts]
+        # the distinct values in order of first appearance, and each one's code: built and
+        # looked up in C (`dict.fromkeys`, `map`), not one Python frame per entry
+        index = dict.fromkeys(itertools.chain.from_iterable(values))
+        code = dict(zip(index, range(len(index)), strict=True)).__getitem__
         codes = []
-        for p in parts:
-            remap = np.fromiter((index.setdefault(v, len(index)) for v in p.values), np.int64,
-                                count=len(p.values))
+        for p, v in zip(parts, values, strict=True):
+            remap = np.fromiter(map(code, v), np.int64, count=len(v))
             codes.append(remap[p.codes] if len(p.codes) else p.codes.astype(np.int64))
         return cls(np.concatenate(codes) if codes else np.empty(0, np.int64),
                    _objects(list(index)))
@@ -168,11 +172,12 @@ def _objects(values: Sequence[Any]) -> np.ndarray:
 
 
 def _dict_encode(values: np.ndarray | Sequence[str]) -> tuple[np.ndarray, list[str]]:
-    index: dict[str, int] = {}
-    codes = np.fromiter(
-        (index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values)
-    )
-    return codes, list(index)
+    """Codes in order of first appearance and the distinct values: two passes of dict
+    operations driven from C (`dict.fromkeys`, `map`), no Python frame per row."""
+    seq = values.tolist() if isinstance(values, np.ndarray) else values
+    index = dict.fromkeys(seq)
+    code = dict(zip(index, range(len(index)), strict=True)).__getitem__
+    return np.fromiter(map(code, seq), dtype=np.int64, count=len(seq)), list(index)
 
 
 def encode_batch(
@@ -328,6 +333,25 @@ def _check_ints(c: Column, arr: np.ndarray, n: int) -> np.ndarray:
     return arr.astype(c.dtype, copy=False)
 
 
+def _bad_strings(c: Column, values: Sequence[Any]) -> np.ndarray:
+    """Positions of the `values` that break the column's rules (`_check_str`), ascending. The
+    types, lengths and membership of a closed set are taken in C (`map` over the values), so a
+    dictionary of a few hundred entries per message costs no Python frame per entry; only a
+    bad entry's reason is worded one by one."""
+    if not values:
+        return np.empty(0, np.int64)
+    if set(map(type, values)) != {str}:  # a non-string (or a str subclass): word each one
+        return np.flatnonzero([_check_str(c, s) is not None for s in values])
+    n = len(values)
+    lens = np.fromiter(map(len, values), np.int64, count=n)
+    bad = lens < c.min_len
+    if c.max_len is not None:
+        bad |= lens > c.max_len
+    if c.choices is not None and not c.choices.issuperset(values):
+        bad |= ~np.fromiter(map(c.choices.__contains__, values), bool, count=n)
+    return np.flatnonzero(bad)
+
+
 def _check_str(c: Column, s: Any) -> str | None:
     """The reason a string value breaks the column's rules, or None."""
     if type(s) is not str:
@@ -347,13 +371,14 @@ def _str_column(c: Column, raw: Any, n: int, body: memoryview | None) -> Coded |
     if isinstance(raw, list):
         if len(raw) != n:
             raise BatchError(f"column has {len(raw)} rows, batch says n={n}", c.name)
-        if not all(type(s) is str for s in raw):
+        if raw and set(map(type, raw)) != {str}:
             row = next(i for i, s in enumerate(raw) if type(s) is not str)
             raise BatchError(f"expected a string, got {raw[row]!r}", c.name, row)
-        for s in set(raw):  # each distinct value checked once
-            reason = _check_str(c, s)
-            if reason:
-                raise BatchError(reason, c.name, raw.index(s))
+        distinct = list(dict.fromkeys(raw))  # each distinct value checked once
+        bad = _bad_strings(c, distinct)
+        if len(bad):  # the first in order of appearance: the lowest row that breaks a rule
+            s = distinct[int(bad[0])]
+            raise BatchError(str(_check_str(c, s)), c.name, raw.index(s))
         return _objects(raw)
     if not isinstance(raw, dict) or set(raw) != {"d", "i"} or not isinstance(raw["d"], list):
         raise BatchError('expected an array of strings or {"d": [...], "i": [...]}', c.name)
@@ -362,13 +387,14 @@ def _str_column(c: Column, raw: Any, n: int, body: memoryview | None) -> Coded |
         Column(c.name, "int", np.dtype(np.int64), True, None, 0, max(len(dictionary), 1)),
         raw["i"], n, body)
     lookup = _objects(dictionary)
-    for j, s in enumerate(dictionary):
-        reason = _check_str(c, s)
-        if reason:
-            used = np.flatnonzero(codes == j)
-            if len(used):  # an unused bad entry harms nothing, a used one names its first row
-                raise BatchError(reason, c.name, int(used[0]))
-            lookup[j] = ""  # never stored, but must not reach a writer as a non-string
+    bad = _bad_strings(c, dictionary)
+    if len(bad):
+        # an unused bad entry harms nothing; a used one names the first row using one
+        rows = np.flatnonzero(np.isin(codes, bad))
+        if len(rows):
+            row = int(rows[0])
+            raise BatchError(str(_check_str(c, dictionary[int(codes[row])])), c.name, row)
+        lookup[bad] = ""  # never stored, but must not reach a writer as a non-string
     return Coded(codes, lookup)
 
 

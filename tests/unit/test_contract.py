@@ -12,7 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from ingest.batch import FRAME_MAGIC, BatchError, decode_batch, encode_batch, encode_topology
+from ingest.batch import (
+    FRAME_MAGIC,
+    BatchError,
+    _bad_strings,
+    _check_str,
+    _spec,
+    decode_batch,
+    encode_batch,
+    encode_topology,
+)
 from ingest.records import COLUMNS, DERIVED, MODELS, Communicator, JobTopology
 
 OPS = ["AllReduce", "AllGather", "ReduceScatter", "Send", "Recv"]
@@ -184,6 +193,37 @@ def test_unused_bad_dictionary_entry_is_harmless() -> None:
     coded = decode_batch(orjson.dumps(d), coded=True).strings["op"]
     assert list(coded.values) == ["AllReduce", "", ""]  # blanked: no writer sees a bad value
     assert list(coded.strings()) == ["AllReduce"] * 3
+
+
+_ODD = st.one_of(st.text(max_size=300), st.sampled_from(["AllReduce", "Jump", ""]),
+                 st.integers(), st.none(), st.builds(lambda t: type("S", (str,), {})(t), st.text()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from(["ops", "flows", "beats"]), values=st.lists(_ODD, max_size=12),
+       data=st.data())
+def test_vectorized_string_rules_agree_with_the_one_value_check(
+        kind: str, values: list[Any], data: st.DataObject) -> None:
+    c = data.draw(st.sampled_from([c for c in _spec(kind) if c.kind == "str"]))
+    expected = [i for i, v in enumerate(values) if _check_str(c, v) is not None]
+    assert _bad_strings(c, values).tolist() == expected
+
+
+def test_string_rules_name_the_first_bad_row_in_both_column_forms() -> None:
+    d = doc(encode_batch("ops", "j", ops_cols(5)))
+    d["cols"]["op"] = ["AllReduce", "AllReduce", "Jump", "x" * 3, "Jump"]
+    with pytest.raises(BatchError, match="'Jump' is not one of") as exc:
+        decode_batch(orjson.dumps(d))
+    assert (exc.value.field, exc.value.row) == ("op", 2)
+    d["cols"]["comm_id"] = {"d": ["dp0", "x" * 257, ""], "i": [0, 0, 0, 2, 1]}
+    d["cols"]["op"] = ["AllReduce"] * 5
+    with pytest.raises(BatchError, match="empty string") as exc:  # entry 1 is used later
+        decode_batch(orjson.dumps(d))
+    assert (exc.value.field, exc.value.row) == ("comm_id", 3)
+    d["cols"]["comm_id"] = {"d": ["dp0", "x" * 257], "i": [0, 0, 1, 0, 0]}
+    with pytest.raises(BatchError, match="exceeds 256") as exc:
+        decode_batch(orjson.dumps(d))
+    assert (exc.value.field, exc.value.row) == ("comm_id", 2)
 
 
 def test_encode_validates_at_the_source() -> None:
