@@ -190,8 +190,9 @@ def fault_job(settings: Settings, run: Run, hang_at: float, wait_s: float) -> No
         p = producer(settings)
         start = epoch / SEC
         for i, (release, kind, data) in enumerate(sim.batches(framing="binary")):
-            while not stop.is_set() and time.time() < start + release:
-                time.sleep(min(0.05, start + release - time.time()))
+            # one clock read per turn: reading it twice let the sleep go negative
+            while not stop.is_set() and (left := start + release - time.time()) > 0:
+                time.sleep(min(0.05, left))
                 p.poll(0)
             if stop.is_set():
                 break
