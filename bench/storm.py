@@ -82,6 +82,8 @@ class Run:
     pings_failed: int = 0
     #: every repetition's figure; the ones above are their medians
     samples: dict[str, list[float | None]] = field(default_factory=dict)
+    #: what went wrong in the bench itself (a hanging job's publisher that failed)
+    errors: list[str] = field(default_factory=list)
 
     def add(self, other: Run) -> None:
         """Keep `other`'s figures as samples; set this run's to their medians."""
@@ -93,6 +95,7 @@ class Run:
         self.burst_s = other.burst_s
         self.trigger_kind = self.trigger_kind or other.trigger_kind
         self.diagnosis = self.diagnosis or other.diagnosis
+        self.errors += other.errors
 
 
 @dataclass
@@ -187,23 +190,28 @@ def fault_job(settings: Settings, run: Run, hang_at: float, wait_s: float) -> No
     stop = threading.Event()
 
     def publisher() -> None:
-        p = producer(settings)
-        start = epoch / SEC
-        for i, (release, kind, data) in enumerate(sim.batches(framing="binary")):
-            # one clock read per turn: reading it twice let the sleep go negative
-            while not stop.is_set() and (left := start + release - time.time()) > 0:
-                time.sleep(min(0.05, left))
-                p.poll(0)
-            if stop.is_set():
-                break
-            publish(p, settings, kind, data, f"{job}:{i % 7}")
-        p.flush(30)
+        try:
+            p = producer(settings)
+            start = epoch / SEC
+            for i, (release, kind, data) in enumerate(sim.batches(framing="binary")):
+                # one clock read per turn: reading it twice let the sleep go negative
+                while not stop.is_set() and (left := start + release - time.time()) > 0:
+                    time.sleep(min(0.05, left))
+                    p.poll(0)
+                if stop.is_set():
+                    break
+                publish(p, settings, kind, data, f"{job}:{i % 7}")
+            p.flush(30)
+        except Exception as e:  # the job stops publishing: say so, and stop waiting for it
+            run.errors.append(f"{run.name}: the hanging job's publisher failed: "
+                              f"{type(e).__name__}: {e}")
 
     pub = threading.Thread(target=publisher, daemon=True)
     pub.start()
     try:
         end = onset + wait_s
-        while time.time() < end and (run.trigger_s is None or run.diagnosis_s is None):
+        while time.time() < end and (run.trigger_s is None or run.diagnosis_s is None) \
+                and not run.errors:
             m = c.poll(0.2)
             if m is None or m.error():
                 continue
@@ -390,6 +398,8 @@ def _print(out: dict[str, Any]) -> None:
     print(f"/ping during the storm: unhealthy {s['pings_unhealthy']}, failed "
           f"{s['pings_failed']}; worker healthy after: {out['healthy_after']} "
           f"({out['detail_after']})")
+    for e in q["errors"] + s["errors"]:
+        print(f"error: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,4 +439,5 @@ def main(argv: list[str] | None = None) -> int:
         _print(out)
     measured = all(out[r][k] is not None for r in ("quiet", "storm")
                    for k in ("records_per_s", "derived_s", "trigger_s", "diagnosis_s"))
-    return 0 if measured and out["healthy_after"] else 1
+    failed = out["quiet"]["errors"] + out["storm"]["errors"]
+    return 0 if measured and out["healthy_after"] and not failed else 1

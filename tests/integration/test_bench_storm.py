@@ -29,3 +29,26 @@ def test_bench_storm_gives_figures_for_both_runs_and_the_worker_stays_healthy() 
     assert all(v is not None for v in out["ratios"].values())
     assert out["healthy_after"] is True, out["detail_after"]
     print(f"\nquiet {out['quiet']}\nstorm {out['storm']}\nratios {out['ratios']}")
+
+
+def test_a_hanging_jobs_publisher_that_fails_is_reported_not_waited_for(kafka, topics,
+                                                                       monkeypatch) -> None:
+    """The bench's own failure (here every publish raises) is in the run's errors, and the
+    wait for a trigger ends with it instead of running out its `wait_s`."""
+    import time
+
+    from bench import storm
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("no route to the broker")
+
+    monkeypatch.setattr(storm, "publish", broken)
+    prefix = topics.triggers.rsplit(".", 1)[0]
+    settings = kafka.settings.model_copy(update={"topic_prefix": prefix})
+    run = storm.Run("quiet")
+    t0 = time.monotonic()
+    storm.fault_job(settings, run, hang_at=2.0, wait_s=120.0)
+    assert time.monotonic() - t0 < 60  # 1 s before the job's epoch, then the first publish
+    assert run.trigger_s is None and run.diagnosis_s is None
+    assert run.errors == ["quiet: the hanging job's publisher failed: OSError: no route to "
+                          "the broker"]
