@@ -110,7 +110,7 @@ WINDOW_COLUMNS: dict[str, tuple[str, tuple[str, ...]]] = {
                       "rdma_transmitted", "rdma_done")),
     "stages": ("t_start", ("rank", "step", "t_start", "data_next_wait", "model_fwd_loss",
                            "model_backward", "callbacks", "optim_step", "step_other",
-                           "sched_wait_ns")),
+                           "sched_wait_ns", "cpu_pressure_ns")),
     "kernels": ("t_start", ("rank", "kernel", "t_start", "duration")),
     "beats": ("ts", ("rank", "ts", "comm_id", "last_op_seq", "step", "stage", "stage_ts",
                      "sched_run_ns", "sched_wait_ns", "exited", "exit_status")),

@@ -46,7 +46,7 @@ COLUMNS: dict[str, np.dtype[np.int64] | np.dtype[np.int32]] = {
     "data_next_wait": np.dtype(np.int64), "model_fwd_loss": np.dtype(np.int64),
     "model_backward": np.dtype(np.int64), "callbacks": np.dtype(np.int64),
     "optim_step": np.dtype(np.int64), "step_other": np.dtype(np.int64),
-    "sched_wait_ns": np.dtype(np.int64)}
+    "sched_wait_ns": np.dtype(np.int64), "cpu_pressure_ns": np.dtype(np.int64)}
 #: rows this much older than the newest read's start are let go (a hang trigger's read at the
 #: job's event clock may start a little before a slowdown try's at the stored stage records)
 KEEP_BEFORE_S = 30.0

@@ -108,6 +108,9 @@ class Stage(Record):
     `step_other` is the residual. `device_ns` is sampled GPU time for the step, -1 when unsampled.
     `sched_wait_ns` is the time the rank's training thread spent runnable but waiting for a CPU
     during the step (Linux schedstat, read at its start and end; -1 when unknown).
+    `cpu_pressure_ns` is the time during the step in which some runnable task of the rank's host
+    waited for a CPU (Linux PSI, /proc/pressure/cpu `some` total, read at the step's start and
+    end; -1 when unknown): new demand on the host's CPUs shows here whatever it crowds.
     """
 
     rank: Rank
@@ -121,6 +124,7 @@ class Stage(Record):
     step_other: Count
     device_ns: Annotated[int, Field(ge=-1)] = -1
     sched_wait_ns: Annotated[int, Field(ge=-1)] = -1
+    cpu_pressure_ns: Annotated[int, Field(ge=-1)] = -1
 
 
 class Kernel(Record):

@@ -184,7 +184,8 @@ def _cols(recs: Any, rank: int, fields: dict[str, str]) -> Cols:
 def stage_columns(recs: Any, rank: int) -> Cols:
     return _cols(recs, rank, {f: f for f in (
         "step", "t_start", "data_next_wait", "model_fwd_loss", "model_backward", "callbacks",
-        "optim_step", "step_other", "device_ns", "sched_wait_ns")})
+        "optim_step", "step_other", "device_ns", "sched_wait_ns",
+        "cpu_pressure_ns")})
 
 
 def kernel_columns(recs: Any, rank: int, names: Names) -> Cols:

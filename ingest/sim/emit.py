@@ -143,6 +143,12 @@ class StepEmitter:
             wait = res.sched_wait.ravel()[pos]
             cols["sched_wait_ns"] = np.rint(np.where(np.isfinite(wait), wait, 0.0) * 1e9
                                             ).astype(np.int64)
+            # the host's CPU pressure, as the tracer reads PSI: some task of the host waited
+            # for a CPU at least as long as its longest-waiting rank did
+            host = self.layout.host_of[ranks]
+            most = np.zeros(self.layout.n_hosts, np.int64)
+            np.maximum.at(most, host, cols["sched_wait_ns"])
+            cols["cpu_pressure_ns"] = most[host]
         return cols
 
     def kernels(self, res: StepResult) -> list[Cols]:

@@ -34,7 +34,7 @@ OP_FIELDS = ("kind", "flags", "src", "ts", "comm_hash", "op_seq", "bytes", "t_en
              "t_start", "t_end", "step", "peer", "root", "func")
 STAGE_FIELDS = ("kind", "src", "ts", "step", "t_start", "data_next_wait", "model_fwd_loss",
                 "model_backward", "callbacks", "optim_step", "step_other", "device_ns",
-                "sched_wait_ns")
+                "sched_wait_ns", "cpu_pressure_ns")
 #: tracer op code -> enum rw_func (same order, "other" first)
 FUNC = tuple(ring.FUNCS.index(name) for name in OP_NAMES)
 NS_COMM = 1
@@ -118,9 +118,10 @@ class RingSink:
         self._write_rec()
 
     def stage(self, step: int, t_start: int, data: int, fwd: int, bwd: int, cb: int, optim: int,
-              other: int, device_ns: int, sched_wait_ns: int = -1) -> None:
+              other: int, device_ns: int, sched_wait_ns: int = -1,
+              cpu_pressure_ns: int = -1) -> None:
         self._pack_stage(self._buf, 8, self._stage, PY, _now(), step, t_start, data, fwd, bwd,
-                         cb, optim, other, device_ns, sched_wait_ns)
+                         cb, optim, other, device_ns, sched_wait_ns, cpu_pressure_ns)
         self._write_rec()
 
     @property

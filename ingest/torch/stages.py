@@ -25,6 +25,11 @@ CPU wait: a traced step also records ``sched_wait_ns``, the time its thread spen
 waiting for a CPU between the step's start and end (Linux ``/proc/thread-self/schedstat``, read
 at both; -1 where unreadable). A rank whose step got slower because other processes took its
 CPU waits where it used to run; one whose work got slower does not (`diagnosis.slow.cpu`).
+And ``cpu_pressure_ns``, the time during the step in which some runnable task of the host waited
+for a CPU (Linux PSI, ``/proc/pressure/cpu``, its ``some`` total, read at both; -1 where the
+kernel has no PSI): new demand on the host — a process that arrived and took CPUs — raises it,
+while the scheduler moving the same threads between cores does not (`diagnosis.slow.context`,
+`demand_rose`).
 
 Position: entering and leaving a span or a step also publishes where the rank is — its step, the
 stage it is inside (or none: between stages) and since when — in its ring's header
@@ -103,10 +108,10 @@ class _FwdSpan(_Span):
 
 
 class _Step:
-    __slots__ = ("owner", "p0", "t0", "tid", "w0")
+    __slots__ = ("owner", "p0", "t0", "tid", "u0", "w0")
 
     def __init__(self, owner: StageClock) -> None:
-        self.owner, self.t0, self.p0, self.w0, self.tid = owner, 0, 0, -1, 0
+        self.owner, self.t0, self.p0, self.w0, self.u0, self.tid = owner, 0, 0, -1, -1, 0
 
     def __enter__(self) -> _Step:
         o = self.owner
@@ -120,6 +125,7 @@ class _Step:
                 tracer.harvest()
             self.tid = threading.get_ident()
             self.w0 = o.sched_wait(self.tid)
+            self.u0 = o.cpu_pressure()
         self.t0 = t0 = time.time_ns()
         self.p0 = p0 = _perf()
         pos = o.pos
@@ -141,9 +147,11 @@ class _Step:
             device = o.cuda_poll() if o.events_armed else -1
             # a step left on another thread than it entered has no wait of one thread
             w1 = o.sched_wait(self.tid) if threading.get_ident() == self.tid else -1
+            u1 = o.cpu_pressure()
             tracer.sink.stage(o.step_index, self.t0, a[0], a[1], a[2], a[3], a[4],
                               other if other > 0 else 0, device,
-                              w1 - self.w0 if self.w0 >= 0 and w1 >= self.w0 else -1)
+                              w1 - self.w0 if self.w0 >= 0 and w1 >= self.w0 else -1,
+                              u1 - self.u0 if self.u0 >= 0 and u1 >= self.u0 else -1)
             if tracer.outstanding:
                 tracer.harvest()
             gather = tracer.hosts
@@ -164,6 +172,7 @@ class StageClock:
         self._events: tuple[Any, Any] | None = None
         self.pos = scratch_position()
         self._sched: tuple[int, int] | None = None  # (thread ident, fd or -1)
+        self._psi: int | None = None  # /proc/pressure/cpu's fd, -1 when unreadable
         self._step = _Step(self)
         self.spans = {name: (_FwdSpan if i == 1 else _Span)(self, i)
                       for i, name in enumerate(STAGES)}
@@ -200,6 +209,28 @@ class StageClock:
         try:
             return int(os.pread(sched[1], 96, 0).split()[1])
         except (OSError, ValueError, IndexError):
+            return -1
+
+    def cpu_pressure(self) -> int:
+        """The host's CPU pressure so far, ns: the time in which some runnable task waited for
+        a CPU (Linux PSI, the ``some`` line's ``total``, µs); -1 where the kernel has none (no
+        CONFIG_PSI, booted ``psi=0``). Host-wide, also inside a container: demand from
+        anywhere on the host counts. The file stays open: a read is one ``pread`` (the kernel
+        sums its per-CPU times then: 5–9 µs on a 2-vCPU VM with a catalog running beside it,
+        twice the schedstat read), two per step."""
+        fd = self._psi
+        if fd is None:
+            try:
+                fd = os.open("/proc/pressure/cpu", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = -1
+            self._psi = fd
+        if fd < 0:
+            return -1
+        try:
+            line = os.pread(fd, 128, 0)
+            return int(line[line.index(b"total=") + 6:line.index(b"\n")]) * 1000
+        except (OSError, ValueError):
             return -1
 
     def step(self, index: int | None = None) -> _Step:

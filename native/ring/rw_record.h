@@ -161,6 +161,7 @@ struct rw_rec_stage {
 	uint64_t step_other;
 	int64_t device_ns;
 	int64_t sched_wait_ns; /* the training thread runnable, waiting for a CPU (-1: unknown) */
+	int64_t cpu_pressure_ns; /* the host: some runnable task waiting for a CPU (PSI; -1: unknown) */
 };
 
 struct rw_rec_kernel {

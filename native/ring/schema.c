@@ -40,7 +40,7 @@ static const struct field fields[] = {
 	F(stage, step, "u8"), F(stage, t_start, "i8"), F(stage, data_next_wait, "u8"),
 	F(stage, model_fwd_loss, "u8"), F(stage, model_backward, "u8"), F(stage, callbacks, "u8"),
 	F(stage, optim_step, "u8"), F(stage, step_other, "u8"), F(stage, device_ns, "i8"),
-	F(stage, sched_wait_ns, "i8"),
+	F(stage, sched_wait_ns, "i8"), F(stage, cpu_pressure_ns, "i8"),
 	F(kernel, name_hash, "u8"), F(kernel, t_start, "i8"), F(kernel, duration, "u8"),
 	F(kernel, stream, "u4"), F(kernel, device, "u4"), F(kernel, context, "u4"),
 	F(kernel, correlation, "u4"), F(kernel, grid, "u4x3"), F(kernel, block, "u4x3"),

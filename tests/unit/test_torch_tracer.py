@@ -200,7 +200,9 @@ def test_stage_vector_closes_to_the_step_time(world1: Path, prefix: str) -> None
 def test_a_step_records_how_long_its_thread_waited_for_a_cpu(world1: Path,
                                                             prefix: str) -> None:
     """`sched_wait_ns`: the training thread's runnable-but-waiting time within the step. With
-    two busy processes pinned to its core, a step of 0.3 s of CPU work waits for most of it."""
+    two busy processes pinned to its core, a step of 0.3 s of CPU work waits for most of it.
+    `cpu_pressure_ns`: the host's time with some task waiting for a CPU (PSI) — on that core
+    some task waits all the while, where the kernel has PSI; -1 where it has none."""
     s = rwt.stages
     cpus = os.sched_getaffinity(0)
     core = {min(cpus)}
@@ -229,6 +231,16 @@ def test_a_step_records_how_long_its_thread_waited_for_a_cpu(world1: Path,
     wait = st["sched_wait_ns"].astype(np.int64)
     assert (wait >= 0).all()  # read on Linux
     assert wait[1] >= 0.3 * wall, (wait.tolist(), wall)  # a third of the core was its at most
+    pressure = st["cpu_pressure_ns"].astype(np.int64)
+    try:
+        Path("/proc/pressure/cpu").read_bytes()
+    except OSError:
+        assert (pressure == -1).all()
+        return
+    assert (pressure >= 0).all()
+    # the host-wide share weighs each CPU by its busy time: the crowded core counts at least
+    # as much as any other, whatever else runs
+    assert pressure[1] >= 0.3 * wall, (pressure.tolist(), wall)
 
 
 def test_disable_restores_torch_distributed(world1: Path, prefix: str) -> None:
