@@ -34,9 +34,10 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     the job wait about e; a job that rose far more rose for something else, and its rise is
     no evidence for this rank). A change of a rank whose steps' CPU wait rose by at least
     half its rise (`crowding`: the scheduler's doing) is CPU starvation and is held to what
-    `diagnosis.slow.cpu` asks of a change of the wait: `CPU_HOLD` onsets, and while the judged
-    steps reach back to the job's start (`from_job_start`) `BASELINE_FACTOR` × `min_baseline`
-    steps before it; and
+    `diagnosis.slow.cpu` asks of a change of the wait: `CPU_HOLD` onsets (`onset_steps` where the
+    host's CPU pressure rose with it, `demand_rose`: something new took the CPUs, not the
+    scheduler moving the same threads), and while the judged steps reach back to the job's
+    start (`from_job_start`) `BASELINE_FACTOR` × `min_baseline` steps before it; and
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
     contention one ring "changed" beyond its own noise while the job's step time did not);
@@ -76,6 +77,8 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   Where the band test does not find it held, a *shift* of the unit's excess by a rank test
   (`shift_change`: Mann-Whitney, Pettitt's onset), held `SHIFT_HOLD` × `onset_steps`, its
   rise not common to the other units (`_common`) and explaining the job's (`EXPLAINS`).
+  Where the rank's host took on new demand for its CPUs as the change began (`demand_rose`),
+  a change holds `onset_steps` and a shift twice that, whatever the rank's peers.
 The strength of the evidence (`z`) feeds the conclusion's confidence.
 """
 
@@ -398,13 +401,108 @@ def _seen(series: Array, since: int) -> int:
     return int(np.sum(~np.isnan(series[series.size - since:]))) if since > 0 else 0
 
 
-def starvation_held(ctx: Ctx, since: int, before: int, min_baseline: int | None = None) -> bool:
+#: new demand on a host (`demand_rose`): the Mann-Whitney z of the host's CPU pressure over a
+#: change's steps against the steps before it. With a change of `onset_steps` (4) after a
+#: baseline of 30-46 steps, 3 asks that the 4 sit above all but a few of the baseline's
+Z_DEMAND = 3.0
+
+
+def step_pressure(ctx: Ctx) -> tuple[Array, Array] | None:
+    """(share, time): float [judged steps, world] matrices of the host's CPU pressure during
+    each rank's step as a share of the step's wall time (the tracer's `cpu_pressure_ns` over
+    the stage total), and that wall time; nan where a rank has no stage record or no counter.
+    None when no judged step carries it. Computed once per analysis (`ctx.memo`)."""
+    if "cpu:pressure" not in ctx.memo:
+        st = ctx.w.get("stages")
+        out = None
+        if st and "cpu_pressure_ns" in st:
+            sel = in_steps(ints(st, "step"), ctx.steps)
+            p = ints(st, "cpu_pressure_ns", -1)[sel]
+            if (p >= 0).any():
+                step, rank = ints(st, "step")[sel], ints(st, "rank")[sel]
+                ns = matrix(ctx, step, rank, np.maximum(p, 0), aligned=True)
+                t = matrix(ctx, step, rank, stage_total(st)[sel], aligned=True)
+                known = matrix(ctx, step, rank, (p >= 0).astype(np.int64), aligned=True) > 0
+                bad = ~known | ~(t > 0)
+                ns[bad], t[bad] = np.nan, np.nan
+                out = (np.minimum(ns / t, 1.0), t)
+        ctx.memo["cpu:pressure"] = out
+    got: tuple[Array, Array] | None = ctx.memo["cpu:pressure"]
+    return got
+
+
+def demand_rose(ctx: Ctx, x: int, since: int, rise: float) -> bool:
+    """Whether rank `x`'s host took on new demand for its CPUs as a change of `rise` ns a step
+    began on `x` `since` judged steps ago: the host's CPU pressure during `x`'s steps (the
+    time some runnable task of the host waited for a CPU: Linux PSI, `step_pressure`), as a
+    share of each step's time, over those steps sits above the steps before (Mann and
+    Whitney's z ≥ `Z_DEMAND`, `rank_sums`), and its median share's rise, in ns of the steps
+    since (× their median time), is at least `DEMAND_EXPLAINS` (half) of `rise`: the new demand
+    is big enough to account for the change. A share, not ns: a step that got longer has more
+    pressure in ns at the same share — a contended host's steady pressure would rise with any
+    slowdown. False without the counter on `min_baseline` steps before and `onset_steps`
+    since.
+
+    Why it matters: a rank's CPU wait changes for two reasons a rank's own counters cannot
+    tell apart. Something new wants the host's CPUs (a process that arrived, data-loader
+    workers, another job) — or nothing changed and the scheduler moved the same threads: on
+    shared cores it crowds one rank off its core for a few hundred milliseconds and then
+    another (`CPU_HOLD`). The first raises the host's pressure — more runnable tasks than
+    CPUs for more of the time — the second only moves the waiting between the host's tasks.
+    On this machine's real catalog (2 vCPUs; the rankwatch stack, broker and store beside
+    the job), a CPU hog's busy processes raised the pressure from 0.3-0.5 of each step's time
+    to 0.9 from the hog's first step, where a contended control's stayed at 0.5-0.7 with
+    slower swings of its own as the stack's bursts came and went."""
+    got = step_pressure(ctx)
+    if got is None or not 0 <= x < got[0].shape[1] or since <= 0:
+        return False
+    share, t = got[0][:, x], got[1][:, x]
+    cut = share.size - since
+    before, after = share[:cut], share[cut:]
+    before, after = before[~np.isnan(before)], after[~np.isnan(after)]
+    if before.size < ctx.cfg.min_baseline or after.size < ctx.cfg.onset_steps:
+        return False
+    _, z = rank_sums(np.concatenate([before, after]), np.array([before.size]))
+    up = (float(np.median(after)) - float(np.median(before))) * float(np.nanmedian(t[cut:]))
+    return float(z[0]) >= Z_DEMAND and up >= DEMAND_EXPLAINS * rise
+
+
+#: a host whose CPU pressure was at least this share of its steps' time before a change had no
+#: room to show new demand (`pressure_could_rise`): some task waited nearly all the time already
+SATURATED = 0.9
+
+
+def pressure_could_rise(ctx: Ctx, x: int, since: int) -> bool:
+    """Whether rank `x`'s host's CPU pressure could show new demand at a change `since` judged
+    steps ago: the counter known on `min_baseline` steps before and `onset_steps` since, and
+    its median share before below `SATURATED`. Where it could and did not rise
+    (`demand_rose` False), a change of the rank's wait is the scheduler moving the waiting
+    between the host's tasks, not something new taking the CPU."""
+    got = step_pressure(ctx)
+    if got is None or not 0 <= x < got[0].shape[1] or since <= 0:
+        return False
+    share = got[0][:, x]
+    before, after = share[:share.size - since], share[share.size - since:]
+    before, after = before[~np.isnan(before)], after[~np.isnan(after)]
+    if before.size < ctx.cfg.min_baseline or after.size < ctx.cfg.onset_steps:
+        return False
+    return float(np.median(before)) < SATURATED
+
+
+#: the share of a change (ns a step) a host's new demand must account for (`demand_rose`):
+#: `diagnosis.slow.cpu.EXPLAIN`'s half, as for a rank's own extra waiting
+DEMAND_EXPLAINS = 0.5
+
+
+def starvation_held(ctx: Ctx, since: int, before: int, min_baseline: int | None = None,
+                    demand: bool = False) -> bool:
     """Whether a rank's starvation of CPU — a change of its wait, or of a quantity its wait
     explains — seen on `since` steps after `before` steps is held as it must be to be named:
-    `CPU_HOLD` × `onset_steps` steps, and `BASELINE_FACTOR` × `min_baseline` before them while
-    the judged steps reach back to the job's start (`from_job_start`)."""
+    `CPU_HOLD` × `onset_steps` steps (`onset_steps` where it came with new demand on the
+    rank's host, `demand`: `demand_rose`), and `BASELINE_FACTOR` × `min_baseline` before
+    them while the judged steps reach back to the job's start (`from_job_start`)."""
     cfg = ctx.cfg
-    if since < CPU_HOLD * cfg.onset_steps:
+    if since < (1 if demand else CPU_HOLD) * cfg.onset_steps:
         return False
     least = BASELINE_FACTOR * (min_baseline or cfg.min_baseline)
     return before >= least or not from_job_start(ctx)
@@ -637,11 +735,24 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # a quantity judged on changes only (a rank's CPU wait) that the band test does not
         # find held: a smaller shift on most steps, which a rank test finds and twice the
         # hold must confirm (`shift_change`)
+        # — unless it came with new demand on the rank's host (`demand_rose`): then the
+        # change has a cause, and the holds against the scheduler's crowding (`CPU_HOLD`
+        # onsets, `SHIFT_HOLD` for a shift, twice the onset beside few peers) do not apply;
+        # a change holds the onset, a shift twice it
+        demand = changes_only and res is not None and demand_rose(ctx, x, res[3], res[0])
         shifted = changes_only and (
-            res is None or _seen(d[:, x], res[3]) < CPU_HOLD * k)
+            res is None or _seen(d[:, x], res[3]) < (1 if demand else CPU_HOLD) * k)
         if shifted:
             res = shift_change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min, min_baseline)
+            demand = res is not None and demand_rose(ctx, x, res[3], res[0])
         if res is None:
+            continue
+        # and where the host's pressure could have shown new demand and did not, the change
+        # is the scheduler's: it moved the waiting between the host's tasks (a contended TP
+        # control's rank crowded for 12 steps in the job's second second, named 0.66; a
+        # contended pipeline control's rank shifted 2.9 ms a step for 24, named 0.64 — the
+        # host's pressure flat under both)
+        if changes_only and not demand and pressure_could_rise(ctx, x, res[3]):
             continue
         job_moved = job_change(ctx, res[3]) >= cfg.z_job
         if (few[x] or shifted) and (not job_moved or (_common(m, x, res[3], gi) if u > 1 else
@@ -678,8 +789,9 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             with np.errstate(all="ignore"):
                 crowded = crowding(ctx, x, n - res[3], float(
                     np.nanmean(d[n - res[3]:, x]) - _nanmedian(d[:n - res[3], x])))
-        cleared = crowded is False
-        if (changes_only and seen < (SHIFT_HOLD if shifted else CPU_HOLD) * k) \
+        cleared = crowded is False or demand
+        hold = (2 if demand else SHIFT_HOLD) if shifted else 1 if demand else CPU_HOLD
+        if (changes_only and seen < hold * k) \
                 or (peers[x] < cfg.min_peers and short and not cleared):
             continue
         # a link's transfers run in its transport's threads: where the job's ranks wait for
@@ -701,7 +813,8 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
         # 19-23 ms for 6 steps after 14 from the job's first, its wait 3 → 11 ms a step
         # against its peers' unchanged, named 0.95 and resolved 5 s later)
         if crowded and not starvation_held(
-                ctx, seen, int(np.sum(~np.isnan(series[:n - res[3]]))), min_baseline):
+                ctx, seen, int(np.sum(~np.isnan(series[:n - res[3]]))), min_baseline,
+                demand_rose(ctx, x, res[3], res[0])):
             continue
         # and a short change must explain the job's rise it is gated on: a rank whose own
         # work is slower by e a step makes the job wait about e (in a pipeline too: the

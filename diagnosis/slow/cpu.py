@@ -103,6 +103,26 @@ rank 0 4 ms more, and it was named live (0.64); without the `EXPLAINS` bound a c
 processes while the job rose 25 ms a step, was named (its shift 8 ms); the 12-step hold
 named 6 of 180 replayed controls (the scheduler crowds a contended control's rank for 12-30
 steps).
+New demand on the host (`context.demand_rose`): the holds above guard against the scheduler
+moving the same threads about, which the rank's own counters cannot tell from a process that
+arrived and took its CPU. The host's can: the tracer records in every stage record the host's
+CPU pressure over the step (`cpu_pressure_ns`, Linux PSI: the time in which some runnable task
+of the host waited for a CPU). Where that pressure, as a share of each step's time, rose at the
+change's onset (Mann-Whitney z ≥ `context.Z_DEMAND` of the steps since against the steps
+before) by enough to account for half the change, the change has its cause: a change of the
+wait is named after `onset_steps` (a shift after twice that), beside few peers too, and a
+suspect of another analysis its wait explains is re-labelled after `onset_steps`. Where the
+pressure could have shown new demand (known, and below `context.SATURATED` before) and did
+not rise, a change of the wait is the scheduler moving the waiting between the host's tasks:
+no verdict (`context.pressure_could_rise`). The holds remain where the counter is missing (an
+older tracer, a kernel without PSI) or saturated. Replayed every 50 ms on the captures of real
+runs, with the host's pressure sampled beside them every 5 ms (the eval's stack, broker and
+store on the same 2 cores): 7 CPU hogs named after a median of 5 steps where the holds took 13
+(3-11 against 11-24); of 52 fault-free controls (every shape, 27 of them beside busy
+processes) the holds named 2 — a contended TP control's rank crowded 12 steps in the job's
+second second (0.66), a contended pipeline's rank shifted 2.9 ms a step for 24 (0.64), the
+host's pressure flat under both — and the pressure names none.
+
 Only a change counts (`changes_only`): no persistent-outlier verdict and no "absorbed" one —
 on shared cores the scheduler crowds one rank more than the others for seconds (a contended
 control's rank waited 4–6 ms a step over its peers' for 20 steps), a difference of the
@@ -143,6 +163,7 @@ from diagnosis.conclusion import Suspicion
 from diagnosis.slow.context import (
     BASELINE_FACTOR,
     Ctx,
+    demand_rose,
     from_job_start,
     judge,
     mad_sigma,
@@ -328,7 +349,10 @@ def refine_steps(ctx: Ctx, top: Suspicion, explain: float = EXPLAIN
     # held as a change of the wait is: named sooner, it passed the wait's own test by (a
     # contended pipeline's link, its sender waiting 29 % of its steps' time for a CPU against
     # 6 % before, was named `host cpu` at 0.74 after 8 steps)
-    if top.how != "confirm" and not starvation_held(ctx, na, nb):
+    # (`onset_steps` where it came with new demand on its host: `context.demand_rose`)
+    since = ctx.steps.size - row
+    if top.how != "confirm" and not starvation_held(ctx, na, nb, demand=all(
+            demand_rose(ctx, r, since, top.score) for r in mine_cols.tolist())):
         return None, True
     if top.how in PERSISTENT:
         return _starved(top, f"{mine:.0%} of its steps' time (its peers: {peer:.0%}; "
