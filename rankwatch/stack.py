@@ -231,7 +231,34 @@ def up(settings: Settings, progress: Progress = print, *, worker: bool = True,
        timeout: float = 180.0, workers: int = 1) -> dict[str, Any]:
     """Start whatever is not running (idempotent) and return `status`. Raises StackError or
     BrokerError with the end of the failing part's log. With `workers` > 1 a store process owns
-    the embedded database and serves it to the workers (`start_workers`)."""
+    the embedded database and serves it to the workers (`start_workers`). A part that fails
+    leaves the others running for `down` (and a worker still starting is not killed: see
+    `_await_worker`); but a call interrupted part-way (Ctrl-C, or a SIGTERM its command raises
+    as SystemExit) on a stack that was not running stops what it started before it unwinds:
+    its caller's `finally` has no stack to stop yet, and an eval stopped while its broker was
+    starting left a JVM nobody owned."""
+    fresh = not _anything_running(settings)
+    try:
+        return _up(settings, progress, worker=worker, timeout=timeout, workers=workers)
+    except (KeyboardInterrupt, SystemExit):
+        if fresh:
+            with contextlib.suppress(Exception):
+                down(settings, progress)
+        raise
+
+
+def _anything_running(settings: Settings) -> bool:
+    """Whether any process of this stack (a local broker, a worker, the store, the notifier)
+    runs."""
+    if not settings.kafka_bootstrap and any(b.pid() is not None
+                                            for b in local_nodes(settings)):
+        return True
+    return any(d.pid() is not None for d in [*worker_daemons(settings), store_daemon(settings),
+                                              notify_service.daemon(settings)])
+
+
+def _up(settings: Settings, progress: Progress, *, worker: bool, timeout: float,
+        workers: int) -> dict[str, Any]:
     if settings.kafka_bootstrap:
         why = probe(settings.bootstrap)
         if why:

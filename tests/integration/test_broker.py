@@ -427,6 +427,29 @@ def test_up_status_down_through_the_cli_functions(settings_factory, fake_worker)
         assert not Daemon("x", s.run_dir / "none", s.home / "none", "").is_alive(pid)
 
 
+def test_up_interrupted_while_the_broker_starts_leaves_nothing_running(settings_factory,
+                                                                      fake_worker):
+    """A SIGTERM raised as SystemExit (what `rankwatch eval` does with one) while `up` waits
+    for the broker it just launched: the broker is stopped before the exit goes on — the
+    caller's `finally` has no stack to stop yet."""
+    s = settings_factory(kafka_heap="256m")
+    launched: list[str] = []
+
+    def progress(note: str) -> None:
+        if note.startswith("kafka: starting"):
+            launched.append(note)
+            raise SystemExit(143)
+
+    try:
+        with pytest.raises(SystemExit):
+            stack.up(s, progress=progress)
+        assert launched, "the broker was never launched"
+        st = stack.status(s)
+        assert not st["kafka"]["running"] and not st["worker"]["running"], st
+    finally:
+        stack.down(s, progress=lambda _: None)
+
+
 def test_up_shows_the_log_of_a_worker_that_fails(settings_factory, fake_worker):
     s = settings_factory(kafka_heap="256m")
     fake_worker()
