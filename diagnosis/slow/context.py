@@ -413,20 +413,9 @@ def step_pressure(ctx: Ctx) -> tuple[Array, Array] | None:
     the stage total), and that wall time; nan where a rank has no stage record or no counter.
     None when no judged step carries it. Computed once per analysis (`ctx.memo`)."""
     if "cpu:pressure" not in ctx.memo:
-        st = ctx.w.get("stages")
-        out = None
-        if st and "cpu_pressure_ns" in st:
-            sel = in_steps(ints(st, "step"), ctx.steps)
-            p = ints(st, "cpu_pressure_ns", -1)[sel]
-            if (p >= 0).any():
-                step, rank = ints(st, "step")[sel], ints(st, "rank")[sel]
-                ns = matrix(ctx, step, rank, np.maximum(p, 0), aligned=True)
-                t = matrix(ctx, step, rank, stage_total(st)[sel], aligned=True)
-                known = matrix(ctx, step, rank, (p >= 0).astype(np.int64), aligned=True) > 0
-                bad = ~known | ~(t > 0)
-                ns[bad], t[bad] = np.nan, np.nan
-                out = (np.minimum(ns / t, 1.0), t)
-        ctx.memo["cpu:pressure"] = out
+        ns = step_counter(ctx, "cpu_pressure_ns")
+        ctx.memo["cpu:pressure"] = None if ns is None else (np.minimum(ns[0] / ns[1], 1.0),
+                                                            ns[1])
     got: tuple[Array, Array] | None = ctx.memo["cpu:pressure"]
     return got
 
@@ -1094,17 +1083,24 @@ def step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _step_waits(ctx: Ctx) -> tuple[np.ndarray, np.ndarray] | None:
+    return step_counter(ctx, "sched_wait_ns")
+
+
+def step_counter(ctx: Ctx, column: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(value, time): float [judged steps, world] matrices of a per-step counter of the stage
+    records (`column`: -1 where unknown) and each step's wall time per rank, nan where a rank
+    has no stage record or no counter; None when no judged step carries it."""
     st = ctx.w.get("stages")
-    if not st or "sched_wait_ns" not in st:
+    if not st or column not in st:
         return None
     sel = in_steps(ints(st, "step"), ctx.steps)
-    wait = ints(st, "sched_wait_ns", -1)[sel]
-    if not (wait >= 0).any():
+    v = ints(st, column, -1)[sel]
+    if not (v >= 0).any():
         return None
     step, rank = ints(st, "step")[sel], ints(st, "rank")[sel]
-    w = matrix(ctx, step, rank, np.maximum(wait, 0), aligned=True)
+    w = matrix(ctx, step, rank, np.maximum(v, 0), aligned=True)
     t = matrix(ctx, step, rank, stage_total(st)[sel], aligned=True)
-    known = matrix(ctx, step, rank, (wait >= 0).astype(np.int64), aligned=True) > 0
+    known = matrix(ctx, step, rank, (v >= 0).astype(np.int64), aligned=True) > 0
     bad = ~known | ~(t > 0)
     w[bad], t[bad] = np.nan, np.nan
     return w, t
