@@ -66,8 +66,9 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
   The noise of a series is the larger of its robust σ and its upper tail's width (`_spread`):
   a rank that shares its cores is descheduled now and then, a heavy tail the MAD reads as
   quiet.
-- `confirm`: units of an incident already open need only stay material on most steps
-  (hysteresis: the opening needed the evidence above, staying open needs persistence). A
+- `confirm`: units of an incident already open need only stay material at half the floor,
+  on most steps (hysteresis: the opening needed the evidence above, staying open needs
+  persistence; the floor follows the job's noise, which rises as a job's last steps scatter). A
   link's units only for an incident that named a link: links differ by topology, so a link's
   persistent excess is no evidence of its own — kept for an incident about the rank's
   callbacks, a sender's link that was always 5x its like links' (a simulated job) became the
@@ -861,9 +862,13 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
                 with np.errstate(all="ignore"):
                     ratio[x] = float(np.nanmean(m[first[x]:, x]) / np.nanmean(ref[first[x]:, x]))
     # -- confirm: an open incident's ranks stay while their excess persists --------------------
+    # at half the floor that opened it (hysteresis): the floor follows the job's noise, and
+    # a job's last steps scatter as its ranks finish — a CPU-starved rank's wait excess, 12.1
+    # ms a step and 20x its peers' to the job's end, fell below a noise floor that had risen
+    # to 12.2 ms; its incident resolved and the next sweep opened it again
     if ctx.confirm:
         mine = np.isin(np.arange(u), list(ctx.confirm)) if confirmable is None else confirmable
-        keep = mine & ~flag & material
+        keep = mine & ~flag & (exc >= 0.5 * floor) & (ratio >= ratio_min)
         with np.errstate(invalid="ignore"):
             most = np.nanmean(np.where(np.isnan(d), np.nan, d >= 0.5 * floor), axis=0) >= 0.6
         for x in np.flatnonzero(keep & most).tolist():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -189,6 +190,27 @@ def test_a_job_rise_its_own_history_already_shows_is_no_change() -> None:
     assert context.job_change(_ctx(w, 40, job), 6) >= 2.0
     assert context.judge(_ctx(w, 40, job), m, 1.05).flag[1]
     assert context.excursion(np.arange(3.0), 8) == 1.0  # shorter than the stretch: its median
+
+def test_an_open_incident_stays_open_down_to_half_the_floor_that_opened_it() -> None:
+    """Confirming an open incident's rank is a Schmitt trigger: a rank whose excess stands
+    steadily at 0.7 x the materiality floor (its job's step time as noisy as it is at a job's
+    end, so the floor is the noise floor) opens nothing, keeps its incident open, and lets it
+    go at 0.4 x the floor."""
+    w, _ = window("gpu_slow rank=9 factor=1.01 at=1s expect=no")
+    world = w.grid.world
+    rng = np.random.default_rng(11)
+    job = np.full(40, 1e9) + rng.normal(0, 100e6, 40)  # the job's own noise
+    ctx = _ctx(w, 40, job)
+    floor = max(ctx.cfg.min_share * ctx.step_ns, ctx.noise_floor())
+    assert floor == ctx.noise_floor() > 0
+    for share, kept in ((0.7, True), (0.4, False)):
+        m = _noisy(rng, 40, world, sd=0.001)
+        m[:, 1] += share * floor  # above its peers on every step, never a change
+        assert not context.judge(ctx, m, 1.0).flag[1], share
+        confirmed = context.judge(replace(ctx, confirm=frozenset({1})), m, 1.0)
+        assert bool(confirmed.flag[1]) is kept, share
+        assert confirmed.how[1] == ("confirm" if kept else ""), share
+
 
 def test_a_change_needs_a_baseline_long_enough_to_show_its_noise() -> None:
     """Four steps before a rise cannot show the noise it must stand out of (a real job's
