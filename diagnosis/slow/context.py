@@ -40,7 +40,9 @@ The verdict (`judge`) — the rule every comparison across ranks goes through:
     start (`from_job_start`) `BASELINE_FACTOR` × `min_baseline` steps before it; and
     links in a peer set smaller than `min_peers` keep the job gate (a gloo ring's transfer
     time moves with the load of the few ranks it joins: on real 2-ring jobs under CPU
-    contention one ring "changed" beyond its own noise while the job's step time did not);
+    contention one ring "changed" beyond its own noise while the job's step time did not)
+    and, judged on their own past alone, need `BASELINE_FACTOR` × `min_baseline` steps
+    before the change (their baseline is whatever stretch the judged steps begin with);
     and where the job's ranks wait for CPUs at all (`host_crowded`: the median rank's wait at
     least `CROWDED_SHARE` of its time), a link's short change is held to `2 × onset_steps`
     whatever its peers: its transport's threads are crowded in turn as the ranks' are, and
@@ -718,8 +720,13 @@ def _judge(ctx: Ctx, m: Array, ratio_min: float, groups: Array | None, ref: Arra
             newest = known & (np.cumsum(known[::-1], axis=0)[::-1] <= k + 2)
             tail = (_nanmedian(np.where(newest, series, np.nan), axis=0) > base0 + floor) \
                 & (newest.sum(axis=0) >= k)
+    # such a unit's own series is its only baseline, and a short one is whatever stretch the
+    # judged steps begin with: it needs `BASELINE_FACTOR` x the steps. A fault-free DDP job's
+    # one ring, 2-17 ms a step (median 5) over its whole run, began its judged steps with 8
+    # steps at 1.2-2.8 ms: its return to its usual level was a change, 3.2x, 6.6σ (0.6)
+    lone_base = max(min_baseline or 0, BASELINE_FACTOR * cfg.min_baseline)
     for x in np.flatnonzero(~flag & present & tail).tolist():
-        res = (own_change(ctx, m[:, x], m[:, x], None, floor, ratio_min, min_baseline)
+        res = (own_change(ctx, m[:, x], m[:, x], None, floor, ratio_min, lone_base)
                if few[x] else
                own_change(ctx, d[:, x], m[:, x], ref[:, x], floor, ratio_min, min_baseline))
         # a quantity judged on changes only (a rank's CPU wait) that the band test does not
