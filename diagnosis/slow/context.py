@@ -445,17 +445,12 @@ def demand_rose(ctx: Ctx, x: int, since: int, rise: float) -> bool:
     the job), a CPU hog's busy processes raised the pressure from 0.3-0.5 of each step's time
     to 0.9 from the hog's first step, where a contended control's stayed at 0.5-0.7 with
     slower swings of its own as the stack's bursts came and went."""
-    got = step_pressure(ctx)
-    if got is None or not 0 <= x < got[0].shape[1] or since <= 0:
+    got = _pressure_split(ctx, x, since)
+    if got is None:
         return False
-    share, t = got[0][:, x], got[1][:, x]
-    cut = share.size - since
-    before, after = share[:cut], share[cut:]
-    before, after = before[~np.isnan(before)], after[~np.isnan(after)]
-    if before.size < ctx.cfg.min_baseline or after.size < ctx.cfg.onset_steps:
-        return False
+    before, after, step_ns = got
     _, z = rank_sums(np.concatenate([before, after]), np.array([before.size]))
-    up = (float(np.median(after)) - float(np.median(before))) * float(np.nanmedian(t[cut:]))
+    up = (float(np.median(after)) - float(np.median(before))) * step_ns
     return float(z[0]) >= Z_DEMAND and up >= DEMAND_EXPLAINS * rise
 
 
@@ -470,15 +465,24 @@ def pressure_could_rise(ctx: Ctx, x: int, since: int) -> bool:
     its median share before below `SATURATED`. Where it could and did not rise
     (`demand_rose` False), a change of the rank's wait is the scheduler moving the waiting
     between the host's tasks, not something new taking the CPU."""
+    got = _pressure_split(ctx, x, since)
+    return got is not None and float(np.median(got[0])) < SATURATED
+
+
+def _pressure_split(ctx: Ctx, x: int, since: int) -> tuple[Array, Array, float] | None:
+    """(known pressure shares of rank `x`'s steps before a change `since` judged steps ago,
+    those since, the median time of the steps since): None without the counter on
+    `min_baseline` steps before and `onset_steps` since."""
     got = step_pressure(ctx)
     if got is None or not 0 <= x < got[0].shape[1] or since <= 0:
-        return False
-    share = got[0][:, x]
-    before, after = share[:share.size - since], share[share.size - since:]
+        return None
+    share, t = got[0][:, x], got[1][:, x]
+    cut = share.size - since
+    before, after = share[:cut], share[cut:]
     before, after = before[~np.isnan(before)], after[~np.isnan(after)]
     if before.size < ctx.cfg.min_baseline or after.size < ctx.cfg.onset_steps:
-        return False
-    return float(np.median(before)) < SATURATED
+        return None
+    return before, after, float(np.nanmedian(t[cut:]))
 
 
 #: the share of a change (ns a step) a host's new demand must account for (`demand_rose`):
