@@ -39,8 +39,8 @@ def run(records: int, batch_rows: int, home: Path, log: bool) -> dict[str, float
         if log:
             print(message, file=sys.stderr)
 
-    stack.up(settings, progress=say)
     try:
+        stack.up(settings, progress=say)
         job = f"bench-{int(time.time())}"
         say(f"publishing {records:,} op records from a separate process…")
         t0 = time.time()

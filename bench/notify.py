@@ -52,12 +52,12 @@ def run(incidents: int, interval: float, outage: float, home: Path, say: object
         ) -> dict[str, Any]:
     log = say if callable(say) else print
     settings = stack.private_settings(home, topic_prefix="bnotify")
-    stack.up(settings, progress=lambda m: log(f"  {m}"), worker=False)
     from confluent_kafka import Producer
 
     notify = None
     hook = Receiver(200)
     try:
+        stack.up(settings, progress=lambda m: log(f"  {m}"), worker=False)
         with alertmanager(home) as am:
             cfg = home / "notify.toml"
             cfg.write_text(f'[sinks.am]\ntype = "alertmanager"\nurl = "{am.url}"\n'

@@ -108,9 +108,10 @@ def run(args: argparse.Namespace, home: Path, say: object) -> dict[str, object]:
     # windows short enough to close inside a job of a few simulated seconds
     settings = stack.private_settings(home, topic_prefix="benchp", iteration_window_s=2.0,
                                       kernel_window_s=4.0)
-    stack.up(settings, progress=log, worker=not args.raw_only)
-    raw_worker = _start_raw_worker(settings, log) if args.raw_only else None
+    raw_worker = None
     try:
+        stack.up(settings, progress=log, worker=not args.raw_only)
+        raw_worker = _start_raw_worker(settings, log) if args.raw_only else None
         pid = raw_worker.pid() if raw_worker else stack.worker_daemon(settings).pid()
         assert pid is not None
         job = f"benchp-{int(time.time())}"

@@ -166,10 +166,10 @@ def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
     settings = stack.private_settings(home, topic_prefix="soak", kafka_partitions=3,
                                       iteration_window_s=5.0, kernel_window_s=10.0)
     soak = Soak(args.minutes, args.ranks)
-    stack.up(settings, progress=say)
     stored: dict[str, int] = {}
     dead = -1
     try:
+        stack.up(settings, progress=say)
         _soak(args, settings, soak, say)
         stored, dead = _stored(settings), _dead_letters(settings)
     except Exception as e:

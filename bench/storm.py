@@ -329,8 +329,8 @@ def run(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
     healthy_after: bool | None = None
     detail = ""
     load: list[float] = []
-    stack.up(settings, progress=say)
     try:
+        stack.up(settings, progress=say)
         say("warm-up: a first burst, not measured (the first inserts of each table, the "
             "broker's new partitions)")
         burst(settings, Run("warmup"), 2, 10, args.wait_s, 1.0)

@@ -217,8 +217,8 @@ def run_phase(settings: Settings, pid: int, phase: Phase, args: argparse.Namespa
 
 def run_end_to_end(args: argparse.Namespace, home: Path, say: Any) -> dict[str, Any]:
     settings = stack.private_settings(home, topic_prefix="benchs")
-    stack.up(settings, progress=say)
     try:
+        stack.up(settings, progress=say)
         pid = stack.worker_daemon(settings).pid()
         if pid is None:
             raise RuntimeError("the worker is not running")

@@ -66,12 +66,13 @@ def main() -> int:
                                           page_port=stack.free_port(),
                                           metrics_port=stack.free_port())
         print("== starting the local stack (broker + worker)")
-        stack.up(settings, progress=lambda m: print("   " + m))
         sim = None
-        consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "demo",
-                             "auto.offset.reset": "earliest"})
-        consumer.subscribe([settings.topics.diagnoses])
+        consumer: Consumer | None = None
         try:
+            stack.up(settings, progress=lambda m: print("   " + m))
+            consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "demo",
+                                 "auto.offset.reset": "earliest"})
+            consumer.subscribe([settings.topics.diagnoses])
             print(f"== simulating a 256-rank job in real time; injected fault: {FAULT!r}")
             sim = subprocess.Popen(
                 [sys.executable, "-m", "rankwatch.cli", "simulate", *JOB, "--fault", FAULT,
@@ -107,7 +108,8 @@ def main() -> int:
         finally:
             if sim is not None and sim.poll() is None:
                 sim.kill()
-            consumer.close()
+            if consumer is not None:
+                consumer.close()
             print("== stopping the stack")
             stack.down(settings, progress=lambda m: print("   " + m))
     return 0

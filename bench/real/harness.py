@@ -428,11 +428,15 @@ class Runner:
 
         from rankwatch import stack
 
-        stack.up(self.settings, progress=self.say)
-        self.consumer = Consumer({"bootstrap.servers": self.settings.bootstrap,
-                                  "group.id": f"real-eval-{uuid.uuid4().hex[:6]}",
-                                  "auto.offset.reset": "earliest"})
-        self.consumer.subscribe([self.settings.topics.diagnoses])
+        try:  # an up failing part-way may leave its broker running: stopped here
+            stack.up(self.settings, progress=self.say)
+            self.consumer = Consumer({"bootstrap.servers": self.settings.bootstrap,
+                                      "group.id": f"real-eval-{uuid.uuid4().hex[:6]}",
+                                      "auto.offset.reset": "earliest"})
+            self.consumer.subscribe([self.settings.topics.diagnoses])
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

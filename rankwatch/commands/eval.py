@@ -469,13 +469,14 @@ def real_pipeline(names: list[str], say: Any, stages: list[dict[str, Any]] | Non
     scores: list[ScenarioScore] = []
     with tempfile.TemporaryDirectory(prefix="rankwatch-eval-") as home:
         settings = stack.private_settings(Path(home), topic_prefix="eval")
-        stack.up(settings, progress=say)
-        consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "eval",
-                             "auto.offset.reset": "earliest"})
-        consumer.subscribe([settings.topics.diagnoses, settings.topics.triggers])
+        consumer: Consumer | None = None
         got: list[Diagnosis] = []
         trigger_wall: dict[tuple[str, str, int], int] = {}
         try:
+            stack.up(settings, progress=say)
+            consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "eval",
+                                 "auto.offset.reset": "earliest"})
+            consumer.subscribe([settings.topics.diagnoses, settings.topics.triggers])
             for name in names:
                 sc = cat[name]
                 say(f"eval: {name} (realtime)…")
@@ -514,6 +515,7 @@ def real_pipeline(names: list[str], say: Any, stages: list[dict[str, Any]] | Non
                     + ", ".join(f"{d.status} {d.kind} ranks={d.culprit_ranks[:4]} "
                                 f"stage={d.stage} comp={d.component}" for d in mine[:4]))
         finally:
-            consumer.close()
+            if consumer is not None:
+                consumer.close()
             stack.down(settings, progress=say)
     return scores

@@ -461,6 +461,24 @@ def test_up_shows_the_log_of_a_worker_that_fails(settings_factory, fake_worker):
         stack.down(s, progress=lambda _: None)
 
 
+def test_a_private_stack_whose_up_fails_stops_its_broker(settings_factory, fake_worker):
+    """`up` leaves a broker it started for `down` when its worker fails (above): a harness
+    with a private stack (the real-workload runner, the benches, the demo) must call that
+    `down` itself — its caller's `with` has no stack to stop when the entry raised."""
+    from bench.real.harness import Runner
+
+    s = settings_factory(kafka_heap="256m")
+    fake_worker()
+    try:
+        with pytest.raises(stack.StackError, match="boom: the fake worker refuses"), \
+                Runner(s.home, say=lambda _: None, settings=s):
+            pass
+        st = stack.status(s)
+        assert not st["kafka"]["running"] and not st["worker"]["running"], st
+    finally:
+        stack.down(s, progress=lambda _: None)
+
+
 def test_up_gives_up_on_a_worker_never_ready_and_leaves_it_running(settings_factory, kafka,
                                                                   fake_worker):
     """A worker still starting (rejoining its group after an unclean stop can take the session
